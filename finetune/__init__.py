@@ -1,0 +1,1 @@
+"""Fine-tuning of the KV-Efficient gating modules (peft LoRA on the LLM)."""

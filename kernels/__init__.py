@@ -1,0 +1,1 @@
+"""Triton kernels for the chunked attention, each with a torch reference beside it."""

@@ -1,0 +1,18 @@
+"""Every package directory is shipped by pyproject.toml (explicit list because of the kernels/ -> vla_kernels map)."""
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DIRS = {"vla_runtime": "vla_runtime", "kernels": "vla_kernels", "finetune": "vla_finetune"}
+
+
+def test_every_package_directory_is_listed():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for directory, name in DIRS.items():
+        for init in (ROOT / directory).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / directory)
+            found.add(".".join((name, *rel.parts)))
+    assert found - listed == set(), f"add to pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"
+    assert listed - found == set(), f"listed but missing on disk: {sorted(listed - found)}"

@@ -1,0 +1,1 @@
+"""vla-runtime: real-time inference runtime for vision-language-action policies."""

@@ -1,0 +1,176 @@
+"""Runtime API: the contract every edge (ROS node, simulator, CLI, training) uses (DESIGN §2).
+
+    policy = load_policy(path, device="cpu", kv=KVConfig(mode="chunked"))
+    session = policy.new_session("put the cup in the drawer")
+    result = session.step(Observation(images={"primary": frame_uint8_hwc}))
+    result.actions  # [horizon, action_dim] in robot units
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import numpy as np
+
+from .config import SessionConfig
+from .kv.base import KVStats
+
+PRIMARY_CAMERA = "primary"
+
+
+@dataclass
+class Observation:
+    """One control step's input.
+
+    Args:
+        images: camera name -> uint8 [H, W, 3] RGB; ``"primary"`` is the policy camera.
+        state: optional proprioception [state_dim] (float).
+        t: optional timestamp in seconds.
+    """
+
+    images: dict[str, np.ndarray]
+    state: np.ndarray | None = None
+    t: float | None = None
+
+
+@dataclass
+class StepResult:
+    """One ``session.step``'s output.
+
+    Args:
+        actions: [horizon, action_dim] float, un-normalised robot units (horizon 1 for OpenVLA).
+        timings: per-stage milliseconds (``vision``, ``prefill``, ``decode``/``denoise``, ``total``).
+        kv: the cache's stats after this step.
+    """
+
+    actions: np.ndarray
+    timings: dict[str, float] = field(default_factory=dict)
+    kv: KVStats = field(default_factory=KVStats)
+
+
+def validate_image(image: object, name: str = PRIMARY_CAMERA) -> np.ndarray:
+    """Return ``image`` if it is a uint8 [H, W, 3] array, else raise ``ValueError`` saying what it is."""
+    if not isinstance(image, np.ndarray):
+        raise ValueError(f"image {name!r} must be a numpy uint8 array [H, W, 3], got {type(image).__name__}")
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or min(image.shape[:2]) < 1:
+        raise ValueError(
+            f"image {name!r} must be uint8 [H, W, 3] with H, W >= 1; got dtype {image.dtype}, shape {tuple(image.shape)}"
+        )
+    return image
+
+
+class EpisodeSession(abc.ABC):
+    """Single-episode state: the KV cache, gate state, action queue / ensemble. ``reset`` starts a new episode."""
+
+    def __init__(self, instruction: str, config: SessionConfig) -> None:
+        self.instruction = instruction
+        self.config = config
+
+    @abc.abstractmethod
+    def step(self, obs: Observation) -> StepResult:
+        """Run the policy on one observation."""
+
+    @abc.abstractmethod
+    def reset(self, instruction: str | None = None) -> None:
+        """Forget the episode; optionally switch the instruction."""
+
+
+class Policy(abc.ABC):
+    """A loaded model family. Subclasses set ``name`` (registry key) and ``config_class``."""
+
+    name: ClassVar[str]
+    config_class: ClassVar[type]
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if not getattr(cls, "__abstractmethods__", None):
+            for attr in ("name", "config_class"):
+                if not hasattr(cls, attr):
+                    raise TypeError(f"{cls.__name__} must define class attribute `{attr}`")
+
+    @property
+    @abc.abstractmethod
+    def action_dim(self) -> int: ...
+
+    @property
+    def chunk_size(self) -> int:
+        """Actions predicted per step (1 for OpenVLA, 16 for CogACT)."""
+        return 1
+
+    @abc.abstractmethod
+    def new_session(self, instruction: str, config: SessionConfig | None = None) -> EpisodeSession: ...
+
+    @abc.abstractmethod
+    def info(self) -> dict:
+        """Family, sizes, parameter count, dataset keys (what ``vla-runtime info`` prints)."""
+
+
+class ActionQueue:
+    """Executes ``horizon`` actions of each predicted chunk, then asks for a new prediction.
+
+    ``next(obs)`` returns the action to execute now and the ``StepResult`` when a prediction ran
+    (``None`` when the action came from the queue). The ROS node and the simulators use it.
+    """
+
+    def __init__(self, session: EpisodeSession, horizon: int | None = None) -> None:
+        if horizon is not None and horizon < 1:
+            raise ValueError(f"execution horizon must be >= 1 or None, got {horizon}")
+        self.session = session
+        self.horizon = horizon
+        self._queue: deque[np.ndarray] = deque()
+
+    def next(self, obs: Observation) -> tuple[np.ndarray, StepResult | None]:
+        result = None
+        if not self._queue:
+            result = self.session.step(obs)
+            chunk = result.actions if self.horizon is None else result.actions[: self.horizon]
+            self._queue.extend(np.asarray(a, dtype=np.float64) for a in chunk)
+        return self._queue.popleft(), result
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
+# family name -> (detector(path) -> bool, loader(path, **kwargs) -> Policy); filled by vla_runtime.models
+FAMILIES: dict[str, tuple[Callable[[Path], bool], Callable[..., Policy]]] = {}
+
+
+def register_family(name: str, detect: Callable[[Path], bool], load: Callable[..., Policy]) -> None:
+    if name in FAMILIES:
+        raise ValueError(f"policy family {name!r} is already registered")
+    FAMILIES[name] = (detect, load)
+
+
+def detect_family(path: str | Path) -> str:
+    """Which registered family a checkpoint directory holds; ``FileNotFoundError``/``ValueError`` otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"checkpoint path {path} is a file; expected a checkpoint directory")
+    for name, (detect, _) in FAMILIES.items():
+        if detect(path):
+            return name
+    raise ValueError(
+        f"{path} is not a checkpoint this runtime knows: expected config.json (OpenVLA HF format) "
+        f"or a run directory with checkpoints/*.pt (CogACT/HybridVLA); known families: {', '.join(sorted(FAMILIES))}"
+    )
+
+
+def load_policy(path: str | Path, **kwargs) -> Policy:
+    """Load a policy checkpoint; the family is recognised from the directory.
+
+    kwargs: ``device`` ("cpu"/"cuda"), ``dtype`` ("float32"/"bfloat16"/None = per-device default),
+    ``adapter`` (fine-tuning output directory), family-specific options.
+    """
+    from . import models  # noqa: F401  (registers the families)
+
+    name = detect_family(path)
+    return FAMILIES[name][1](Path(path), **kwargs)

@@ -1,0 +1,78 @@
+"""Session-level configuration and YAML loading for every dataclass config."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, get_type_hints
+
+import yaml
+
+from .kv.config import KVConfig
+
+HISTORY_MODES = ("single", "history")
+
+T = TypeVar("T")
+
+
+@dataclass
+class SessionConfig:
+    """How an episode runs.
+
+    Args:
+        kv: the cache (``KVConfig``).
+        history: ``single`` = fresh context each step (stock OpenVLA); ``history`` = one cache for the
+            whole episode (the prompt pinned once, then each step's frame and action tokens).
+        unnorm_key: dataset key of the action statistics (needed when the checkpoint has several).
+        center_crop: 0.9-area centre crop before the image transform (models trained with image_aug).
+        execution_horizon: actions executed from each predicted chunk before re-planning
+            (``None`` = the whole chunk); only matters for chunk-predicting families.
+        seed: seed for sampling-based heads (diffusion noise).
+    """
+
+    kv: KVConfig = field(default_factory=KVConfig)
+    history: str = "single"
+    unnorm_key: str | None = None
+    center_crop: bool = False
+    execution_horizon: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kv, dict):
+            self.kv = from_dict(KVConfig, self.kv)
+        if self.history not in HISTORY_MODES:
+            raise ValueError(f"`history` is {self.history!r}; expected one of {', '.join(HISTORY_MODES)}")
+        if self.execution_horizon is not None and self.execution_horizon < 1:
+            raise ValueError(f"`execution_horizon` must be >= 1 or None, got {self.execution_horizon}")
+
+
+def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    """Build dataclass ``cls`` from a dict, recursing into nested dataclass fields.
+
+    Unknown keys raise ``ValueError`` naming them and listing the valid ones.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__} expects a mapping, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; valid: {sorted(names)}")
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints.get(key)
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            value = from_dict(hint, value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def load_yaml(cls: type[T], path: str | Path) -> T:
+    """Load a dataclass config from a YAML file (top-level mapping = the dataclass fields)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    with path.open() as f:
+        data = yaml.safe_load(f) or {}
+    return from_dict(cls, data)

@@ -1,0 +1,47 @@
+"""Attention over keys/values a cache holds (torch reference path, SDPA).
+
+Caches decide *which* keys a query sees and at which positions; this module only turns
+rotated q/k/v plus a visibility rule into outputs. GQA is handled by SDPA's ``enable_gqa``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past: int) -> torch.Tensor:
+    """Attention where the last ``T`` keys are the queries' own tokens (causal among them).
+
+    q: [B, Hq, T, D] rotated; k, v: [B, Hkv, past + T, D] (k rotated). Returns [B, Hq, T, D].
+    Query i sees keys ``0 .. past + i``.
+    """
+    t = q.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if t == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if past == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    s = k.shape[2]
+    q_idx = torch.arange(t, device=q.device)[:, None] + past  # [T, 1]
+    k_idx = torch.arange(s, device=q.device)[None, :]  # [1, S]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=k_idx <= q_idx, enable_gqa=gqa)
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention with an explicit visibility mask and optional additive score bias.
+
+    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask: [T, S] or [B, 1, T, S] bool (True = visible);
+    bias: broadcastable to [B, Hq, T, S] (e.g. soft-gate ``log g``). Returns [B, Hq, T, D].
+    A query row with no visible key returns zeros rather than NaN.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if bias is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    else:
+        neg = torch.finfo(torch.float32).min
+        attn_bias = torch.where(mask, bias.float(), torch.full((), neg, device=q.device))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias.to(q.dtype), enable_gqa=gqa)
+    return torch.nan_to_num(out, nan=0.0)
