@@ -19,7 +19,8 @@ class KVConfig:
             (the policy fills it in from its tokens per step).
         n_sink: extra sink tokens kept besides the pinned prompt (``sink_window``).
         chunk: chunk size C (``chunked``).
-        max_chunks: retained-chunk budget M; ``None`` = unbounded (the gate alone decides).
+        max_chunks: retained-chunk budget M per layer; ``None`` = the gate alone decides, bounded only by
+            ``capacity`` (the chunk slots left beside a raw area of 3 x (window + chunk) slots).
         aggregator_hidden: hidden size of the per-layer 2-layer MLP aggregator.
         gate_hidden: hidden size of the per-layer LSTM retention gate.
         backend: attention implementation; ``auto`` = Triton on CUDA, torch elsewhere.
