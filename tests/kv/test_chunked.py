@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vla_runtime.kv import ChunkedGatedCache, ChunkGate, ChunkGateConfig, KVConfig, make_cache
+from vla_runtime.kv import ChunkedGatedCache, ChunkGate, ChunkGateConfig, FullCache, KVConfig, make_cache
 from vla_runtime.kv.chunked_gated import admit, apply_admission
 
 from .cases import CASES, ReferenceCompactCache, episode, kv, run_stream, tiny_model
@@ -95,6 +95,16 @@ def test_keep_drop_decision_is_per_layer(model):
     kept0, kept1 = cache.retained_per_layer()
     assert kept0 == cache.chunks_formed > 0 and kept1 == 0
     assert int(cache.gate_dropped[1]) == cache.chunks_formed and int(cache.gate_dropped[0]) == 0
+
+
+def test_a_window_filling_the_store_needs_no_chunk_slots(model):
+    """Single-mode sessions size capacity = window = the step's tokens: no chunk can form, none is reserved."""
+    x, bounds = episode(1)
+    n = x.shape[1]
+    cache = make_cache(KVConfig(mode="chunked", window=n, chunk=4, capacity=n), model.cfg)
+    assert cache.cfg.max_chunks == 0
+    torch.testing.assert_close(run_stream(model, cache, x, bounds), run_stream(model, FullCache(model.cfg), x, bounds), atol=1e-5, rtol=1e-5)
+    assert cache.stats().positions_used == n
 
 
 def test_raising_tau_never_keeps_more(model):

@@ -53,7 +53,7 @@ class ChunkedGatedConfig:
     Args:
         chunk: tokens per chunk C.
         window: raw recent window W (never compressed).
-        max_chunks: retained chunks per layer M (the budget; also the chunk slots of the store).
+        max_chunks: retained chunks per layer M (the budget; also the chunk slots of the store); 0 = none.
         capacity: store slots S = pinned + raw ring + M; compacted positions stay below it.
         backend: ``KVConfig.backend``.
     """
@@ -65,11 +65,13 @@ class ChunkedGatedConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("chunk", "window", "max_chunks", "capacity"):
+        for name in ("chunk", "window", "capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
+        if self.max_chunks < 0:
+            raise ValueError(f"`max_chunks` must be >= 0, got {self.max_chunks}")
         raw = self.capacity - self.max_chunks
-        if raw <= self.window + self.chunk:
+        if self.max_chunks and raw <= self.window + self.chunk:
             raise ValueError(
                 f"`capacity` ({self.capacity}) - `max_chunks` ({self.max_chunks}) = {raw} raw slots must exceed "
                 f"window + chunk ({self.window + self.chunk}) plus one forward's tokens"
@@ -84,13 +86,8 @@ class ChunkedGatedConfig:
             raise ValueError("KVConfig.window is None: set it (the policy fills in one frame of tokens)")
         capacity = kv.capacity or model_cfg.max_position
         max_chunks = kv.max_chunks
-        if max_chunks is None:
-            max_chunks = capacity - RAW_AREA_WINDOWS * (kv.window + kv.chunk)
-            if max_chunks < 1:
-                raise ValueError(
-                    f"`capacity` ({capacity}) leaves no chunk slots beside a raw area of {RAW_AREA_WINDOWS} x "
-                    f"(window + chunk); raise `capacity` or set `max_chunks`"
-                )
+        if max_chunks is None:  # 0 when the window fills the store (no chunk can form before it is full)
+            max_chunks = max(0, capacity - RAW_AREA_WINDOWS * (kv.window + kv.chunk))
         return cls(
             chunk=kv.chunk,
             window=kv.window,
@@ -125,6 +122,8 @@ def admit(
     valid, scores, ages: [..., M] (slot occupancy, score, chronological index); new_score, keep: [...].
     Returns an ``Admission`` with [...] tensors; no host sync.
     """
+    if valid.shape[-1] == 0:  # no chunk slots: every kept chunk is dropped by the budget
+        return Admission(slot=torch.zeros_like(keep, dtype=torch.long), write=torch.zeros_like(keep), budget_drop=keep)
     free = ~valid
     has_free = free.any(-1)
     free_slot = free.int().argmax(-1)
@@ -140,6 +139,8 @@ def apply_admission(
     adm: Admission, valid: torch.Tensor, scores: torch.Tensor, ages: torch.Tensor, new_score: torch.Tensor, new_age: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The slot tables after ``adm``: (valid, scores, ages), each [..., M]."""
+    if valid.shape[-1] == 0:
+        return valid, scores, ages
     hit = torch.nn.functional.one_hot(adm.slot, valid.shape[-1]).bool() & adm.write.unsqueeze(-1)
     return (
         valid | hit,

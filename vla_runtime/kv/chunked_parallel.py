@@ -37,6 +37,7 @@ row (the streaming cache shares one decision across its batch rows, so compare t
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -103,7 +104,7 @@ class ForwardSchedule:
         lengths = tuple(int(n) for n in lengths)
         if not lengths or min(lengths) < 1:
             raise ValueError(f"`boundaries` must be forward lengths >= 1, got {list(lengths)}")
-        ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+        ends = list(itertools.accumulate(lengths))
         if pinned_len and pinned_len not in ends:
             raise ValueError(f"`pinned_len` {pinned_len} must end a forward (forward ends: {ends[:8]}...)")
         pinned = head = 0
@@ -220,12 +221,13 @@ class ParallelChunkedAttention:
             f = sched.chunk_forward[j]
             s = scores[:, j].float()
             adm = admit(valid, slot_scores, ages, s, kept[:, j])
-            old = owner[rows, adm.slot]
-            evicted = adm.write & adm.budget_drop
-            last[rows, old] = torch.where(evicted, f, last[rows, old])
+            if m:
+                old = owner[rows, adm.slot]
+                last[rows, old] = torch.where(adm.write & adm.budget_drop, f, last[rows, old])
             last[:, j] = torch.where(adm.budget_drop & ~adm.write, f, last[:, j])
-            hit = torch.nn.functional.one_hot(adm.slot, m).bool() & adm.write[:, None]
-            owner = owner.masked_fill(hit, j)
+            if m:
+                hit = torch.nn.functional.one_hot(adm.slot, m).bool() & adm.write[:, None]
+                owner = owner.masked_fill(hit, j)
             valid, slot_scores, ages = apply_admission(adm, valid, slot_scores, ages, s, j)
         return last
 

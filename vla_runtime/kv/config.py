@@ -14,7 +14,8 @@ class KVConfig:
 
     Args:
         mode: ``full`` (stock), ``sink_window`` (StreamingLLM) or ``chunked`` (KV-Efficient).
-        capacity: token capacity of raw buffers; ``None`` = the model's ``max_position``.
+        capacity: slots a cache holds, all regions together (``full``: tokens; decoupled caches: pinned +
+            raw + chunks, and their compacted positions stay below it); ``None`` = the model's ``max_position``.
         window: raw recent window W in tokens (``sink_window`` and ``chunked``); ``None`` = one frame
             (the policy fills it in from its tokens per step).
         n_sink: extra sink tokens kept besides the pinned prompt (``sink_window``).
