@@ -40,11 +40,12 @@ log = logging.getLogger(__name__)
 
 METHODS = ("full", "sink_window", "chunked")
 PARTS = ("layer", "e2e")
-LAYER_7B = LlamaConfig.from_name("llama2-7b", n_layers=1, max_position=4096)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench_kv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (pinned for every method)")
@@ -54,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="results/bench_kv", help="writes <out>.json and <out>.png")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384], help="history tokens")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    p.add_argument("--layer-model", default="llama2-7b", help="LLAMA_CONFIGS entry whose geometry the layer part uses")
     p.add_argument("--frame", type=int, default=256, help="prefill tokens per step (one frame)")
     p.add_argument("--decode", type=int, default=7, help="single-token decode forwards per step")
     p.add_argument("--prompt", type=int, default=20, help="pinned prompt tokens")
@@ -154,17 +156,21 @@ def run_step(forward, cache, frame_x: torch.Tensor, decode_x: torch.Tensor) -> t
     return out
 
 
-def time_steps(forward, snapshot, frame_x, decode_x, *, warmup: int, repeats: int) -> tuple[list[float], object]:
-    """Milliseconds of ``repeats`` steps, each on a fresh copy of ``snapshot`` (copying is not timed)."""
-    times, cache = [], None
+def time_interleaved(forward, snapshots: dict, frame_x, decode_x, *, warmup: int, repeats: int) -> tuple[dict, dict]:
+    """Milliseconds of ``repeats`` steps per method, each on a fresh copy of its snapshot (copying is not
+    timed). Methods take turns within every repeat, so drifting machine load hits them alike."""
+    times: dict[str, list[float]] = {name: [] for name in snapshots}
+    last = {}
     for r in range(warmup + repeats):
-        cache = clone_cache(snapshot)
-        t0 = time.perf_counter()
-        run_step(forward, cache, frame_x, decode_x)
-        dt = (time.perf_counter() - t0) * 1e3
-        if r >= warmup:
-            times.append(dt)
-    return times, cache
+        for name, snapshot in snapshots.items():
+            cache = clone_cache(snapshot)
+            t0 = time.perf_counter()
+            run_step(forward, cache, frame_x, decode_x)
+            dt = (time.perf_counter() - t0) * 1e3
+            if r >= warmup:
+                times[name].append(dt)
+            last[name] = cache
+    return times, last
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -175,7 +181,7 @@ def percentile(values: list[float], q: float) -> float:
 def bench_part(part: str, args: argparse.Namespace, dtype: torch.dtype) -> dict:
     """Every method at every length for one part; returns ``{f"{part}/{method}/{L}": record}``."""
     if part == "layer":
-        cfg = LAYER_7B
+        cfg = LlamaConfig.from_name(args.layer_model, n_layers=1)
         torch.manual_seed(args.seed)
         module = DecoderLayer(cfg, 0).to(device=args.device, dtype=dtype).eval()
 
@@ -196,39 +202,40 @@ def bench_part(part: str, args: argparse.Namespace, dtype: torch.dtype) -> dict:
     decode_x = torch.randn(1, args.decode, cfg.dim, generator=gen).to(args.device, dtype)
     results = {}
     for length in args.lengths:
-        base = None
+        snapshots, gates = {}, {}
         for method, kv_cfg in kv_configs(args, length).items():
-            gate = benchmark_gate(kv_cfg, cfg, args.seed) if method == "chunked" else None
-            cache = make_cache(kv_cfg, cfg, device=args.device, dtype=dtype, gate=gate)
+            gates[method] = benchmark_gate(kv_cfg, cfg, args.seed) if method == "chunked" else None
+            cache = make_cache(kv_cfg, cfg, device=args.device, dtype=dtype, gate=gates[method])
             fill_history(cache, cfg, length, prompt=args.prompt, frame=args.frame, gen=gen, dtype=dtype)
-            before = cache.stats()
+            snapshots[method] = cache
+        times, last = time_interleaved(forward, snapshots, frame_x, decode_x, warmup=args.warmup, repeats=args.repeats)
+        base = None
+        for method, cache in snapshots.items():
+            before, after = cache.stats(), last[method].stats()
             held = before.tokens_raw + round(before.tokens_compressed)
-            times, after_cache = time_steps(forward, cache, frame_x, decode_x, warmup=args.warmup, repeats=args.repeats)
-            after = after_cache.stats()
-            formed = getattr(after_cache, "chunks_formed", 0) - getattr(cache, "chunks_formed", 0)
-            gate_cfg = gate.cfg if gate is not None else None
+            formed = getattr(last[method], "chunks_formed", 0) - getattr(cache, "chunks_formed", 0)
+            gate_cfg = gates[method].cfg if gates[method] is not None else None
             flops = step_flops(cfg, held, args.frame, args.decode, chunks=formed, gate=gate_cfg)
-            median = statistics.median(times)
             record = {
-                "times_ms": times,
-                "median_ms": median,
-                "p10_ms": percentile(times, 0.1),
-                "p90_ms": percentile(times, 0.9),
+                "times_ms": times[method],
+                "median_ms": statistics.median(times[method]),
+                "p10_ms": percentile(times[method], 0.1),
+                "p90_ms": percentile(times[method], 0.9),
                 "kv_bytes": before.bytes,
                 "keys_held": held,
                 "gflops": flops / 1e9,
+                "chunks_per_step": formed,
                 "positions_used": after.positions_used,
                 "retained_ratio": before.retained_ratio,
                 "stats": before.as_dict(),
             }
-            if method == "full":
-                base = record
-            record["ratio"] = base["median_ms"] / median
+            base = base or record
+            record["ratio"] = base["median_ms"] / record["median_ms"]
             record["bytes_ratio"] = base["kv_bytes"] / record["kv_bytes"]
             record["flops_ratio"] = base["gflops"] / record["gflops"]
             results[f"{part}/{method}/{length}"] = record
-            log.info("%s %s L=%d: %.1f ms", part, method, length, median)
-            del cache, after_cache
+            log.info("%s %s L=%d: %.1f ms", part, method, length, record["median_ms"])
+        del snapshots, last
     return results
 
 
@@ -309,8 +316,9 @@ def plot(results: dict, path: Path) -> None:
             xs = [length for length, _ in rows]
             axes[0][col].plot(xs, [r["median_ms"] for _, r in rows], marker="o", label=method)
             axes[1][col].plot(xs, [r["kv_bytes"] / 2**20 for _, r in rows], marker="o", label=method)
-        title = "one decoder layer, LLaMA-2-7B geometry" if part == "layer" else "tiny LLaMA end to end"
+        title = "one decoder layer" if part == "layer" else "tiny LLaMA end to end"
         axes[0][col].set(title=f"step latency: {title}", xlabel="history tokens", ylabel="median ms / step", xscale="log")
+        axes[0][col].set_ylim(bottom=0)
         axes[1][col].set(title="KV bytes held", xlabel="history tokens", ylabel="MiB", xscale="log", yscale="log")
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)

@@ -37,7 +37,7 @@ from .backend import select_backend
 from .base import KVStats
 from .config import KVConfig
 from .gate import ChunkGate, ChunkGateConfig, check_gate
-from .store import SlotStore, attend_slots
+from .store import RotatedView, SlotStore, attend_slots
 
 if TYPE_CHECKING:
     from ..models.llama import LlamaConfig
@@ -178,6 +178,7 @@ class ChunkedGatedCache:
         self._scratch = torch.tensor(cfg.capacity, device=device)
         self._layers = torch.arange(model_cfg.n_layers, device=device)
         self.backend = select_backend(cfg.backend, model_cfg, device=device, dtype=dtype)
+        self.view = RotatedView(self.store) if self.backend.kernel is None else None
         n, m = model_cfg.n_layers, cfg.max_chunks
         self.chunk_valid = torch.zeros(n, m, dtype=torch.bool, device=device)
         self.chunk_score = torch.zeros(n, m, dtype=torch.float32, device=device)
@@ -245,7 +246,7 @@ class ChunkedGatedCache:
         if self._plan is None:  # first layer of this forward: slots and positions once for all layers
             self._begin_forward(q.shape[2])
         self.store.write(layer, self._plan, k_raw, v)
-        return attend_slots(self.store, self.backend, layer, q, self._slots[layer], self._n_keys[layer])
+        return attend_slots(self.store, self.backend, self.view, layer, q, k_raw, v, self._slots[layer], self._n_keys[layer])
 
     # ---- commit / compress ---------------------------------------------------------------------------
     def end_forward(self, *, pin: bool = False) -> None:

@@ -16,7 +16,7 @@ import torch
 from .backend import select_backend
 from .base import KVStats, kv_bytes
 from .config import KVConfig
-from .store import SlotStore, attend_slots
+from .store import RotatedView, SlotStore, attend_slots
 
 if TYPE_CHECKING:
     from ..models.llama import LlamaConfig
@@ -67,6 +67,7 @@ class SinkWindowCache:
         self.model_cfg = model_cfg
         self.store = SlotStore(model_cfg, slots=cfg.capacity, chunk_slots=0, batch=batch, device=device, dtype=dtype)
         self.backend = select_backend(cfg.backend, model_cfg, device=device, dtype=dtype)
+        self.view = RotatedView(self.store) if self.backend.kernel is None else None
         self.reset()
 
     @classmethod
@@ -95,7 +96,7 @@ class SinkWindowCache:
             else:
                 self._slots = torch.cat((torch.arange(s.n_pinned, device=s.device), self._plan.raw))
         s.write(layer, self._plan, k_raw, v)
-        return attend_slots(s, self.backend, layer, q, self._slots, self._n_keys)
+        return attend_slots(s, self.backend, self.view, layer, q, k_raw, v, self._slots, self._n_keys)
 
     def end_forward(self, *, pin: bool = False) -> None:
         if self._plan is None:

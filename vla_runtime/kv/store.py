@@ -94,6 +94,7 @@ class SlotStore:
         self.raw_head = 0
         self.length = 0
         self.last_change = 0  # token count when the held layout last changed (pin / compress / trim)
+        self.layout_version = getattr(self, "layout_version", 0) + 1  # bumped whenever held positions shift
 
     # ---- bookkeeping -------------------------------------------------------------------------------
     @property
@@ -146,6 +147,7 @@ class SlotStore:
         assert self.n_pinned <= upto <= self.length
         self.n_pinned = self.raw_head = upto
         self.last_change = self.length
+        self.layout_version += 1
 
     def contiguous_prefix(self, new: int) -> bool:
         """Whether pinned + raw tokens (with ``new`` more) are exactly slots ``0 .. n_pinned + n_raw + new - 1``."""
@@ -155,6 +157,7 @@ class SlotStore:
         """The ``n`` oldest raw tokens leave the raw ring (compressed or trimmed)."""
         self.raw_head += n
         self.last_change = self.length
+        self.layout_version += 1
 
     def check_rollback(self, mark: int) -> None:
         if not self.last_change <= mark <= self.length:
@@ -165,34 +168,63 @@ class SlotStore:
             )
 
 
+class RotatedView:
+    """Torch path: per layer, the held keys rotated at their compacted positions and the values, contiguous in
+    attention order (``k, v: [L, B, Hkv, S, D]``, the first ``n[layer]`` valid).
+
+    Positions only shift when the layout changes (pin, compression, trim), so the view is rebuilt from the
+    pre-RoPE store (gather + rotate N keys) once per change and otherwise only gets the new tokens
+    appended (rotate T keys): a decode step costs O(T) RoPE work instead of O(N). Rollbacks never cross
+    a layout change, so they just shorten the view.
+    """
+
+    def __init__(self, store: SlotStore) -> None:
+        self.k = torch.empty_like(store.k)  # untouched until used
+        self.v = torch.empty_like(store.v)
+        self.n = [0] * store.k.shape[0]
+        self.version = [-1] * store.k.shape[0]
+
+    def attend(self, store: SlotStore, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               slots: torch.Tensor | slice, n_keys: int) -> torch.Tensor:  # fmt: skip
+        """See ``attend_slots``; ``k_new, v_new``: [B, Hkv, T, D] the new tokens (k pre-RoPE)."""
+        t = q.shape[2]
+        held = n_keys - t
+        cos, sin = store.rope.get(n_keys)
+        vk, vv = self.k[layer], self.v[layer]  # [B, Hkv, S, D]
+        if self.version[layer] != store.layout_version or self.n[layer] < held:
+            idx = slots[:held] if isinstance(slots, torch.Tensor) else torch.arange(held, device=q.device)
+            vk[:, :, :held] = apply_rope(store.k[layer].index_select(2, idx), cos[:held], sin[:held])
+            vv[:, :, :held] = store.v[layer].index_select(2, idx)
+            self.version[layer] = store.layout_version
+        vk[:, :, held:n_keys] = apply_rope(k_new, cos[held:], sin[held:])
+        vv[:, :, held:n_keys] = v_new
+        self.n[layer] = n_keys
+        q = apply_rope(q, cos[held:], sin[held:])
+        return causal_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], past=held)
+
+
 def attend_slots(
     store: SlotStore,
     backend: AttentionBackend,
+    view: RotatedView | None,
     layer: int,
     q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
     slots: torch.Tensor | slice,
     n_keys: int,
 ) -> torch.Tensor:
     """Attention of the new queries over ``n_keys`` slots of ``layer`` listed in attention order.
 
-    q: [B, Hq, T, D] pre-RoPE; the new tokens are the last T of ``slots`` (already written).
+    q: [B, Hq, T, D] pre-RoPE; k_new, v_new: [B, Hkv, T, D] the new tokens, already written to the store
+    as the last T of ``slots`` ([N] long tensor, or ``slice(0, N)`` when the held tokens are slots 0..N-1).
     Compacted positions are ``0 .. n_keys-1`` in that order, so queries sit at ``n_keys-T .. n_keys-1``.
-    ``slots`` is a [N] long tensor, or ``slice(0, N)`` when the held tokens are exactly slots 0..N-1.
-    Returns [B, Hq, T, D].
+    The Triton kernel reads the store directly; the torch path goes through ``view``. Returns [B, Hq, T, D].
     """
+    if backend.kernel is None:
+        return view.attend(store, layer, q, k_new, v_new, slots, n_keys)
     t = q.shape[2]
+    idx = torch.arange(n_keys, device=q.device) if isinstance(slots, slice) else slots
+    pos = torch.arange(n_keys, device=q.device, dtype=torch.int32)
     k_store, v_store = store.k[layer], store.v[layer]  # [B, Hkv, S, D]
-    if backend.kernel is not None:
-        idx = torch.arange(n_keys, device=q.device) if isinstance(slots, slice) else slots
-        pos = torch.arange(n_keys, device=q.device, dtype=torch.int32)
-        return backend.kernel(
-            q, k_store, v_store, idx.to(torch.int32), pos, pos[n_keys - t :], store.rope.inv_freq(n_keys)
-        )
-    if isinstance(slots, slice):
-        k, v = k_store[:, :, slots], v_store[:, :, slots]  # [B, Hkv, N, D] views
-    else:
-        k, v = k_store.index_select(2, slots), v_store.index_select(2, slots)  # [B, Hkv, N, D]
-    cos, sin = store.rope.get(n_keys)
-    k = apply_rope(k, cos, sin)
-    q = apply_rope(q, cos[n_keys - t :], sin[n_keys - t :])
-    return causal_attention(q, k, v, past=n_keys - t)
+    return backend.kernel(q, k_store, v_store, idx.to(torch.int32), pos, pos[n_keys - t :], store.rope.inv_freq(n_keys))
