@@ -14,11 +14,14 @@ rather than a sentinel key).
 
 Positions are compacted per layer (retention differs per layer): pinned ``0..P-1``, retained chunks
 one position each in chronological order, then the raw tokens in order; so the positions a layer uses
-never exceed the slots it holds. Keys are rotated at read time from the pre-RoPE store (float32,
-rounded once): each forward rotates the N held keys, O(N·Hkv·D), next to the O(T·N·Hq·D) attention.
-Keeping rotated copies instead would need a second key store and a re-rotation of the whole raw
-window at every compression event (each step); the slot-list form is also exactly what the Triton
-kernel consumes (it fuses gather and RoPE), so one layout serves both backends.
+never exceed the slots it holds. Keys are stored pre-RoPE in one slot store per layer: that is what the
+Triton kernel reads (it fuses the gather and RoPE). On the torch path a ``RotatedView`` keeps the held
+keys rotated at their compacted positions, contiguous in attention order: positions shift only when the
+layout changes (a compression, about once per control step), so the view is rebuilt then (gather and
+rotate N keys) and otherwise only the T new keys are rotated and appended; SDPA reads contiguous memory.
+Rotating every held key at every forward instead cost ~3x more cache overhead per 7B-geometry step on
+CPU (8 forwards per step, most of them single-token decodes); the price is a second copy of the held
+K/V on the torch path (``stats().bytes`` counts the store only).
 
 With a batch B > 1 the rows share one slot layout: a chunk's score is the batch mean.
 ``mark()`` opens a mark that defers compression until ``rollback`` closes it, so a rollback restores
