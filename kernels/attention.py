@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .rope import rope_cos_sin
-from .checks import AttentionDims, check_attention_args, check_out
 from .capability import interpreted, strided_reasons, supports_config
+from .checks import AttentionDims, check_attention_args, check_out
+from .rope import rope_cos_sin
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -169,6 +169,16 @@ class LaunchPlan:
     num_stages: int
 
 
+# (float32?, head dim, rows per tile) -> (keys per tile, warps, pipeline stages). Picked from offline sm_80/sm_90
+# compiles: every entry is free of register spills (float32 tiles hold twice the registers, hence fewer keys).
+TILES = {
+    (False, 64, 16): (64, 4, 3), (False, 64, 32): (64, 4, 3), (False, 64, 64): (64, 4, 3),
+    (False, 128, 16): (64, 4, 3), (False, 128, 32): (64, 4, 3), (False, 128, 64): (64, 8, 2),
+    (True, 64, 16): (32, 4, 3), (True, 64, 32): (32, 4, 3), (True, 64, 64): (32, 8, 2),
+    (True, 128, 16): (32, 4, 3), (True, 128, 32): (32, 8, 2), (True, 128, 64): (16, 8, 2),
+}
+
+
 @lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -179,17 +189,14 @@ def plan_launch(
 ) -> LaunchPlan:
     """Choose tiles and split-K for ``dims`` on ``device``.
 
-    Tiles were picked from offline sm_90 compiles (``tests/kernels/test_compile.py`` holds them free of
-    register spills): up to 16 packed rows (decode) take a 16-row tile, up to 32 a 32-row tile, more a
-    64-row tile with 8 warps for head dim 128; 64-key tiles (32 for float32, whose tiles are twice the
-    registers). Without an explicit ``num_splits``, a CUDA launch with fewer than 8 programs per SM is split
-    over keys (each split keeps at least 4 key tiles); CPU launches (interpreter) are not split.
+    Up to 16 packed rows (``T * G``; decode) take a 16-row tile, up to 32 a 32-row tile, more 64-row tiles;
+    keys per tile, warps and stages come from ``TILES``. Without an explicit ``num_splits``, a CUDA launch
+    with fewer than 8 programs per SM is split over keys (each split keeps at least 4 key tiles); CPU
+    launches (interpreter) are not split.
     """
     rows = dims.tokens * dims.group
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = 32 if dtype == torch.float32 else 64
-    num_warps = 8 if block_m == 64 and dims.head_dim == 128 else 4
-    num_stages = 2 if block_m == 64 and dims.head_dim == 128 else 3
+    block_n, num_warps, num_stages = TILES[(dtype == torch.float32, dims.head_dim, block_m)]
     programs = triton.cdiv(rows, block_m) * dims.batch * dims.kv_heads
     key_tiles = max(1, triton.cdiv(dims.keys, block_n))
     if num_splits is None:

@@ -67,14 +67,15 @@ def _attention_resources(dims: AttentionDims, dtype: torch.dtype, *, cc: int, sp
                       num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
-# (name, dims, dtype, cc, forced splits): decode and prefill at both head dims, every dtype once, both GPUs.
+# (name, dims, dtype, cc, forced splits): decode and prefill at both head dims, every dtype, both GPU generations;
+# the float32 prefill tile is the one closest to spilling.
 CONFIGS = [
     ("decode-gqa8-d128-bf16-sm90", AttentionDims(1, 32, 4, 1, 128, 32768, 32768), torch.bfloat16, 90, 8),
     ("decode-mha-d64-fp16-sm90", AttentionDims(1, 8, 8, 1, 64, 4096, 4096), torch.float16, 90, 4),
     ("prefill-gqa4-d128-bf16-sm90", AttentionDims(1, 32, 8, 256, 128, 4096, 4096), torch.bfloat16, 90, 1),
     ("prefill-32rows-d64-fp16-sm80", AttentionDims(1, 16, 4, 8, 64, 4096, 4096), torch.float16, 80, 1),
-    ("decode-d128-fp32-sm80", AttentionDims(2, 8, 8, 1, 128, 2048, 2048), torch.float32, 80, 1),
-]
+    ("prefill-d128-fp32-sm90", AttentionDims(1, 8, 8, 100, 128, 2048, 2048), torch.float32, 90, 1),
+]  # every entry of attention.TILES was checked the same way on sm_80 and sm_90 when the table was written
 
 
 @pytest.mark.parametrize("name,dims,dtype,cc,splits", CONFIGS, ids=[c[0] for c in CONFIGS])
