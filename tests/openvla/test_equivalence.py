@@ -161,7 +161,7 @@ def test_history_mode_equals_one_forward_over_the_history_sequence(proprio, tiny
     assert len(captured) == len(forwards) == 1 + 3 * 7
     with torch.no_grad():
         image_tokens = [model.embed_image(policy.image_processor(im)[None]) for im in images]
-        prop = [model.embed_proprio(session._proprio(Observation(images={}, state=s))) for s in states] if proprio else []
+        prop = [model.embed_proprio(session.state_input(s)) for s in states] if proprio else []
         embeds = torch.cat([model.embed_forward(f, images=image_tokens, proprio=prop) for f in forwards], dim=1)
         whole = decoder(inputs_embeds=embeds, cache=FullCache(policy.config.llm, capacity=embeds.shape[1]))
     assert whole.shape[1] == sum(h.shape[1] for h in captured) == session.cache.stats().tokens_raw

@@ -139,3 +139,18 @@ def test_full_cache_capacity_in_history_mode_is_the_model_limit(tiny_openvla, fr
 def test_adapter_is_not_accepted_yet(tiny_openvla):
     with pytest.raises(ValueError, match="adapter"):
         load_policy(tiny_openvla, adapter=tiny_openvla)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_defaults_to_bfloat16_and_agrees_with_cpu_tokens_mostly(tiny_openvla, frame):
+    gpu = load_policy(tiny_openvla, device="cuda")
+    assert gpu.dtype == torch.bfloat16 and next(gpu.model.parameters()).is_cuda
+    image = frame(9)
+    result = gpu.new_session("open the drawer").step(obs(image))
+    assert np.isfinite(result.actions).all() and result.timings["total"] > 0
+    full = load_policy(tiny_openvla, device="cuda", dtype="float32").new_session("open the drawer")
+    cpu = load_policy(tiny_openvla, device="cpu").new_session("open the drawer")
+    full.step(obs(image))
+    cpu.step(obs(image))
+    assert np.array_equal(full.last_tokens, cpu.last_tokens)

@@ -48,6 +48,22 @@ def test_image_processor_uses_bf16_dino_constants_and_matches_reference(tiny_ope
     assert torch.equal(pixels, ref)
 
 
+@pytest.mark.parametrize("strategy", ["letterbox", "resize-crop"])
+def test_other_resize_strategies(strategy, tiny_openvla):
+    cfg = OpenVLAConfig.from_pretrained_dir(tiny_openvla)
+    proc = ImageProcessor.from_config(cfg.vision, {"image_resize_strategy": strategy})
+    wide = np.zeros((28, 112, 3), np.uint8)
+    wide[:, :56] = 255  # left half white, right half black
+    pixels = proc(wide)[3:]  # SigLIP channels: (x - 0.5) / 0.5
+    if strategy == "letterbox":
+        # padded to a square with the (last tower's) mean colour: rows above and below the image read ~0
+        assert pixels[:, :12].abs().max() < 0.01 and pixels[:, -12:].abs().max() < 0.01
+        assert pixels[:, 28, 5].min() > 0.99 and pixels[:, 28, -5].max() < -0.99
+    else:
+        # short side to 56, then a centre crop: the middle of the wide image, half white and half black
+        assert pixels[:, :, :20].min() > 0.99 and pixels[:, :, -20:].max() < -0.99
+
+
 def test_without_preprocessor_config_the_timm_constants_apply(tiny_openvla, tmp_path):
     cfg = OpenVLAConfig.from_pretrained_dir(tiny_openvla)
     proc = ImageProcessor.from_pretrained_dir(tmp_path, cfg.vision)

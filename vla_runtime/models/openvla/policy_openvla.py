@@ -156,8 +156,8 @@ class OpenVLASession(EpisodeSession):
         self.actions = ActionTokenizer(cfg.n_bins, cfg.vocab_size_text, stats)
         proprio = policy.norm_stats.get(self.unnorm_key, {}).get("proprio") if self.unnorm_key else None
         self.proprio_stats = ActionStats.from_dict(proprio, what="proprio") if proprio and cfg.proprio_dim else None
-        modes = {"single": (self._single_tokens, self._step_single), "history": (self._history_tokens, self._step_history)}
-        self._step_tokens, self._step_fn = modes[config.history]
+        modes = {"single": (self._plan_single, self._step_single), "history": (self._plan_history, self._step_history)}
+        self._plan, self._step_fn = modes[config.history]
         self.last_tokens: np.ndarray | None = None  # [1, action_dim] ids of the last step
         self._build(instruction)
 
@@ -168,21 +168,21 @@ class OpenVLASession(EpisodeSession):
         policy, cfg = self.policy, self.policy.config
         self.instruction = instruction
         self.prompt = policy.tokenizer.prompt(instruction)
-        kv = self._step_tokens(self.config.kv)
+        kv = self._plan(self.config.kv)
         self.kv_config = kv
         extra = {"gate": policy.kv_gate} if kv.mode == "chunked" else {}
         self.cache = make_cache(kv, cfg.llm, batch=1, device=policy.device, dtype=policy.dtype, **extra)
         self._prev_token: int | None = None
         self._pinned = False
 
-    def _single_tokens(self, kv: KVConfig) -> KVConfig:
-        """Single mode: a step's tokens are the whole context (capacity and default window)."""
+    def _plan_single(self, kv: KVConfig) -> KVConfig:
+        """Single mode: lay out the step; its tokens are the whole context (capacity, default window)."""
         cfg = self.policy.config
         self.layout = single_layout(self.prompt, has_proprio=cfg.proprio_dim is not None)
         tokens = self.layout.length(cfg.vision.num_patches) + self.action_dim - 1
         return replace(kv, capacity=kv.capacity or tokens, window=kv.window or tokens)
 
-    def _history_tokens(self, kv: KVConfig) -> KVConfig:
+    def _plan_history(self, kv: KVConfig) -> KVConfig:
         """History mode: the default raw window is one control step's tokens."""
         cfg = self.policy.config
         frame = history_frame(self.prompt, step=0, prev_token=0, has_proprio=cfg.proprio_dim is not None)
@@ -214,15 +214,18 @@ class OpenVLASession(EpisodeSession):
         image_tokens = policy.model.embed_image(pixels)
         if policy.config.proprio_dim is None:
             return image_tokens, []
-        return image_tokens, [policy.model.embed_proprio(self._proprio(obs))]
+        return image_tokens, [policy.model.embed_proprio(self.state_input(obs.state))]
 
-    def _proprio(self, obs: Observation) -> torch.Tensor:
+    def state_input(self, state: np.ndarray | None) -> torch.Tensor:
+        """Proprioception [P] in robot units -> the proprio projector's input [1, P] (q01/q99-normalised
+        with the session's dataset statistics when they have ``proprio`` entries)."""
         dim = self.policy.config.proprio_dim
-        if obs.state is None:
+        if state is None:
             raise ValueError(f"this policy has a proprio projector: the observation needs `state` [{dim}]")
-        state = np.asarray(obs.state, dtype=np.float64).reshape(-1)
+        raw = state
+        state = np.asarray(state, dtype=np.float64).reshape(-1)
         if state.shape != (dim,):
-            raise ValueError(f"observation `state` has shape {np.shape(obs.state)}; this policy expects [{dim}]")
+            raise ValueError(f"observation `state` has shape {np.shape(raw)}; this policy expects [{dim}]")
         if self.proprio_stats is not None:
             state = self.proprio_stats.normalize(state)
         return torch.as_tensor(state, dtype=self.policy.dtype, device=self.policy.device)[None]  # [1, P]
