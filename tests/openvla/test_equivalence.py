@@ -17,7 +17,7 @@ from vla_runtime.api import Observation, load_policy
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import SessionConfig
 from vla_runtime.kv import FullCache
-from vla_runtime.models.openvla.configuration_openvla import TOWER_PREFIXES
+from vla_runtime.models.openvla.configuration_openvla import TOWER_PREFIXES, VISION_BACKBONES
 from vla_runtime.models.openvla.modeling_openvla import tower_features
 from vla_runtime.models.openvla.processing_openvla import history_sequence
 
@@ -29,11 +29,14 @@ class Reference:
 
     def __init__(self, path, policy):
         state = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
+        config = json.loads((path / "config.json").read_text())
         cfg = policy.config
         self.towers = []
-        for prefix, tower in zip(TOWER_PREFIXES, cfg.vision.towers):
+        for prefix, tower, act in zip(TOWER_PREFIXES, cfg.vision.towers, config["timm_override_act_layers"]):
+            # upstream: timm.create_model(id, pretrained=False, num_classes=0, img_size=..., act_layer=override);
+            # the tiny geometry overrides the id's sizes
             vit = timm.create_model(
-                tower.timm_id, pretrained=False, num_classes=0, img_size=tower.image_size,
+                tower.timm_id, pretrained=False, num_classes=0, img_size=tower.image_size, act_layer=act,
                 embed_dim=tower.embed_dim, depth=tower.depth, num_heads=tower.num_heads,
             )  # fmt: skip
             sub = {k[len(prefix) :].replace("scale_factor", "gamma"): v for k, v in state.items() if k.startswith(prefix)}
@@ -41,7 +44,7 @@ class Reference:
             self.towers.append(vit.eval())
         self.projector = [(state[f"projector.fc{i}.weight"], state[f"projector.fc{i}.bias"]) for i in (1, 2, 3)
                           if f"projector.fc{i}.weight" in state]  # fmt: skip
-        text = json.loads((path / "config.json").read_text())["text_config"]
+        text = config["text_config"]
         hf_cfg = transformers.LlamaConfig(**{k: v for k, v in text.items() if k not in ("model_type", "torch_dtype")})
         self.llm = transformers.LlamaForCausalLM(hf_cfg).eval()
         lm = {k[len("language_model.") :]: v for k, v in state.items() if k.startswith("language_model.")}
@@ -61,14 +64,11 @@ class Reference:
         return x
 
 
-@pytest.fixture(scope="module")
-def single_tower(tmp_path_factory):
-    return make_tiny_openvla(tmp_path_factory.mktemp("ckpt") / "tiny-siglip", seed=2, vision_backbone_id="siglip-vit-so400m")
-
-
-@pytest.mark.parametrize("which", ["fused", "single_tower"])
-def test_featurizer_equals_timm_get_intermediate_layers(which, tiny_openvla, single_tower, frame):
-    path = tiny_openvla if which == "fused" else single_tower
+@pytest.mark.parametrize("backbone_id", sorted(VISION_BACKBONES))
+def test_featurizer_equals_timm_get_intermediate_layers(backbone_id, tiny_openvla, tmp_path, frame):
+    """Every vision_backbone_id: DINOv2 (registers, LayerScale), SigLIP (no prefix, attn_pool), CLIP
+    (pre-norm, quick_gelu), IN1k (patch 16); fused and single-tower."""
+    path = tiny_openvla if backbone_id == "dinosiglip-vit-so-224px" else make_tiny_openvla(tmp_path / "t", vision_backbone_id=backbone_id)
     policy = load_policy(path, device="cpu", dtype="float32")
     ref = Reference(path, policy)
     pixels = torch.stack([policy.image_processor(frame(s)) for s in range(2)])  # [2, 3 * towers, S, S]
@@ -80,10 +80,11 @@ def test_featurizer_equals_timm_get_intermediate_layers(which, tiny_openvla, sin
             torch.testing.assert_close(tower_features(vit, x), ref_vit.get_intermediate_layers(x, n={len(ref_vit.blocks) - 2})[0], rtol=0, atol=1e-6)
         torch.testing.assert_close(ours, ref.features(pixels), rtol=0, atol=1e-6)
         torch.testing.assert_close(policy.model.embed_image(pixels), ref.image_tokens(pixels), rtol=0, atol=1e-5)
-    assert ours.shape == (2, 16, sum(t.embed_dim for t in policy.config.vision.towers))
+    assert ours.shape == (2, policy.config.vision.num_patches, sum(t.embed_dim for t in policy.config.vision.towers))
     # the skipped last block matters to the full forward but not to the features
     with torch.no_grad():
-        assert not torch.allclose(ref.towers[0].forward_features(torch.split(pixels, 3, dim=1)[0])[:, -16:], ours[..., : vits[0].embed_dim])
+        n = policy.config.vision.num_patches
+        assert not torch.allclose(ref.towers[0].forward_features(torch.split(pixels, 3, dim=1)[0])[:, -n:], ours[..., : vits[0].embed_dim])
 
 
 def test_prefill_and_decode_logits_match_transformers(tiny_openvla, frame):
