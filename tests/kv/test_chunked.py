@@ -67,7 +67,7 @@ def test_default_chunked_cache_equals_an_explicit_mean_pooled_reference(model):
 def test_budget_is_respected_and_drop_counts_add_up(model):
     x, bounds = episode(8)
     kv_cfg = kv("chunked", "hard", max_chunks=4)
-    cache = ChunkedGatedCache.from_config(kv_cfg, model.cfg, gate=make_gate(model, kv_cfg, spread=3.0, bias=0.0))
+    cache = ChunkedGatedCache(kv_cfg, model.cfg, gate=make_gate(model, kv_cfg, spread=3.0, bias=0.0))
     start = 0
     with torch.no_grad():
         for n in bounds:
@@ -90,7 +90,7 @@ def test_keep_drop_decision_is_per_layer(model):
     gate = make_gate(model, kv_cfg)
     with torch.no_grad():
         gate.tau[1] = 10.0  # layer 1 drops everything, layer 0 keeps everything
-    cache = ChunkedGatedCache.from_config(kv_cfg, model.cfg, gate=gate)
+    cache = ChunkedGatedCache(kv_cfg, model.cfg, gate=gate)
     run_stream(model, cache, x, bounds)
     kept0, kept1 = cache.retained_per_layer()
     assert kept0 == cache.chunks_formed > 0 and kept1 == 0
@@ -115,7 +115,7 @@ def test_raising_tau_never_keeps_more(model):
         gate = make_gate(model, kv_cfg, spread=3.0, bias=0.0)
         with torch.no_grad():
             gate.tau.fill_(tau)
-        cache = ChunkedGatedCache.from_config(kv_cfg, model.cfg, gate=gate)
+        cache = ChunkedGatedCache(kv_cfg, model.cfg, gate=gate)
         run_stream(model, cache, x, bounds)
         kept.append(cache.stats().chunks_retained)
     assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]
@@ -140,7 +140,7 @@ def test_admit_evicts_the_lowest_score_and_the_oldest_on_ties():
 def test_surviving_kv_never_moves_when_a_chunk_is_evicted(model):
     x, bounds = episode(6)
     kv_cfg = kv("chunked", "hard")
-    cache = ChunkedGatedCache.from_config(kv_cfg, model.cfg, gate=make_gate(model, kv_cfg, spread=3.0, bias=8.0))
+    cache = ChunkedGatedCache(kv_cfg, model.cfg, gate=make_gate(model, kv_cfg, spread=3.0, bias=8.0))
     run_stream(model, cache, x, bounds[:8])
     store = cache.store
     before_valid = cache.chunk_valid.clone()
@@ -164,7 +164,7 @@ def test_ten_thousand_step_episode_keeps_memory_flat_and_positions_bounded():
     model = tiny_model()
     cfg = model.cfg
     kv_cfg = KVConfig(mode="chunked", window=8, chunk=8, max_chunks=8, capacity=48)
-    cache = ChunkedGatedCache.from_config(kv_cfg, cfg, gate=make_gate(model, kv_cfg, spread=2.0, bias=0.0))
+    cache = ChunkedGatedCache(kv_cfg, cfg, gate=make_gate(model, kv_cfg, spread=2.0, bias=0.0))
     allocated = lambda: sum(t.numel() for t in vars(cache).values() if torch.is_tensor(t)) + cache.store.k.numel()  # noqa: E731
     attn = model.model.layers[0].self_attn
     frames = torch.randn(1, 64, cfg.dim, generator=torch.Generator().manual_seed(0))

@@ -33,9 +33,9 @@ def test_state_dict_round_trip_restores_weights_config_and_outputs(tmp_path):
     for (name, a), (name_b, b) in zip(gate.state_dict().items(), loaded.state_dict().items()):
         assert name == name_b and torch.equal(a, b)
     x, bounds = episode(5)
-    outs = [run_stream(model, ChunkedGatedCache.from_config(kv_cfg, model.cfg, gate=g), x, bounds) for g in (gate, loaded)]
+    outs = [run_stream(model, ChunkedGatedCache(kv_cfg, model.cfg, gate=g), x, bounds) for g in (gate, loaded)]
     assert torch.equal(outs[0], outs[1])
-    fresh = run_stream(model, ChunkedGatedCache.from_config(kv_cfg, model.cfg), x, bounds)
+    fresh = run_stream(model, ChunkedGatedCache(kv_cfg, model.cfg), x, bounds)
     assert not torch.allclose(fresh, outs[0])  # the saved gate really differs from the default
 
 
@@ -62,6 +62,6 @@ def test_a_gate_for_another_geometry_is_refused():
     kv_cfg = KVConfig(mode="chunked", window=8, chunk=4)
     wrong = ChunkGate(ChunkGateConfig(n_layers=2, head_dim=16, chunk=8))
     with pytest.raises(ValueError, match="`chunk`=8 but the cache needs 4"):
-        ChunkedGatedCache.from_config(kv_cfg, model.cfg, gate=wrong)
+        ChunkedGatedCache(kv_cfg, model.cfg, gate=wrong)
     with pytest.raises(ValueError, match="gate_hidden"):
         ChunkGateConfig(n_layers=2, head_dim=16, chunk=4, gate_hidden=0)

@@ -47,7 +47,7 @@ def test_schedule_replays_the_cache_bookkeeping():
 def test_hard_parallel_form_equals_streaming_inference(model, gate_kind):
     x, bounds = episode(7)
     gate = ChunkGate(ChunkGateConfig.from_configs(KV, model.cfg)) if gate_kind == "untrained" else dropping_gate(model)
-    cache = ChunkedGatedCache.from_config(KV, model.cfg, gate=gate)
+    cache = ChunkedGatedCache(KV, model.cfg, gate=gate)
     streamed = run_stream(model, cache, x, bounds)
     with torch.no_grad():
         logits, aux = parallel_forward(model, x, bounds, PROMPT, gate, KV, soft=False)

@@ -205,7 +205,8 @@ def bench_part(part: str, args: argparse.Namespace, dtype: torch.dtype) -> dict:
         snapshots, gates = {}, {}
         for method, kv_cfg in kv_configs(args, length).items():
             gates[method] = benchmark_gate(kv_cfg, cfg, args.seed) if method == "chunked" else None
-            cache = make_cache(kv_cfg, cfg, device=args.device, dtype=dtype, gate=gates[method])
+            extra = {"gate": gates[method]} if gates[method] is not None else {}
+            cache = make_cache(kv_cfg, cfg, device=args.device, dtype=dtype, **extra)
             fill_history(cache, cfg, length, prompt=args.prompt, frame=args.frame, gen=gen, dtype=dtype)
             snapshots[method] = cache
         times, last = time_interleaved(forward, snapshots, frame_x, decode_x, warmup=args.warmup, repeats=args.repeats)

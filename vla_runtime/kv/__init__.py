@@ -1,7 +1,8 @@
 """KV caches behind one protocol; ``make_cache`` turns a ``KVConfig`` into a cache.
 
-Adding a cache = its file with a ``from_config`` classmethod, a ``CACHES`` entry, a row in
-``tests/kv/cases.py`` and a DESIGN.md line.
+A cache class is built as ``cls(kv_cfg, model_cfg, *, batch, device, dtype, **extra)`` (``FullCache``
+takes its capacity only). Adding a cache = its file, a ``CACHES`` entry, a row in ``tests/kv/cases.py``
+and a DESIGN.md line.
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ def make_cache(
     batch: int = 1,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
-    gate: ChunkGate | None = None,
+    **extra,
 ) -> KVCache:
-    """Build the cache ``kv_cfg.mode`` names.
-
-    ``gate``: the policy's ``ChunkGate`` for ``chunked`` (``None`` = the untrained default, which
-    mean-pools and keeps every chunk); other modes ignore it.
-    """
+    """Build the cache ``kv_cfg.mode`` names. ``extra`` carries what a mode needs beyond sizes:
+    ``gate=`` the policy's ``ChunkGate`` for ``chunked`` (absent or ``None`` = the untrained default,
+    which mean-pools and keeps every chunk)."""
     if kv_cfg.mode not in CACHES:
         raise KeyError(f"unknown KV mode {kv_cfg.mode!r}; available: {', '.join(sorted(CACHES))}")
-    return CACHES[kv_cfg.mode].from_config(kv_cfg, model_cfg, batch=batch, device=device, dtype=dtype, gate=gate)
+    cls = CACHES[kv_cfg.mode]
+    if cls is FullCache:
+        return FullCache(model_cfg, capacity=kv_cfg.capacity, batch=batch, device=device, dtype=dtype)
+    return cls(kv_cfg, model_cfg, batch=batch, device=device, dtype=dtype, **extra)
 
 
 __all__ = [

@@ -157,20 +157,20 @@ class ChunkedGatedCache:
 
     def __init__(
         self,
-        cfg: ChunkedGatedConfig,
+        kv_cfg: KVConfig,
         model_cfg: "LlamaConfig",
-        gate: ChunkGate,
         *,
         batch: int = 1,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        gate: ChunkGate | None = None,
     ) -> None:
-        if gate.cfg.chunk != cfg.chunk or gate.cfg.n_layers != model_cfg.n_layers or gate.cfg.head_dim != model_cfg.head_dim:
-            raise ValueError(
-                f"ChunkGate (layers {gate.cfg.n_layers}, head_dim {gate.cfg.head_dim}, chunk {gate.cfg.chunk}) does not fit "
-                f"the cache (layers {model_cfg.n_layers}, head_dim {model_cfg.head_dim}, chunk {cfg.chunk})"
-            )
-        self.cfg = cfg
+        """``gate``: the policy's ``ChunkGate``; ``None`` builds the untrained default (mean-pooling
+        aggregator, keeps every chunk)."""
+        self.cfg = cfg = ChunkedGatedConfig.from_kv(kv_cfg, model_cfg)
+        if gate is None:
+            gate = ChunkGate(ChunkGateConfig.from_configs(kv_cfg, model_cfg)).to(device)
+        check_gate(gate, kv_cfg, model_cfg)
         self.model_cfg = model_cfg
         self.gate = gate
         self.batch = batch
@@ -189,16 +189,6 @@ class ChunkedGatedCache:
         self.gate_dropped = torch.zeros(n, dtype=torch.long, device=device)
         self.budget_dropped = torch.zeros(n, dtype=torch.long, device=device)
         self.reset()
-
-    @classmethod
-    def from_config(
-        cls, kv_cfg: KVConfig, model_cfg: "LlamaConfig", *, batch=1, device="cpu", dtype=torch.float32, gate: ChunkGate | None = None
-    ) -> "ChunkedGatedCache":
-        """``gate=None`` builds the untrained default (mean-pooling aggregator, keeps every chunk)."""
-        if gate is None:
-            gate = ChunkGate(ChunkGateConfig.from_configs(kv_cfg, model_cfg)).to(device)
-        check_gate(gate, kv_cfg, model_cfg)
-        return cls(ChunkedGatedConfig.from_kv(kv_cfg, model_cfg), model_cfg, gate, batch=batch, device=device, dtype=dtype)
 
     def reset(self) -> None:
         """Forget the episode (tokens, chunks, LSTM state); the gate's weights are untouched."""

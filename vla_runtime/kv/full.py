@@ -39,11 +39,6 @@ class FullCache:
         self._pending = 0
         self._cos = self._sin = None
 
-    @classmethod
-    def from_config(cls, kv_cfg, model_cfg: "LlamaConfig", *, batch=1, device="cpu", dtype=torch.float32, gate=None) -> "FullCache":
-        """``make_cache``'s constructor; ``gate`` is ignored (no chunks)."""
-        return cls(model_cfg, capacity=kv_cfg.capacity, batch=batch, device=device, dtype=dtype)
-
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t = q.shape[2]
         if self._cos is None:  # first layer of this forward: positions once for all layers

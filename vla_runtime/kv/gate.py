@@ -215,7 +215,9 @@ class ChunkGate(nn.Module):
 
 
 def check_gate(gate: ChunkGate, kv_cfg: KVConfig, model_cfg: "LlamaConfig") -> None:
-    """Raise ``ValueError`` if ``gate`` was built for another model geometry or chunk size."""
+    """Raise ``ValueError`` if ``gate`` is not a ``ChunkGate`` built for this model geometry and chunk size."""
+    if not isinstance(gate, ChunkGate):
+        raise ValueError(f"the chunked cache needs a ChunkGate (vla_runtime.kv.gate), got {type(gate).__name__}")
     want = {"n_layers": model_cfg.n_layers, "head_dim": model_cfg.head_dim, "chunk": kv_cfg.chunk}
     for name, value in want.items():
         got = getattr(gate.cfg, name)

@@ -56,23 +56,19 @@ class SinkWindowCache:
 
     def __init__(
         self,
-        cfg: SinkWindowConfig,
+        kv_cfg: KVConfig,
         model_cfg: "LlamaConfig",
         *,
         batch: int = 1,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.cfg = cfg
+        self.cfg = cfg = SinkWindowConfig.from_kv(kv_cfg, model_cfg)
         self.model_cfg = model_cfg
         self.store = SlotStore(model_cfg, slots=cfg.capacity, chunk_slots=0, batch=batch, device=device, dtype=dtype)
         self.backend = select_backend(cfg.backend, model_cfg, device=device, dtype=dtype)
         self.view = RotatedView(self.store) if self.backend.kernel is None else None
         self.reset()
-
-    @classmethod
-    def from_config(cls, kv_cfg: KVConfig, model_cfg: "LlamaConfig", *, batch=1, device="cpu", dtype=torch.float32, gate=None):
-        return cls(SinkWindowConfig.from_kv(kv_cfg, model_cfg), model_cfg, batch=batch, device=device, dtype=dtype)
 
     def reset(self) -> None:
         self.store.reset()
