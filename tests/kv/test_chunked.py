@@ -40,12 +40,28 @@ def test_untrained_aggregator_is_exactly_mean_pooling():
 def test_untrained_gate_keeps_every_chunk_with_a_zero_initialised_correction():
     gate = ChunkGate(ChunkGateConfig(n_layers=2, head_dim=16, chunk=4))
     state = gate.init_state(batch=3, kv_heads=2)
-    for _ in range(5):
-        s, state = gate.score(torch.randn(2, 3, 2, 16) * 50, torch.randn(2, 3, 2, 16), state)
-        assert torch.equal(s, gate.readout_bias[:, None].expand(2, 3))  # the correction is exactly zero
-        assert bool((s > gate.tau[:, None]).all())
-        assert bool((gate.keep_prob(s) > 0.9).all())
+    s, state = gate.score(torch.randn(2, 3, 2, 5, 16) * 50, torch.randn(2, 3, 2, 5, 16), state)  # 5 chunks
+    assert torch.equal(s, gate.readout_bias[:, None, None].expand(2, 3, 5))  # the correction is exactly zero
+    assert bool((s > gate.tau[:, None, None]).all())
+    assert bool((gate.keep_prob(s) > 0.9).all())
     assert state[0].abs().sum() > 0  # the LSTM itself runs: a learned readout would see it
+
+
+def test_lstm_scores_depend_only_on_earlier_chunks():
+    gate = ChunkGate(ChunkGateConfig(n_layers=2, head_dim=16, chunk=4))
+    with torch.no_grad():
+        gate.readout_weight.normal_()
+    k, v = torch.randn(2, 1, 2, 6, 16), torch.randn(2, 1, 2, 6, 16)
+    s, _ = gate.score(k, v, gate.init_state(1, 2))
+    k2 = k.clone()
+    k2[..., 4, :] += 1.0
+    s2, _ = gate.score(k2, v, gate.init_state(1, 2))
+    torch.testing.assert_close(s2[..., :4], s[..., :4], atol=1e-6, rtol=0)
+    assert not torch.allclose(s2[..., 4:], s[..., 4:])
+    # chunk by chunk with the carried state = all at once
+    s_a, state = gate.score(k[..., :2, :], v[..., :2, :], gate.init_state(1, 2))
+    s_b, _ = gate.score(k[..., 2:, :], v[..., 2:, :], state)
+    torch.testing.assert_close(torch.cat((s_a, s_b), -1), s, atol=1e-6, rtol=0)
 
 
 def test_default_chunked_cache_equals_an_explicit_mean_pooled_reference(model):

@@ -115,12 +115,8 @@ def benchmark_gate(kv_cfg: KVConfig, cfg: LlamaConfig, seed: int, *, calibration
         gate.readout_weight.normal_()
         shape = (cfg.n_layers, 1, cfg.n_kv_heads, calibration_chunks, kv_cfg.chunk, cfg.head_dim)
         k_rep, v_rep = gate.aggregate(torch.randn(shape), torch.randn(shape))  # [L, 1, Hkv, n, D]
-        state = gate.init_state(1, cfg.n_kv_heads)
-        scores = []
-        for j in range(calibration_chunks):
-            s, state = gate.score(k_rep[..., j, :], v_rep[..., j, :], state)  # [L, 1]
-            scores.append(s[:, 0])
-        gate.tau.copy_(torch.stack(scores, dim=1).median(dim=1).values)
+        scores, _ = gate.score(k_rep, v_rep, gate.init_state(1, cfg.n_kv_heads))  # [L, 1, n]
+        gate.tau.copy_(scores[:, 0].median(dim=1).values)
     return gate
 
 

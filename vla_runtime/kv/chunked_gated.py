@@ -261,24 +261,49 @@ class ChunkedGatedCache:
             return
         idx = s.token_slots(s.raw_head, s.raw_head + n * c).view(n, c)
         k_rep, v_rep = self.gate.aggregate(s.k[:, :, :, idx], s.v[:, :, :, idx])  # [L, B, Hkv, n, D]
-        tau = self.gate.threshold().detach().to(self.chunk_score.dtype)
-        for j in range(n):
-            score, self.lstm_state = self.gate.score(k_rep[..., j, :], v_rep[..., j, :], self.lstm_state)  # [L, B]
-            score = score.mean(1).to(self.chunk_score.dtype)  # [L]: rows share one layout
-            keep = score > tau
-            adm = admit(self.chunk_valid, self.chunk_score, self.chunk_age, score, keep)
-            # layers that do not keep the chunk write it to the scratch slot, which is never read
-            target = torch.where(adm.write, s.raw_end + adm.slot, self._scratch)  # [L]
-            s.k[self._layers, :, :, target] = k_rep[..., j, :].to(s.k.dtype)
-            s.v[self._layers, :, :, target] = v_rep[..., j, :].to(s.v.dtype)
-            self.chunk_valid, self.chunk_score, self.chunk_age = apply_admission(
-                adm, self.chunk_valid, self.chunk_score, self.chunk_age, score, self.chunks_formed
-            )
-            self.gate_dropped += ~keep
-            self.budget_dropped += adm.budget_drop
-            self.chunks_formed += 1
+        scores, self.lstm_state = self.gate.score(k_rep, v_rep, self.lstm_state)  # [L, B, n]
+        scores = scores.mean(1).to(self.chunk_score.dtype)  # [L, n]: batch rows share one layout
+        keep = scores > self.gate.threshold().detach().to(scores.dtype)[:, None]
+        k_rep, v_rep = k_rep.to(s.k.dtype), v_rep.to(s.v.dtype)
+        if self.chunks_formed + n <= self.cfg.max_chunks:  # no layer can fill its budget: admit all at once
+            self._admit_all(k_rep, v_rep, scores, keep)
+        else:
+            for j in range(n):
+                self._admit_one(k_rep[..., j, :], v_rep[..., j, :], scores[:, j], keep[:, j])
+        self.gate_dropped += (~keep).sum(1)
         s.drop_raw(n * c)
         self._chunk_slots = None
+
+    def _admit_one(self, k_rep: torch.Tensor, v_rep: torch.Tensor, score: torch.Tensor, keep: torch.Tensor) -> None:
+        """One chunk through the budget rule (``admit``). k_rep, v_rep: [L, B, Hkv, D]; score, keep: [L]."""
+        s = self.store
+        adm = admit(self.chunk_valid, self.chunk_score, self.chunk_age, score, keep)
+        # layers that do not keep the chunk write it to the scratch slot, which is never read
+        target = torch.where(adm.write, s.raw_end + adm.slot, self._scratch)  # [L]
+        s.k[self._layers, :, :, target] = k_rep
+        s.v[self._layers, :, :, target] = v_rep
+        self.chunk_valid, self.chunk_score, self.chunk_age = apply_admission(
+            adm, self.chunk_valid, self.chunk_score, self.chunk_age, score, self.chunks_formed
+        )
+        self.budget_dropped += adm.budget_drop
+        self.chunks_formed += 1
+
+    def _admit_all(self, k_rep: torch.Tensor, v_rep: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor) -> None:
+        """n chunks at once when no budget can fill (what ``admit`` does then: the j-th kept chunk takes the
+        j-th free slot). k_rep, v_rep: [L, B, Hkv, n, D]; scores, keep: [L, n]."""
+        s, n = self.store, keep.shape[1]
+        free_first = torch.argsort(self.chunk_valid.to(torch.int8), dim=1, stable=True)  # [L, M]
+        slot = free_first.gather(1, (keep.long().cumsum(1) - 1).clamp(min=0))  # [L, n]
+        target = torch.where(keep, s.raw_end + slot, self._scratch)  # [L, n]
+        s.k[self._layers[:, None], :, :, target] = k_rep.permute(0, 3, 1, 2, 4)  # [L, n, B, Hkv, D]
+        s.v[self._layers[:, None], :, :, target] = v_rep.permute(0, 3, 1, 2, 4)
+        hit = torch.nn.functional.one_hot(slot, self.cfg.max_chunks).bool() & keep[..., None]  # [L, n, M]
+        taken = hit.any(1)
+        ages = torch.arange(self.chunks_formed, self.chunks_formed + n, device=keep.device)
+        self.chunk_valid = self.chunk_valid | taken
+        self.chunk_score = torch.where(taken, (hit * scores[..., None]).sum(1), self.chunk_score)
+        self.chunk_age = torch.where(taken, (hit * ages[None, :, None]).sum(1), self.chunk_age)
+        self.chunks_formed += n
 
     # ---- mark / rollback / stats ---------------------------------------------------------------------
     def mark(self) -> int:

@@ -195,11 +195,7 @@ class ParallelChunkedAttention:
         idx = starts[:, None] + torch.arange(sched.chunk, device=k.device)  # [n, C]
         k_rep, v_rep = gate.aggregate(k[:, :, idx], v[:, :, idx], layers=layer)  # [B, Hkv, n, D]
         state = gate.init_state(b, hkv, layers=layer, device=k.device)
-        scores = []
-        for j in range(sched.n_chunks):
-            s, state = gate.score(k_rep[:, :, j], v_rep[:, :, j], state, layers=layer)  # [B]
-            scores.append(s)
-        scores = torch.stack(scores, dim=-1)  # [B, n]
+        scores, _ = gate.score(k_rep, v_rep, state, layers=layer)  # [B, n]
         log_g = gate.log_keep_prob(scores, layer, temperature=self.temperature)
         return k_rep.to(k.dtype), v_rep.to(v.dtype), scores, log_g
 

@@ -168,25 +168,29 @@ class ChunkGate(nn.Module):
     def score(
         self, k_rep: torch.Tensor, v_rep: torch.Tensor, state: LSTMState, layers: int | None = None
     ) -> tuple[torch.Tensor, LSTMState]:
-        """One LSTM step over one chunk per layer and batch row.
+        """Run the LSTM over n chunks in order, per layer and batch row; one score per chunk.
 
-        k_rep, v_rep: [L, B, Hkv, D] (or [B, Hkv, D] for one layer); state: ``init_state``'s shapes.
-        Returns the chunk's score [L, B] (or [B]) and the new state.
+        k_rep, v_rep: [L, B, Hkv, n, D] (or [B, Hkv, n, D] for one layer); state: ``init_state``'s shapes.
+        Returns scores [L, B, n] (or [B, n]) and the state after the last chunk.
         """
         sel, single = self._select(layers)
         h, c = state
         if single:
             k_rep, v_rep, h, c = k_rep[None], v_rep[None], h[None], c[None]
-        n_l, b, hkv, _ = k_rep.shape
-        x = torch.cat((k_rep, v_rep), dim=-1).to(self.fc_dtype).reshape(n_l, b * hkv, -1)  # [L', B*Hkv, 2D]
+        n_l, b, hkv, n, _ = k_rep.shape
+        x = torch.cat((k_rep, v_rep), dim=-1).to(self.fc_dtype)  # [L', B, Hkv, n, 2D]
+        x = x.permute(0, 3, 1, 2, 4).reshape(n_l, n * b * hkv, -1)  # [L', n*B*Hkv, 2D]
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # scale-free input
-        gates = torch.baddbmm(self.lstm_bias[sel, None], x, self.lstm_weight_ih[sel])  # [L', B*Hkv, 4H]
-        gates = torch.baddbmm(gates, h, self.lstm_weight_hh[sel])
-        i, f, g, o = gates.chunk(4, dim=-1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
-        per_head = (h * self.readout_weight[sel, None]).sum(-1).view(n_l, b, hkv)  # [L', B, Hkv]
-        s = self.readout_bias[sel, None] + per_head.mean(-1)  # [L', B]
+        x_gates = torch.baddbmm(self.lstm_bias[sel, None], x, self.lstm_weight_ih[sel]).view(n_l, n, b * hkv, -1)
+        hs = []
+        for j in range(n):  # the recurrence; the input projection above is batched over chunks
+            i, f, g, o = torch.baddbmm(x_gates[:, j], h, self.lstm_weight_hh[sel]).chunk(4, dim=-1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+            hs.append(h)
+        hidden = torch.stack(hs, dim=1) if hs else x_gates.new_zeros(n_l, 0, b * hkv, h.shape[-1])  # [L', n, B*Hkv, H]
+        per_head = (hidden * self.readout_weight[sel, None, None]).sum(-1).view(n_l, n, b, hkv)
+        s = (self.readout_bias[sel, None, None] + per_head.mean(-1)).transpose(1, 2)  # [L', B, n]
         if single:
             return s[0], (h[0], c[0])
         return s, (h, c)
