@@ -145,26 +145,27 @@ def clone_cache(cache):
 
 
 # ---- timing ---------------------------------------------------------------------------------------------
-def run_step(forward, cache, frame_x: torch.Tensor, decode_x: torch.Tensor) -> torch.Tensor:
-    out = forward(frame_x, cache)
+def run_step(forward, cache, frame_x: torch.Tensor, decode_x: torch.Tensor) -> tuple[float, float]:
+    """One step; returns (prefill ms, decode ms)."""
+    t0 = time.perf_counter()
+    forward(frame_x, cache)
+    t1 = time.perf_counter()
     for i in range(decode_x.shape[1]):
-        out = forward(decode_x[:, i : i + 1], cache)
-    return out
+        forward(decode_x[:, i : i + 1], cache)
+    return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
 
 
 def time_interleaved(forward, snapshots: dict, frame_x, decode_x, *, warmup: int, repeats: int) -> tuple[dict, dict]:
-    """Milliseconds of ``repeats`` steps per method, each on a fresh copy of its snapshot (copying is not
-    timed). Methods take turns within every repeat, so drifting machine load hits them alike."""
-    times: dict[str, list[float]] = {name: [] for name in snapshots}
+    """Per method, ``repeats`` (prefill ms, decode ms) pairs, each step on a fresh copy of its snapshot
+    (copying is not timed). Methods take turns within every repeat, so drifting load hits them alike."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in snapshots}
     last = {}
     for r in range(warmup + repeats):
         for name, snapshot in snapshots.items():
             cache = clone_cache(snapshot)
-            t0 = time.perf_counter()
-            run_step(forward, cache, frame_x, decode_x)
-            dt = (time.perf_counter() - t0) * 1e3
+            split = run_step(forward, cache, frame_x, decode_x)
             if r >= warmup:
-                times[name].append(dt)
+                times[name].append(split)
             last[name] = cache
     return times, last
 
@@ -213,11 +214,14 @@ def bench_part(part: str, args: argparse.Namespace, dtype: torch.dtype) -> dict:
             formed = getattr(last[method], "chunks_formed", 0) - getattr(cache, "chunks_formed", 0)
             gate_cfg = gates[method].cfg if gates[method] is not None else None
             flops = step_flops(cfg, held, args.frame, args.decode, chunks=formed, gate=gate_cfg)
+            total = [p + d for p, d in times[method]]
             record = {
-                "times_ms": times[method],
-                "median_ms": statistics.median(times[method]),
-                "p10_ms": percentile(times[method], 0.1),
-                "p90_ms": percentile(times[method], 0.9),
+                "times_ms": total,
+                "median_ms": statistics.median(total),
+                "p10_ms": percentile(total, 0.1),
+                "p90_ms": percentile(total, 0.9),
+                "prefill_ms": statistics.median(p for p, _ in times[method]),
+                "decode_ms": statistics.median(d for _, d in times[method]),
                 "kv_bytes": before.bytes,
                 "keys_held": held,
                 "gflops": flops / 1e9,
@@ -228,6 +232,7 @@ def bench_part(part: str, args: argparse.Namespace, dtype: torch.dtype) -> dict:
             }
             base = base or record
             record["ratio"] = base["median_ms"] / record["median_ms"]
+            record["decode_ratio"] = base["decode_ms"] / record["decode_ms"]
             record["bytes_ratio"] = base["kv_bytes"] / record["kv_bytes"]
             record["flops_ratio"] = base["gflops"] / record["gflops"]
             results[f"{part}/{method}/{length}"] = record
@@ -282,15 +287,18 @@ def environment(args: argparse.Namespace) -> dict:
 
 
 def print_table(results: dict) -> None:
-    head = f"{'part':5} {'L':>6} {'method':12} {'median ms':>10} {'p10':>9} {'p90':>9} {'x full':>7} {'KV MiB':>9} {'x less':>7} {'GFLOP':>8} {'x flops':>7} {'keys':>6} {'kept':>5}"
+    head = (
+        f"{'part':5} {'L':>6} {'method':12} {'median ms':>10} {'p10':>8} {'p90':>8} {'x full':>7} {'prefill':>8} "
+        f"{'decode':>8} {'dec x':>6} {'KV MiB':>8} {'x less':>7} {'GFLOP':>7} {'x flops':>7} {'keys':>6} {'kept':>5}"
+    )
     print(head)
     print("-" * len(head))
     for name, r in results.items():
         part, method, length = name.split("/")
         print(
-            f"{part:5} {length:>6} {method:12} {r['median_ms']:10.1f} {r['p10_ms']:9.1f} {r['p90_ms']:9.1f} {r['ratio']:7.2f} "
-            f"{r['kv_bytes'] / 2**20:9.2f} {r['bytes_ratio']:7.1f} {r['gflops']:8.1f} {r['flops_ratio']:7.2f} "
-            f"{r['keys_held']:6d} {r['retained_ratio']:5.2f}"
+            f"{part:5} {length:>6} {method:12} {r['median_ms']:10.1f} {r['p10_ms']:8.1f} {r['p90_ms']:8.1f} {r['ratio']:7.2f} "
+            f"{r['prefill_ms']:8.1f} {r['decode_ms']:8.1f} {r['decode_ratio']:6.2f} {r['kv_bytes'] / 2**20:8.2f} "
+            f"{r['bytes_ratio']:7.1f} {r['gflops']:7.1f} {r['flops_ratio']:7.2f} {r['keys_held']:6d} {r['retained_ratio']:5.2f}"
         )
 
 
