@@ -37,6 +37,7 @@ row (the streaming cache shares one decision across its batch rows, so compare t
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -247,57 +248,44 @@ class ParallelChunkedAttention:
         self.layers[layer] = dict(
             keep_prob=log_g.exp(), scores=scores, kept=kept, retained=kept & (last == _NEVER)
         )
-        kept_h, last_h = kept.tolist(), last.tolist()
-        outs = [
-            self._segment(seg, q, k_raw, v, k_rep, v_rep, log_g, kept_h, last_h) for seg in sched.segments
-        ]
+        outs = [self._segment(seg, q, k_raw, v, k_rep, v_rep, log_g, kept, last) for seg in sched.segments]
         return torch.cat(outs, dim=2)
 
     def _segment(self, seg: Segment, q, k, v, k_rep, v_rep, log_g, kept, last) -> torch.Tensor:
-        """Queries of one segment over pinned | its chunks | its raw tokens. Returns [B, Hq, T, D]."""
-        sched, dev = self.schedule, q.device
-        b, hkv, _, d = k.shape
+        """Queries of one segment over pinned | the chunks formed before it | its raw tokens.
+
+        Every chunk formed before the segment is a key slot; the hard-visible ones (kept, not yet evicted)
+        take positions ``P + rank``; in soft mode the gate-dropped ones are shown too, half-way between
+        their kept neighbours; the rest are masked. Returns [B, Hq, T, D].
+        """
+        b = k.shape[0]
+        dev = q.device
         f0, p = seg.first_forward, seg.pinned
-        lists, counts = [], []  # per row: (chunk index, position) chronological; hard-visible count
-        for row in range(b):
-            entries, n_kept = [], 0
-            for c in range(sched.n_chunks):
-                if sched.chunk_forward[c] >= f0:
-                    break
-                if kept[row][c] and last[row][c] >= f0:
-                    entries.append((c, float(p + n_kept)))
-                    n_kept += 1
-                elif self.soft and not kept[row][c]:
-                    entries.append((c, p + n_kept - 0.5))
-            lists.append(entries)
-            counts.append(n_kept)
-        width = max((len(e) for e in lists), default=0)
-        c_idx = torch.zeros(b, width, dtype=torch.long)
-        c_pos = torch.zeros(b, width)
-        c_ok = torch.zeros(b, width, dtype=torch.bool)
-        for row, entries in enumerate(lists):
-            for i, (c, pos) in enumerate(entries):
-                c_idx[row, i], c_pos[row, i], c_ok[row, i] = c, pos, True
-        c_idx, c_pos, c_ok = c_idx.to(dev), c_pos.to(dev), c_ok.to(dev)
-        offset = torch.tensor(counts, device=dev, dtype=torch.float32)[:, None] + p - seg.head  # [B, 1]
+        n = bisect.bisect_left(self.schedule.chunk_forward, f0)  # chunks formed before this segment
+        kept, last = kept[:, :n], last[:, :n]
+        visible = kept & (last >= f0)  # [B, n]
+        shown = visible | ~kept if self.soft else visible
+        before = visible.long().cumsum(1) - visible.long()  # kept chunks before each chunk
+        c_pos = p + before.float() - 0.5 * (~visible).float()  # [B, n]
+        offset = visible.sum(1, keepdim=True).float() + p - seg.head  # [B, 1]: P + K - head
         raw_pos = torch.arange(seg.head, seg.end, device=dev, dtype=torch.float32) + offset  # [B, R]
         q_pos = torch.arange(seg.start, seg.end, device=dev, dtype=torch.float32) + offset  # [B, T]
         pin_pos = torch.arange(p, device=dev, dtype=torch.float32).expand(b, p)  # [B, P]
         pos = torch.cat((pin_pos, c_pos, raw_pos), dim=1)  # [B, Nk]
-        ok = torch.cat((torch.ones(b, p, dtype=torch.bool, device=dev), c_ok, torch.ones_like(raw_pos, dtype=torch.bool)), 1)
-        gather = c_idx[:, None, :, None].expand(b, hkv, width, d)
-        keys = torch.cat((k[:, :, :p], torch.gather(k_rep, 2, gather), k[:, :, seg.head : seg.end]), dim=2)  # [B, Hkv, Nk, D]
-        values = torch.cat((v[:, :, :p], torch.gather(v_rep, 2, gather), v[:, :, seg.head : seg.end]), dim=2)
+        ones = lambda m: torch.ones(b, m, dtype=torch.bool, device=dev)  # noqa: E731
+        ok = torch.cat((ones(p), shown, ones(raw_pos.shape[1])), dim=1)  # [B, Nk]
+        keys = torch.cat((k[:, :, :p], k_rep[:, :, :n], k[:, :, seg.head : seg.end]), dim=2)  # [B, Hkv, Nk, D]
+        values = torch.cat((v[:, :, :p], v_rep[:, :, :n], v[:, :, seg.head : seg.end]), dim=2)
         cos, sin = rope_cos_sin(pos, self.model_cfg.rope)  # [B, Nk, D]
         keys = apply_rope(keys, cos[:, None], sin[:, None])
         q_cos, q_sin = rope_cos_sin(q_pos, self.model_cfg.rope)  # [B, T, D]
         queries = apply_rope(q[:, :, seg.start : seg.end], q_cos[:, None], q_sin[:, None])
         mask = ok[:, None, None, :] & (pos[:, None, None, :] <= q_pos[:, None, :, None])  # [B, 1, T, Nk]
         bias = None
-        if self.soft and width:
-            chunk_bias = torch.gather(log_g, 1, c_idx).masked_fill(~c_ok, 0.0)  # [B, K]
-            zeros_p = chunk_bias.new_zeros(b, p)
-            bias = torch.cat((zeros_p, chunk_bias, chunk_bias.new_zeros(b, raw_pos.shape[1])), dim=1)[:, None, None, :]
+        if self.soft and n:
+            chunk_bias = log_g[:, :n].masked_fill(~shown, 0.0)  # [B, n]
+            zeros = chunk_bias.new_zeros
+            bias = torch.cat((zeros(b, p), chunk_bias, zeros(b, raw_pos.shape[1])), dim=1)[:, None, None, :]
         return masked_attention(queries, keys, values, mask, bias=bias)
 
     def aux(self) -> ParallelAux:
