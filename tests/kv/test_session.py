@@ -1,5 +1,6 @@
 """OpenVLA ``history`` sessions on the decoupled caches: the runtime API end to end on a tiny checkpoint."""
 
+import itertools
 import shutil
 
 import numpy as np
@@ -10,6 +11,8 @@ from vla_runtime.api import Observation, load_policy
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import SessionConfig
 from vla_runtime.kv import ChunkedGatedCache, ChunkGate, ChunkGateConfig, KVConfig, KVStats, save_gate
+from vla_runtime.kv.chunked_parallel import parallel_forward
+from vla_runtime.models.openvla.processing_openvla import history_sequence
 
 STEPS = 6
 
@@ -78,3 +81,36 @@ def test_a_trained_gate_beside_the_checkpoint_is_loaded_and_used(checkpoint, tmp
     assert results[-1].kv.chunks_retained == 0 and results[-1].kv.chunks_dropped > 0
     assert results[-1].kv.retained_ratio == 0.0
     assert load_policy(ckpt, kv=KVConfig(mode="full")).kv.mode == "full"  # an explicit KVConfig wins
+
+
+def test_history_session_equals_the_parallel_form_over_its_forwards(checkpoint):
+    """The training form over contract 2's ``history_sequence`` predicts exactly the action tokens the
+    streaming session generated (hard gates, a gate that drops some chunks, a budget that evicts)."""
+    policy = load_policy(checkpoint)
+    kv = KVConfig(mode="chunked", chunk=4, max_chunks=4)
+    torch.manual_seed(0)
+    policy.kv_gate = gate = ChunkGate(ChunkGateConfig.from_configs(kv, policy.config.llm))
+    with torch.no_grad():
+        gate.readout_weight.normal_(0.0, 3.0)
+        gate.readout_bias.zero_()
+    session = policy.new_session("stack the blocks", SessionConfig(kv=kv, history="history"))
+    images = frames(4)
+    tokens = []
+    for image in images:
+        session.step(Observation(images={"primary": image}))
+        tokens.append([int(t) for t in session.last_tokens[0]])
+    stats = session.cache.stats()
+    assert stats.chunks_retained > 0 and int(session.cache.gate_dropped.sum()) > 0 and int(session.cache.budget_dropped.sum()) > 0
+
+    model = policy.model
+    with torch.no_grad():
+        image_tokens = [model.embed_image(policy.image_processor(image)[None]) for image in images]
+        forwards = history_sequence(session.prompt, tokens, has_proprio=False)
+        embeds = torch.cat([model.embed_forward(f, images=image_tokens) for f in forwards], dim=1)
+        bounds = [f.length(policy.config.vision.num_patches) for f in forwards]
+        logits, aux = parallel_forward(model.language_model, embeds, bounds, bounds[0], gate, session.kv_config, soft=False)
+    ends = list(itertools.accumulate(bounds))[1:]  # every forward after the prompt predicts the next action token
+    first, last = session.actions.first_id, session.actions.last_id
+    predicted = logits[0, [e - 1 for e in ends], first : last + 1].argmax(-1) + first
+    assert predicted.tolist() == [t for step in tokens for t in step]
+    assert aux.kept.any() and (~aux.kept).any()

@@ -33,6 +33,14 @@ hard gates (no bias, dropped chunks invisible): equal to streaming (tests hold t
 
 A batch of B windows must share the schedule (same boundaries and ``pinned_len``); decisions are per
 row (the streaming cache shares one decision across its batch rows, so compare them with B = 1).
+
+OpenVLA history windows (contract 2), as ``tests/kv/test_session.py`` does it::
+
+    forwards = history_sequence(prompt, action_ids, has_proprio=False)      # processing_openvla
+    embeds = torch.cat([vla.embed_forward(f, images=image_tokens) for f in forwards], dim=1)
+    bounds = [f.length(n_image_tokens) for f in forwards]                    # bounds[0]: the pinned prompt
+    logits, aux = parallel_forward(vla.language_model, embeds, bounds, bounds[0], gate, kv_cfg)
+    # the last position of every forward after the prompt predicts the next action token
 """
 
 from __future__ import annotations
