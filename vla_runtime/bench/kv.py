@@ -13,7 +13,11 @@ random chunks, so about half of the chunks are kept (the measured retention is p
 by streaming random q/k/v through the cache in frame-sized forwards (the full cache is filled
 directly); each timed step runs on a fresh copy of that state, so compression work is timed.
 
+Wall time (median) and the process CPU time are reported side by side: on a shared machine other
+processes stretch wall time, not the CPU time of a single-threaded step.
+
 usage:
+    python benchmarks/bench_kv.py                      # ~5 min on a quiet 2-core machine
     python benchmarks/bench_kv.py --lengths 1024 4096 16384 --threads 2
     vla-runtime bench kv --parts layer --repeats 5
 """
@@ -48,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (pinned for every method)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads, pinned (1 is steadiest on a shared machine)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -328,7 +332,8 @@ def plot(results: dict, path: Path) -> None:
             if not rows:
                 continue
             xs = [length for length, _ in rows]
-            axes[0][col].plot(xs, [r["median_ms"] for _, r in rows], marker="o", label=method)
+            line = axes[0][col].plot(xs, [r["median_ms"] for _, r in rows], marker="o", label=f"{method} (wall)")[0]
+            axes[0][col].plot(xs, [r["cpu_ms"] for _, r in rows], ls="--", color=line.get_color(), label=f"{method} (CPU time)")
             axes[1][col].plot(xs, [r["kv_bytes"] / 2**20 for _, r in rows], marker="o", label=method)
         title = "one decoder layer" if part == "layer" else "tiny LLaMA end to end"
         axes[0][col].set(title=f"step latency: {title}", xlabel="history tokens", ylabel="median ms / step", xscale="log")
@@ -336,7 +341,7 @@ def plot(results: dict, path: Path) -> None:
         axes[1][col].set(title="KV bytes held", xlabel="history tokens", ylabel="MiB", xscale="log", yscale="log")
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)
-            ax.legend()
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
