@@ -91,7 +91,9 @@ def chunk_flops(cfg: LlamaConfig, gate: ChunkGateConfig) -> float:
     return cfg.n_kv_heads * (2 * mlp + lstm)
 
 
-def step_flops(cfg: LlamaConfig, held: int, frame: int, decode: int, *, chunks: int = 0, gate: ChunkGateConfig | None = None) -> float:
+def step_flops(
+    cfg: LlamaConfig, held: int, frame: int, decode: int, *, chunks: int = 0, gate: ChunkGateConfig | None = None
+) -> float:
     """All layers' FLOPs of one step starting with ``held`` keys (each new token also sees the earlier new ones)."""
     total = sum(token_flops(cfg, held + i + 1) for i in range(frame + decode))
     if chunks and gate is not None:
@@ -101,13 +103,18 @@ def step_flops(cfg: LlamaConfig, held: int, frame: int, decode: int, *, chunks: 
 
 # ---- caches and history ----------------------------------------------------------------------------
 def kv_configs(args: argparse.Namespace, length: int) -> dict[str, KVConfig]:
+    """Each timed step runs on a fresh copy of the history, so room for the history plus one step suffices;
+    the chunked cache gets a chunk slot for every chunk the history can form (no budget)."""
     step = args.frame + args.decode
-    room = length + (args.warmup + args.repeats + 2) * step
+    sink_slots = args.prompt + args.n_sink + 2 * args.window + step
+    chunk_slots = (length + step) // args.chunk + 1
     return {
-        "full": KVConfig(mode="full", capacity=room + step),
-        "sink_window": KVConfig(mode="sink_window", window=args.window, n_sink=args.n_sink, capacity=args.prompt + args.n_sink + 2 * args.window + step + 64),
-        "chunked": KVConfig(mode="chunked", window=args.window, chunk=args.chunk, capacity=args.prompt + 3 * (args.window + args.chunk) + room // args.chunk + 64),
-    }  # fmt: skip
+        "full": KVConfig(mode="full", capacity=length + step),
+        "sink_window": KVConfig(mode="sink_window", window=args.window, n_sink=args.n_sink, capacity=sink_slots),
+        "chunked": KVConfig(
+            mode="chunked", window=args.window, chunk=args.chunk, capacity=3 * (args.window + args.chunk) + chunk_slots
+        ),
+    }
 
 
 def benchmark_gate(kv_cfg: KVConfig, cfg: LlamaConfig, seed: int, *, calibration_chunks: int = 256) -> ChunkGate:

@@ -215,7 +215,10 @@ class ChunkGate(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.cfg
-        return f"layers={c.n_layers}, chunk={c.chunk}, head_dim={c.head_dim}, agg_hidden={c.aggregator_hidden}, lstm_hidden={c.gate_hidden}"
+        return (
+            f"layers={c.n_layers}, chunk={c.chunk}, head_dim={c.head_dim}, "
+            f"agg_hidden={c.aggregator_hidden}, lstm_hidden={c.gate_hidden}"
+        )
 
 
 def check_gate(gate: ChunkGate, kv_cfg: KVConfig, model_cfg: "LlamaConfig") -> None:
@@ -226,7 +229,9 @@ def check_gate(gate: ChunkGate, kv_cfg: KVConfig, model_cfg: "LlamaConfig") -> N
     for name, value in want.items():
         got = getattr(gate.cfg, name)
         if got != value:
-            raise ValueError(f"ChunkGate has `{name}`={got} but the cache needs {value} (gate built for another model or KVConfig)")
+            raise ValueError(
+                f"ChunkGate has `{name}`={got} but the cache needs {value} (gate built for another model or KVConfig)"
+            )
 
 
 def save_gate(gate: ChunkGate, directory: str | Path, kv_cfg: KVConfig) -> Path:
@@ -266,7 +271,11 @@ def load_gate(directory: str | Path, *, device: torch.device | str = "cpu") -> t
     expected = gate.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
-    shapes = sorted(f"{k}: {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in expected.items() if k in tensors and tensors[k].shape != v.shape)
+    shapes = sorted(
+        f"{k}: {tuple(tensors[k].shape)} != {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in tensors and tensors[k].shape != v.shape
+    )
     if missing or unexpected or shapes:
         raise ValueError(
             f"{directory / GATE_WEIGHTS} does not match {GATE_CONFIG}: missing {missing}, unexpected {unexpected}, shapes {shapes}"

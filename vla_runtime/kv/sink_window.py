@@ -128,7 +128,9 @@ class SinkWindowCache:
         c = self.model_cfg
         return KVStats(
             tokens_raw=held,
-            bytes=kv_bytes(held, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, batch=s.k.shape[1], dtype=s.k.dtype),
+            bytes=kv_bytes(
+                held, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, batch=s.k.shape[1], dtype=s.k.dtype
+            ),
             positions_used=self._positions_used,
             tokens_seen=s.length,
         )
