@@ -164,7 +164,9 @@ class PolicyNode(LifecycleNode):
             self.get_logger().error(f"configure failed: {e}")
             return TransitionCallbackReturn.FAILURE
         self._cfg, self._policy, self._device, self._low, self._high = cfg, policy, device, low, high
-        self._telemetry = PolicyTelemetry()
+        with self._lock:
+            self._telemetry = PolicyTelemetry()
+            self._episode = 0
 
         inputs = MutuallyExclusiveCallbackGroup()
         if cfg.image_transport == "raw":
