@@ -15,7 +15,7 @@ setup(
         ("share/" + package_name, ["package.xml"]),
         # launch/ is a link to the repository's top-level launch/ directory
         ("share/" + package_name + "/launch", sorted(glob("launch/*.launch.py"))),
-        ("share/" + package_name + "/config", sorted(glob("config/*.yaml"))),
+        ("share/" + package_name + "/config", sorted(glob("config/*.yaml") + glob("config/*.xml"))),
     ],
     install_requires=["setuptools"],
     zip_safe=True,

@@ -31,6 +31,8 @@ os.environ["ROS_DOMAIN_ID"] = str(1 + os.getpid() % 230)
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"  # ROS_LOCALHOST_ONLY is deprecated since Jazzy
 os.environ.pop("ROS_LOCALHOST_ONLY", None)
 os.environ.pop("ROS_STATIC_PEERS", None)
+# the shipped Fast DDS profile for frames over 0.5 MB (see config/fastdds_large_frames.xml)
+os.environ["FASTDDS_DEFAULT_PROFILES_FILE"] = str(PACKAGE_ROOT / "config" / "fastdds_large_frames.xml")
 
 
 def pytest_configure(config):

@@ -91,9 +91,12 @@ class Harness:
         self._thread = threading.Thread(target=self.executor.spin, daemon=True)
         self._thread.start()
 
-    def subscribe(self, msg_type: type, topic: str, qos: QoSProfile | int = 10) -> Collector:
+    def subscribe(self, msg_type: type, topic: str, qos: QoSProfile | int = 10, *, publishers: int = 0,
+                  timeout: float = 20.0) -> Collector:
+        """A collecting subscription, returned once ``publishers`` publishers matched it."""
         collector = Collector()
-        self.node.create_subscription(msg_type, topic, collector, qos)
+        sub = self.node.create_subscription(msg_type, topic, collector, qos)
+        wait_for(lambda: sub.get_publisher_count() >= publishers, timeout, f"a publisher on {topic}")
         return collector
 
     def publisher(self, msg_type: type, topic: str, qos: QoSProfile | int = 10, *, subscribers: int = 1, timeout: float = 20.0):

@@ -31,6 +31,7 @@ def make_node(harness, ckpt, **overrides):
         ({"control_rate_hz": 0.0}, "parameter `control_rate_hz` must be > 0, got 0.0"),
         ({"control_rate_hz": "fast"}, "parameter `control_rate_hz` is 'fast' (str); expected float"),
         ({"image_transport": "h264"}, "`image_transport` is 'h264'; expected one of raw, compressed"),
+        ({"image_reliability": "sometimes"}, "`image_reliability` is 'sometimes'; expected one of best_effort, reliable"),
         ({"device": "tpu"}, "parameter `device` is 'tpu'"),
         ({"kv.mode": "paged"}, "`mode` is 'paged'; expected one of full, sink_window, chunked"),
         ({"action_low": [-1.0] * 3, "action_high": [1.0] * 3}, "have 3 values; the policy's actions have 7"),
@@ -73,4 +74,25 @@ def test_every_transition_succeeds_in_process(harness, policy_checkpoints):
         assert node.trigger_configure() == SUCCESS
         assert node.trigger_shutdown() == SUCCESS
     finally:
+        node.destroy_node()
+
+
+def test_a_best_effort_camera_against_a_reliable_subscription_is_reported(harness, policy_checkpoints):
+    from diagnostic_msgs.msg import DiagnosticStatus
+    from ros_harness import Diagnostics
+    from sensor_msgs.msg import Image
+    from rclpy.qos import qos_profile_sensor_data
+
+    node = make_node(harness, policy_checkpoints["single"], image_reliability="reliable", diagnostics_rate_hz=10.0)
+    diag = Diagnostics(harness, "vla_policy_config_test")
+    try:
+        assert node.trigger_configure() == SUCCESS
+        harness.executor.add_node(node)
+        camera = harness.node.create_publisher(Image, "image_raw", qos_profile_sensor_data)
+        status, values = diag.wait(lambda s, v: s.level == DiagnosticStatus.ERROR, what="an ERROR about the camera's QoS")
+        assert "QoS is incompatible with this subscription (RELIABILITY)" in status.message
+        assert values["setup_errors"] == "1" and values["bad_inputs"] == "0"
+        harness.node.destroy_publisher(camera)
+    finally:
+        harness.executor.remove_node(node)
         node.destroy_node()

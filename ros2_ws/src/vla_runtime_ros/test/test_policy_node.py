@@ -34,6 +34,7 @@ JOINTS = ["j0", "j1", "j2"]
 STATE = np.array([0.1, 0.2, 0.3])
 LOW, HIGH = -0.3, 0.3  # clips some dimensions of the test policy's actions
 POLICY = RosTestPolicyConfig()
+MAX_PIXELS = 640 * 480
 ERROR = DiagnosticStatus.ERROR
 
 
@@ -52,7 +53,7 @@ class Rig:
         self.grippers = harness.subscribe(Float32, f"{NODE}/gripper")
         params = dict(
             checkpoint=str(checkpoint), policy_modules=["ros_test_policy"], history="history",
-            control_rate_hz=RATE_HZ, diagnostics_rate_hz=5.0, max_image_age_s=1.0, max_image_pixels=100_000,
+            control_rate_hz=RATE_HZ, diagnostics_rate_hz=5.0, max_image_age_s=1.0, max_image_pixels=MAX_PIXELS,
             use_joint_state=True, joint_names=JOINTS, publish_twist=True,
             action_low=[LOW] * 7, action_high=[HIGH] * 7,
         )
@@ -134,6 +135,12 @@ def test_every_encoding_reaches_the_policy_as_rgb(rig, encoding, make):
     rig.act(make(image), expected(image))
 
 
+def test_vga_frames_cross_processes_best_effort_with_the_shipped_fast_dds_profile(rig):
+    """0.9 MB best-effort frames are lost between processes with Fast DDS defaults (see fastdds_large_frames.xml)."""
+    image = np.repeat(np.repeat(solid_image(8), 10, axis=0), 10, axis=1)  # [480, 640, 3]
+    rig.act(conversions.array_to_image_msg(image), expected(image))
+
+
 def test_mono_frames_become_grey_rgb(rig):
     grey = solid_image(7)[..., 0]
     rig.act(raw_image_msg(grey[..., None].copy(), "mono8", pad=3), expected(np.repeat(grey[..., None], 3, axis=2)))
@@ -187,8 +194,8 @@ BAD_INPUTS = {
     "size-mismatch": ("images", lambda: _image(42, data=bytes(48 * 64 * 3 - 10)), "image data has 9206 bytes; expected step x height"),
     "empty-data": ("images", lambda: _image(43, data=b""), "image data is empty"),
     "zero-size": ("images", lambda: _image(44, width=0, height=0, step=0, data=b""), "image is 0x0"),
-    "huge-image": ("images", lambda: conversions.array_to_image_msg(np.zeros((300, 400, 3), np.uint8)), "400x300 = 120000 pixels"),
-    "huge-header": ("images", lambda: _image(45, width=100_000, height=100_000), "the limit (max_image_pixels) is 100000"),
+    "huge-image": ("images", lambda: conversions.array_to_image_msg(np.zeros((600, 800, 3), np.uint8)), "800x600 = 480000 pixels"),
+    "huge-header": ("images", lambda: _image(45, width=100_000, height=100_000), "the limit (max_image_pixels) is 307200"),
     "empty-instruction": ("instructions", lambda: String(data="   "), "instruction is empty"),
     "non-utf8-instruction": ("instructions", lambda: string_cdr(b"\xff\xfe open \xc3"), "not valid UTF-8"),
     "nan-joint-state": ("joints", lambda: JointState(name=JOINTS, position=[0.1, math.nan, 0.3]), "non-finite positions for ['j1']"),

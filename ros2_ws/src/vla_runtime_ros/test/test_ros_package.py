@@ -72,7 +72,8 @@ def test_setup_py_installs_launch_config_and_the_resource_marker():
     assert data["share/vla_runtime_ros"] == ["package.xml"]
     assert sorted(data["share/vla_runtime_ros/launch"]) == sorted(p.name for p in (REPO / "launch").glob("*.launch.py"))
     assert len(data["share/vla_runtime_ros/launch"]) >= 2  # launch/ in the package is the repository's launch/
-    assert sorted(data["share/vla_runtime_ros/config"]) == sorted(p.name for p in (PACKAGE / "config").glob("*.yaml"))
+    assert sorted(data["share/vla_runtime_ros/config"]) == sorted(p.name for p in (PACKAGE / "config").iterdir())
+    assert "fastdds_large_frames.xml" in data["share/vla_runtime_ros/config"]
     cfg = (PACKAGE / "setup.cfg").read_text()
     assert "script_dir=$base/lib/vla_runtime_ros" in cfg and "install_scripts=$base/lib/vla_runtime_ros" in cfg
 

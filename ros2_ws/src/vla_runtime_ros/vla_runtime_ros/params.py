@@ -22,6 +22,7 @@ from vla_runtime.kv.config import KVConfig
 T = TypeVar("T")
 
 IMAGE_TRANSPORTS = ("raw", "compressed")
+IMAGE_RELIABILITIES = ("best_effort", "reliable")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -53,6 +54,10 @@ class PolicyNodeConfig:
     max_instruction_age_s: float = _help("no action when the instruction is older than this; 0 = never expires", default=0.0)
     max_image_pixels: int = _help("images with more pixels are rejected", default=4096 * 4096)
     image_transport: str = _help("raw (sensor_msgs/Image on image_raw) or compressed (image_raw/compressed)", default="raw")
+    image_reliability: str = _help(
+        "best_effort (matches every camera) or reliable (needs a reliable publisher; large frames without Fast DDS tuning)",
+        default="best_effort",
+    )
     use_joint_state: bool = _help("feed sensor_msgs/JointState positions as the proprio state", default=False)
     joint_names: list[str] = _help("joint order of the state vector; empty = message order", default_factory=list)
     action_low: list[float] = _help("per-dimension lower bounds; empty = no clipping", default_factory=list)
@@ -69,6 +74,10 @@ class PolicyNodeConfig:
             raise ValueError("parameter `checkpoint` is empty; set it to a checkpoint directory (-p checkpoint:=DIR)")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"parameter `device` is {self.device!r}; expected one of {', '.join(DEVICES)} or cuda:N")
+        if self.image_reliability not in IMAGE_RELIABILITIES:
+            raise ValueError(
+                f"parameter `image_reliability` is {self.image_reliability!r}; expected one of {', '.join(IMAGE_RELIABILITIES)}"
+            )
         if self.image_transport not in IMAGE_TRANSPORTS:
             raise ValueError(f"parameter `image_transport` is {self.image_transport!r}; expected one of {', '.join(IMAGE_TRANSPORTS)}")
         for name in ("control_rate_hz", "diagnostics_rate_hz", "max_image_age_s"):

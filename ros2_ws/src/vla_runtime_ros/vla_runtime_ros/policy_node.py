@@ -46,9 +46,10 @@ from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import TwistStamped
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_policy_name_from_kind
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Float32, Float32MultiArray, String
 from std_srvs.srv import Trigger
@@ -60,6 +61,7 @@ from .params import PolicyNodeConfig, declare_config, read_config
 from .telemetry import PolicyTelemetry
 
 SENSOR_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT, durability=DurabilityPolicy.VOLATILE)
+IMAGE_RELIABILITY = {"best_effort": ReliabilityPolicy.BEST_EFFORT, "reliable": ReliabilityPolicy.RELIABLE}
 INSTRUCTION_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 ACTION_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
 RESET_TIMEOUT_S = 30.0
@@ -169,12 +171,14 @@ class PolicyNode(LifecycleNode):
             self._episode = 0
 
         inputs = MutuallyExclusiveCallbackGroup()
-        if cfg.image_transport == "raw":
-            self._subscriptions_.append(self.create_subscription(Image, "image_raw", self._on_image, SENSOR_QOS, callback_group=inputs))
-        else:
-            self._subscriptions_.append(
-                self.create_subscription(CompressedImage, "image_raw/compressed", self._on_image, SENSOR_QOS, callback_group=inputs)
+        image_type, image_topic = (Image, "image_raw") if cfg.image_transport == "raw" else (CompressedImage, "image_raw/compressed")
+        image_qos = QoSProfile(depth=1, reliability=IMAGE_RELIABILITY[cfg.image_reliability], durability=DurabilityPolicy.VOLATILE)
+        self._subscriptions_.append(
+            self.create_subscription(
+                image_type, image_topic, self._on_image, image_qos, callback_group=inputs,
+                event_callbacks=SubscriptionEventCallbacks(incompatible_qos=self._on_incompatible_image_qos),
             )
+        )
         self._subscriptions_.append(
             self.create_subscription(String, "instruction", self._on_instruction, INSTRUCTION_QOS, callback_group=inputs)
         )
@@ -304,7 +308,7 @@ class PolicyNode(LifecycleNode):
             elif len(msg.data) == 0:
                 raise ValueError(f"CompressedImage data is empty (format {msg.format!r})")
         except ValueError as e:
-            self._report_error(f"image rejected: {e}", bad_input=True)
+            self._report_error(f"image rejected: {e}", kind="input")
             return
         with self._lock:
             self._telemetry.frames_received += 1
@@ -313,11 +317,21 @@ class PolicyNode(LifecycleNode):
             self._frame_seq += 1
             self._frame = Frame(msg, now, self._frame_seq)
 
+    def _on_incompatible_image_qos(self, event) -> None:
+        if self._cfg is None:
+            return
+        policy = qos_policy_name_from_kind(event.last_policy_kind)
+        self._report_error(
+            f"a camera publisher's QoS is incompatible with this subscription ({policy}); its frames never arrive. "
+            f"image_reliability is {self._cfg.image_reliability!r}: use best_effort for best-effort cameras",
+            kind="setup",
+        )
+
     def _on_instruction(self, msg: String) -> None:
         try:
             text = conversions.instruction_text(msg.data)
         except ValueError as e:
-            self._report_error(f"instruction rejected: {e}", bad_input=True)
+            self._report_error(f"instruction rejected: {e}", kind="input")
             return
         with self._lock:
             self._instruction = (text, time.monotonic())
@@ -334,7 +348,7 @@ class PolicyNode(LifecycleNode):
         except ValueError as e:
             with self._lock:
                 self._state, self._state_error = None, str(e)
-            self._report_error(f"joint state rejected: {e}", bad_input=True)
+            self._report_error(f"joint state rejected: {e}", kind="input")
             return
         with self._lock:
             self._state, self._state_error = state, ""
@@ -439,14 +453,14 @@ class PolicyNode(LifecycleNode):
         try:
             outcome = future.result()
         except BadInputError as e:
-            self._report_error(f"image rejected: {e}", bad_input=True)
+            self._report_error(f"image rejected: {e}", kind="input")
             return None
         except Exception as e:  # noqa: BLE001 - a failing policy must not take the node down; it is reported
-            self._report_error(f"inference failed: {type(e).__name__}: {e}", bad_input=False)
+            self._report_error(f"inference failed: {type(e).__name__}: {e}", kind="inference")
             return None
         if isinstance(outcome, EpisodeRequest):
             if outcome.error:
-                self._report_error(outcome.error, bad_input=False)
+                self._report_error(outcome.error, kind="inference")
                 return None
             self._queue = ActionQueue(self._session, self._cfg.execution_horizon or None)
             with self._lock:
@@ -456,7 +470,7 @@ class PolicyNode(LifecycleNode):
         if outcome.episode != self._episode:
             return None
         if not np.all(np.isfinite(outcome.action)):
-            self._report_error(f"policy produced non-finite actions {outcome.action.tolist()}", bad_input=False)
+            self._report_error(f"policy produced non-finite actions {outcome.action.tolist()}", kind="inference")
             self._queue.clear()
             return None
         self._last_obs = outcome.observation
@@ -521,10 +535,10 @@ class PolicyNode(LifecycleNode):
         return StepOutcome(episode, action, result, obs, (time.perf_counter() - start) * 1e3, frame)
 
     # ------------------------------------------------------------------ diagnostics
-    def _report_error(self, message: str, *, bad_input: bool) -> None:
+    def _report_error(self, message: str, *, kind: str) -> None:
         self.get_logger().error(message, throttle_duration_sec=1.0)
         with self._lock:
-            self._telemetry.error(message, bad_input=bad_input)
+            self._telemetry.error(message, kind=kind)
         self._publish_diagnostics()
 
     def _publish_diagnostics(self) -> None:

@@ -63,6 +63,7 @@ class PolicyTelemetry:
     frames_stale: int = 0  # control ticks skipped because the newest frame was too old
     bad_inputs: int = 0  # rejected images, instructions, joint states
     inference_errors: int = 0
+    setup_errors: int = 0  # e.g. a camera whose QoS cannot match the subscription
     actions_published: int = 0
     actions_suppressed: int = 0  # computed but not published (dry_run)
     actions_withheld: int = 0  # dropped by the watchdog (stale image / instruction / joint state)
@@ -77,11 +78,10 @@ class PolicyTelemetry:
     latency_ms: Rolling = field(default_factory=Rolling)  # frame receipt -> action published
     action_rate: RateMeter = field(default_factory=RateMeter)
 
-    def error(self, message: str, *, bad_input: bool) -> None:
-        if bad_input:
-            self.bad_inputs += 1
-        else:
-            self.inference_errors += 1
+    def error(self, message: str, *, kind: str) -> None:
+        """Count an error of ``kind`` (``input``, ``inference`` or ``setup``) and keep its message."""
+        counters = {"input": "bad_inputs", "inference": "inference_errors", "setup": "setup_errors"}
+        setattr(self, counters[kind], getattr(self, counters[kind]) + 1)
         self.last_error = message
         self.errors_since_report += 1
 
@@ -113,6 +113,7 @@ class PolicyTelemetry:
             "frames_stale": self.frames_stale,
             "bad_inputs": self.bad_inputs,
             "inference_errors": self.inference_errors,
+            "setup_errors": self.setup_errors,
             "last_error": self.last_error,
             "kv_bytes": self.kv.bytes,
             "kv_tokens_raw": self.kv.tokens_raw,
