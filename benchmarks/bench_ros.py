@@ -160,11 +160,12 @@ def stream_run(harness, checkpoint, modules, tmp, args) -> dict:
                 v = {kv.key: kv.value for kv in status.values}
                 samples.append((time.monotonic() - start, int(v["queue_len"]), float(v["latency_ms_p50"]), rss_mb(proc.proc.pid)))
             mark = len(diag.statuses)
+        elapsed = time.monotonic() - start
+        received = len(actions)
         final = diag.latest()
     finally:
         proc.interrupt()
         proc.close()
-    elapsed = time.monotonic() - start
     t = np.array([s[0] for s in samples])
     early, late = t < t[-1] * 0.25, t > t[-1] * 0.75
     return {
@@ -173,8 +174,8 @@ def stream_run(harness, checkpoint, modules, tmp, args) -> dict:
         "frames_received": int(final["frames_received"]),
         "frames_dropped": int(final["frames_dropped"]),
         "frames_stale": int(final["frames_stale"]),
-        "actions_received": len(actions),
-        "action_rate_hz": len(actions) / elapsed,
+        "actions_received": received,
+        "action_rate_hz": received / elapsed,
         "queue_len_max": max(s[1] for s in samples),
         "latency_p50_early_ms": float(np.median([s[2] for s, e in zip(samples, early) if e])),
         "latency_p50_late_ms": float(np.median([s[2] for s, e in zip(samples, late) if e])),
@@ -189,6 +190,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ["ROS_DOMAIN_ID"] = str(1 + os.getpid() % 230)  # a DDS domain of its own, this machine only
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+    # VGA frames are 0.9 MB: the shipped shared-memory profile carries them best effort (see its comment)
+    os.environ.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", str(REPO / "ros2_ws/src/vla_runtime_ros/config/fastdds_large_frames.xml"))
     from ros_harness import Harness
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_ros_"))

@@ -26,8 +26,10 @@ Threads: subscription callbacks only validate message headers and store the newe
 control timer (the node's default callback group, so it never overlaps a lifecycle transition)
 owns the action queue, the in-flight step and episode changes; it publishes one action per tick
 and, when the queue is empty, hands the newest frame to a one-thread worker that decodes it and
-runs ``ActionQueue.next`` (``session.step``). Diagnostics and the reset service have callback
-groups of their own under a ``MultiThreadedExecutor``.
+runs ``ActionQueue.next`` (``session.step``). A frame arriving between ticks wakes the same group
+through a guard condition, so an idle worker starts at once instead of at the next tick; the
+result still goes out on a tick. Diagnostics and the reset service have callback groups of their
+own under a ``MultiThreadedExecutor``.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class PolicyNode(LifecycleNode):
         self._low: np.ndarray | None = None
         self._high: np.ndarray | None = None
         self._control_timer = None
+        self._frame_guard = None  # wakes the control group when a frame arrives between ticks
         self._diag_timer = None
         self._action_pub = None
         self._chunk_pub = None
@@ -198,6 +201,7 @@ class PolicyNode(LifecycleNode):
             1.0 / cfg.diagnostics_rate_hz, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup()
         )
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vla_policy_step")
+        self._frame_guard = self.create_guard_condition(self._on_frame_ready)  # default group, like the control timer
         self.get_logger().info(
             f"configured: {type(policy).__name__} action_dim={policy.action_dim} chunk={policy.chunk_size} "
             f"history={cfg.history} kv={cfg.kv.mode} control={cfg.control_rate_hz} Hz dry_run={cfg.dry_run}"
@@ -266,6 +270,9 @@ class PolicyNode(LifecycleNode):
         if self._diag_timer is not None:
             self.destroy_timer(self._diag_timer)
             self._diag_timer = None
+        if self._frame_guard is not None:
+            self.destroy_guard_condition(self._frame_guard)
+            self._frame_guard = None
         if self._diag_pub is not None:
             self.destroy_publisher(self._diag_pub)
             self._diag_pub = None
@@ -316,6 +323,8 @@ class PolicyNode(LifecycleNode):
                 self._telemetry.frames_dropped += 1
             self._frame_seq += 1
             self._frame = Frame(msg, now, self._frame_seq)
+        if self._frame_guard is not None:
+            self._frame_guard.trigger()
 
     def _on_incompatible_image_qos(self, event) -> None:
         if self._cfg is None:
@@ -413,7 +422,11 @@ class PolicyNode(LifecycleNode):
         elif self._queue is not None and len(self._queue):
             action, _ = self._queue.next(self._last_obs)
             self._publish(action, received=None)
-        if self._future is None and self._queue is not None and not len(self._queue):
+        self._submit_step()
+
+    def _on_frame_ready(self) -> None:
+        """A frame arrived: start a step now if the worker is idle and nothing is queued (no wait for the tick)."""
+        if self._control_timer is not None:
             self._submit_step()
 
     def _watchdog(self, now: float) -> str:
@@ -439,7 +452,12 @@ class PolicyNode(LifecycleNode):
         return reason
 
     def _submit_step(self) -> None:
+        """Hand the newest unused frame to the worker when no step is in flight and the queue is empty."""
+        if self._future is not None or self._queue is None or len(self._queue):
+            return
         with self._lock:
+            if self._episode_request is not None or self._watchdog(time.monotonic()):
+                return
             frame = self._frame
             if frame is None or frame.seq <= self._used_seq:
                 return  # each frame is acted on once
