@@ -74,3 +74,11 @@ def policy_checkpoints(tmp_path_factory) -> dict[str, Path]:
         "chunk": write_checkpoint(root / "chunk", chunk_size=4),
         "slow": write_checkpoint(root / "slow", step_ms=300.0),
     }
+
+
+@pytest.fixture(scope="session")
+def openvla_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random OpenVLA checkpoint in the upstream Hugging Face layout (``vla-runtime make-tiny``)."""
+    from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
+
+    return make_tiny_openvla(tmp_path_factory.mktemp("openvla") / "tiny-openvla", seed=0)

@@ -38,6 +38,7 @@ class PolicyNodeConfig:
     adapter: str = _help("fine-tuning output directory (LoRA adapter + gates); empty = none", default="")
     device: str = _help("auto (cuda when available), cpu or cuda[:N]", default="auto")
     dtype: str = _help("float32 or bfloat16; empty = the device's default", default="")
+    torch_threads: int = _help("torch CPU threads for inference; 0 = torch's default (all cores)", default=0)
     policy_modules: list[str] = _help(
         "Python modules imported before loading, for policy families registered outside vla_runtime", default_factory=list
     )
@@ -87,6 +88,8 @@ class PolicyNodeConfig:
             raise ValueError(f"parameter `max_instruction_age_s` must be >= 0, got {self.max_instruction_age_s}")
         if self.max_image_pixels < 1:
             raise ValueError(f"parameter `max_image_pixels` must be >= 1, got {self.max_image_pixels}")
+        if self.torch_threads < 0:
+            raise ValueError(f"parameter `torch_threads` must be >= 0, got {self.torch_threads}")
         if self.execution_horizon < 0:
             raise ValueError(f"parameter `execution_horizon` must be >= 0, got {self.execution_horizon}")
         if len(self.action_low) != len(self.action_high):

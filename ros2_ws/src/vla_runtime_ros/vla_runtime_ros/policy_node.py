@@ -56,6 +56,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Float32, Float32MultiArray, String
 from std_srvs.srv import Trigger
 from vla_runtime.api import PRIMARY_CAMERA, ActionQueue, Observation, Policy, StepResult, load_policy
+from vla_runtime.device import resolve_device
 from vla_runtime.kv.base import KVStats
 
 from . import conversions
@@ -154,7 +155,9 @@ class PolicyNode(LifecycleNode):
             cfg = read_config(self, PolicyNodeConfig)
             for module in cfg.policy_modules:
                 importlib.import_module(module)
-            device = resolve_device(cfg.device)
+            device = str(resolve_device(None if cfg.device == "auto" else cfg.device))
+            if cfg.torch_threads:
+                torch.set_num_threads(cfg.torch_threads)
             options = {"device": device}
             if cfg.dtype:
                 options["dtype"] = cfg.dtype
@@ -575,15 +578,6 @@ class PolicyNode(LifecycleNode):
         msg = DiagnosticArray(status=[status])
         msg.header.stamp = self.get_clock().now().to_msg()
         self._diag_pub.publish(msg)
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when available, else ``cpu``; an unavailable CUDA device is an error."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available; use device:=cpu or auto")
-    return device
 
 
 def action_bounds(cfg: PolicyNodeConfig, action_dim: int) -> tuple[np.ndarray | None, np.ndarray | None]:
