@@ -2,9 +2,10 @@
 
 Questions:
 1. How much latency does ROS add? Image publish -> action receipt over Fast DDS (node in a
-   subprocess, lock-step: one frame, wait for its action), minus ``session.step`` on the same
-   checkpoint and frames measured in this process. Measured at two control rates: the node acts on
-   control ticks, so up to about one tick period of the overhead is waiting for ticks.
+   subprocess, lock-step: one frame, wait for its action), minus the step time (frame decode +
+   ``session.step``) the node measured during the same run. Measured at two control rates: actions
+   go out on control ticks, so part of the overhead is waiting for the tick (at most one period).
+   ``session.step`` in this process on the same checkpoint and frames is printed for reference.
 2. Does anything grow under a 30 Hz camera for 60 s (default 5 Hz control)? The node's reported
    queue length, frame-to-action latency early vs late, and its resident memory.
 
@@ -102,8 +103,8 @@ def start_node(harness, checkpoint, modules, tmp: Path, name: str, rate: float, 
     from ros_harness import Diagnostics, NodeProcess
 
     params = dict(checkpoint=str(checkpoint), policy_modules=modules, device=args.device, control_rate_hz=rate,
-                  diagnostics_rate_hz=2.0, max_image_age_s=2.0, default_instruction="pick up the cup")
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+                  torch_threads=args.threads, diagnostics_rate_hz=2.0, max_image_age_s=2.0,
+                  default_instruction="pick up the cup")
     proc = NodeProcess("policy_node", params, tmp, name="vla_policy", namespace=f"/{name}")
     diag = Diagnostics(harness, f"/{name}/vla_policy")
     diag.wait(lambda s, v: v["state"] == "active" and v["episode"] == "1", timeout=120, what=f"the node\n{proc.output()}")
@@ -208,15 +209,16 @@ def main(argv=None) -> int:
         harness.close()
 
     print(f"checkpoint {checkpoint}  frames {args.size[1]}x{args.size[0]} rgb8  threads {args.threads}")
-    print(f"session.step in-process: median {step_p50:.2f} ms (p10 {np.percentile(step, 10):.2f}, p90 {np.percentile(step, 90):.2f})")
-    print("control Hz | e2e median ms | p10 | p90 | node step p50 | ROS overhead ms (e2e - step) | tick period ms")
+    print(f"reference: session.step in this process, median {step_p50:.2f} ms (p10 {np.percentile(step, 10):.2f}, "
+          f"p90 {np.percentile(step, 90):.2f})")
+    print("control Hz | publish->action median ms | p10 | p90 | node step p50 ms | ROS overhead ms | tick period ms")
     results = {"session_step_ms": {"times_ms": step, "median_ms": step_p50}}
     for run in runs:
         lat = run["latency_ms"]
         median = float(np.median(lat))
-        overhead = median - step_p50
-        print(f"{run['control_rate_hz']:10.1f} | {median:13.2f} | {np.percentile(lat, 10):5.2f} | {np.percentile(lat, 90):5.2f} | "
-              f"{run['node_step_ms_p50']:13.2f} | {overhead:28.2f} | {1e3 / run['control_rate_hz']:.1f}")
+        overhead = median - run["node_step_ms_p50"]
+        print(f"{run['control_rate_hz']:10.1f} | {median:25.2f} | {np.percentile(lat, 10):5.2f} | {np.percentile(lat, 90):6.2f} | "
+              f"{run['node_step_ms_p50']:16.2f} | {overhead:15.2f} | {1e3 / run['control_rate_hz']:.1f}")
         results[f"latency_at_{run['control_rate_hz']:g}hz"] = {
             "times_ms": lat, "median_ms": median, "overhead_ms": overhead, "node_step_ms_p50": run["node_step_ms_p50"],
         }
