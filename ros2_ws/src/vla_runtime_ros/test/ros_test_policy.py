@@ -33,6 +33,7 @@ class RosTestPolicyConfig:
     tokens_per_step: int = 10  # image + action tokens a step appends to the cache in history mode
     prompt_tokens: int = 12
     step_ms: float = 0.0  # simulated compute time per step (sleep)
+    fault: str = ""  # "nan": non-finite actions; "raise": step raises RuntimeError (failure-handling tests)
 
 
 def expected_actions(image: np.ndarray, state: np.ndarray | None, cfg: RosTestPolicyConfig) -> np.ndarray:
@@ -61,6 +62,10 @@ class RosTestSession(EpisodeSession):
         if self.policy_config.step_ms:
             time.sleep(self.policy_config.step_ms / 1e3)
         actions = expected_actions(image, obs.state, self.policy_config)
+        if self.policy_config.fault == "raise":
+            raise RuntimeError("test policy fault: CUDA out of memory (simulated)")
+        if self.policy_config.fault == "nan":
+            actions[:, 1] = np.nan
         self.steps += 1
         cfg = self.policy_config
         tokens = cfg.prompt_tokens + cfg.tokens_per_step * (self.steps if self.config.history == "history" else 1)

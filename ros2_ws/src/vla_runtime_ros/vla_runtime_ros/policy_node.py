@@ -131,7 +131,7 @@ class PolicyNode(LifecycleNode):
         self._gripper_pub = None
         self._diag_pub = None
         self._reset_srv = None
-        self._subscriptions_: list = []
+        self._input_subs: list = []
         super().__init__(node_name, **kwargs)
         declare_config(self, PolicyNodeConfig)
         self.add_on_set_parameters_callback(self._on_set_parameters)
@@ -179,17 +179,17 @@ class PolicyNode(LifecycleNode):
         inputs = MutuallyExclusiveCallbackGroup()
         image_type, image_topic = (Image, "image_raw") if cfg.image_transport == "raw" else (CompressedImage, "image_raw/compressed")
         image_qos = QoSProfile(depth=1, reliability=IMAGE_RELIABILITY[cfg.image_reliability], durability=DurabilityPolicy.VOLATILE)
-        self._subscriptions_.append(
+        self._input_subs.append(
             self.create_subscription(
                 image_type, image_topic, self._on_image, image_qos, callback_group=inputs,
                 event_callbacks=SubscriptionEventCallbacks(incompatible_qos=self._on_incompatible_image_qos),
             )
         )
-        self._subscriptions_.append(
+        self._input_subs.append(
             self.create_subscription(String, "instruction", self._on_instruction, INSTRUCTION_QOS, callback_group=inputs)
         )
         if cfg.use_joint_state:
-            self._subscriptions_.append(
+            self._input_subs.append(
                 self.create_subscription(JointState, "joint_states", self._on_joint_state, SENSOR_QOS, callback_group=inputs)
             )
         self._action_pub = self.create_lifecycle_publisher(Float32MultiArray, "~/action", ACTION_QOS)
@@ -263,9 +263,9 @@ class PolicyNode(LifecycleNode):
         if self._worker is not None:
             self._worker.shutdown(wait=True, cancel_futures=True)
             self._worker = None
-        for sub in self._subscriptions_:
+        for sub in self._input_subs:
             self.destroy_subscription(sub)
-        self._subscriptions_ = []
+        self._input_subs = []
         for pub in (self._action_pub, self._chunk_pub, self._twist_pub, self._gripper_pub):
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
