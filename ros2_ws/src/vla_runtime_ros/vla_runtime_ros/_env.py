@@ -45,8 +45,8 @@ def _missing_library_dirs() -> tuple[Path, list[str]] | None:
     if found is None:
         return None
     prefix, lib_dirs = found
-    current = _split(os.environ.get("LD_LIBRARY_PATH"))
-    return prefix, [str(d) for d in lib_dirs if str(d) not in current]
+    current = {os.path.realpath(p) for p in _split(os.environ.get("LD_LIBRARY_PATH"))}
+    return prefix, [str(d) for d in lib_dirs if os.path.realpath(d) not in current]
 
 
 def needs_reexec() -> bool:
