@@ -114,7 +114,7 @@ def test_compressed_jpeg_and_grey_png_decode_to_rgb():
     out = conversions.compressed_msg_to_array(conversions.array_to_compressed_msg(smooth, fmt="jpeg"))
     assert out.shape == (24, 32, 3) and np.abs(out.astype(int) - smooth).max() < 8
     buffer = io.BytesIO()
-    PILImage.fromarray(RGB[..., 0], mode="L").save(buffer, format="PNG")
+    PILImage.fromarray(RGB[..., 0]).save(buffer, format="PNG")
     grey = conversions.compressed_msg_to_array(CompressedImage(format="png", data=buffer.getvalue()))
     np.testing.assert_array_equal(grey, np.repeat(RGB[..., :1], 3, axis=2))
 

@@ -142,7 +142,7 @@ def array_to_compressed_msg(image: np.ndarray, *, fmt: str = "jpeg", stamp: Time
     if fmt not in ("jpeg", "png"):
         raise ValueError(f"compressed format {fmt!r}; expected 'jpeg' or 'png'")
     buffer = io.BytesIO()
-    PILImage.fromarray(image, mode="RGB").save(buffer, format=fmt.upper())
+    PILImage.fromarray(image).save(buffer, format=fmt.upper())
     msg = CompressedImage()
     if stamp is not None:
         msg.header.stamp = stamp
