@@ -129,7 +129,7 @@ def latency_run(harness, checkpoint, modules, tmp, rate, images, args) -> dict:
             count = len(actions)
             sent = time.monotonic()
             pub.publish(msg)
-            wait_for(lambda: len(actions) > count, 30, f"the action for frame {i}")
+            wait_for(lambda count=count: len(actions) > count, 30, f"the action for frame {i}")
             if i >= args.warmup:
                 latencies.append((actions.items[count].t - sent) * 1e3)
         values = diag.latest()
@@ -227,15 +227,16 @@ def main(argv=None) -> int:
           f"(newest-frame policy), {stream['frames_stale']} stale; {stream['actions_received']} actions = "
           f"{stream['action_rate_hz']:.2f} Hz; queue max {stream['queue_len_max']}; frame->action latency p50 "
           f"{stream['latency_p50_early_ms']:.1f} ms early vs {stream['latency_p50_late_ms']:.1f} ms late; node RSS "
-          f"{stream['rss_mb_early']:.0f} MB early vs {stream['rss_mb_late']:.0f} MB late; errors {stream['bad_inputs'] + stream['inference_errors']}")
+          f"{stream['rss_mb_early']:.0f} MB early vs {stream['rss_mb_late']:.0f} MB late; "
+          f"errors {stream['bad_inputs'] + stream['inference_errors']}")
     results["stream"] = stream
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     import torch
 
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": args.device,
-           "threads": args.threads, "machine": platform.processor() or platform.machine(),
-           "git_sha": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
+           "threads": args.threads, "machine": platform.processor() or platform.machine(), "git_sha": sha}
     report = {"env": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "results": results}
     Path(f"{args.out}.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}.json")

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-launch_testing = pytest.importorskip("launch_testing")
+pytest.importorskip("launch_testing")
 pytest.importorskip("launch_ros")
 
 import launch  # noqa: E402
+import launch_testing  # noqa: E402
 import launch_testing.actions  # noqa: E402
 import launch_testing.asserts  # noqa: E402
 import numpy as np  # noqa: E402

@@ -126,7 +126,7 @@ def test_a_failing_policy_is_reported_and_publishes_nothing(harness, tmp_path, f
         camera = harness.publisher(Image, "/cfg/image_raw", qos_profile_sensor_data)
         for seed in range(3):  # every frame fails the same way; the node keeps going
             camera.publish(conversions.array_to_image_msg(solid_image(seed)))
-            status, values = diag.wait(lambda s, v: v["inference_errors"] == str(seed + 1), what=f"error {seed + 1}")
+            status, values = diag.wait(lambda s, v, n=seed + 1: v["inference_errors"] == str(n), what=f"error {seed + 1}")
             assert status.level == DiagnosticStatus.ERROR and message in status.message
         diag.wait(lambda s, v: True, after=len(diag.statuses) + 2, what="more status messages")
         assert len(actions) == 0 and values["bad_inputs"] == "0"

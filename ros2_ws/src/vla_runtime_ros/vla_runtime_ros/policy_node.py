@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import rclpy
 import torch
-from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import TwistStamped
 from rcl_interfaces.msg import SetParametersResult
