@@ -8,7 +8,7 @@ pytest.importorskip("rclpy")
 
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
-from ros_harness import Diagnostics, NodeProcess  # noqa: E402
+from ros_harness import Diagnostics, NodeProcess, wait_for  # noqa: E402
 from ros_test_env import INSTRUCTION, TASK, LineReachEnv  # noqa: E402
 from ros_test_policy import RosTestPolicyConfig, expected_actions  # noqa: E402
 from vla_runtime_ros.sim_node import RESULT_QOS, SimNode  # noqa: E402
@@ -63,3 +63,32 @@ def test_policy_node_drives_the_simulator_through_two_episodes(harness, tmp_path
     episodes = {int(kv.value) for s in policy_diag.statuses for kv in s.values if kv.key == "episode"}
     assert max(episodes) == 2, episodes
     assert f"episode 2: '{INSTRUCTION}'" in policy.output()
+
+
+def test_bad_actions_are_rejected_and_counted_without_stepping(harness):
+    from std_msgs.msg import Float32MultiArray
+
+    from vla_runtime_ros import conversions
+    from vla_runtime_ros.sim_node import ACTION_QOS
+
+    env = LineReachEnv()
+    sim = SimNode(env, context=harness.context, namespace="/simbad", parameter_overrides=[Parameter("task", value=TASK)])
+    diag = Diagnostics(harness, "/simbad/vla_sim")
+    harness.executor.add_node(sim)
+    try:
+        actions = harness.publisher(Float32MultiArray, "/simbad/action", ACTION_QOS)
+        bad = [
+            (Float32MultiArray(data=[0.1, float("nan")] + [0.0] * 5), "non-finite"),
+            (conversions.actions_to_msg(np.zeros((2, 7), np.float32)), "got a chunk of shape (2, 7)"),
+            (conversions.actions_to_msg(np.zeros(4, np.float32)), "expects one action of shape [7]"),
+        ]
+        for count, (msg, message) in enumerate(bad, start=1):
+            actions.publish(msg)
+            status, values = diag.wait(lambda s, v, n=count: v["rejected_actions"] == str(n), what=f"rejection {count}")
+            assert status.level == DiagnosticStatus.ERROR and message in status.message
+        assert env.executed == [] and sim.steps == 0
+        actions.publish(conversions.actions_to_msg(np.full(7, 0.1, np.float32)))
+        wait_for(lambda: sim.steps == 1, 10, "one step")
+    finally:
+        harness.executor.remove_node(sim)
+        sim.destroy_node()

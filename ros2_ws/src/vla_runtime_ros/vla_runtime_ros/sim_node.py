@@ -71,6 +71,7 @@ class SimNode(Node):
         self.running = False
         self.successes = 0
         self.rejected_actions = 0
+        self.idle_actions = 0  # arrived while no episode was running (after the last one)
         self.last_error = ""
         self._obs = None
         self._instruction = ""
@@ -142,6 +143,7 @@ class SimNode(Node):
     # ------------------------------------------------------------------ callbacks
     def _on_action(self, msg: Float32MultiArray) -> None:
         if not self.running:
+            self.idle_actions += 1
             return
         try:
             action = conversions.msg_to_actions(msg)
@@ -177,6 +179,7 @@ class SimNode(Node):
             "running": self.running,
             "successes": self.successes,
             "rejected_actions": self.rejected_actions,
+            "idle_actions": self.idle_actions,
             "last_error": self.last_error,
         }
         status = DiagnosticStatus(
