@@ -12,6 +12,8 @@ import logging
 import sys
 
 COMMANDS: list[str] = [
+    "collect",
+    "eval",
 ]
 
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
-from scipy.spatial.transform import Rotation
 
 from .actions import check_policy_action
 from .base import SimEnv, SimObservation, StepInfo, check_task
@@ -88,6 +87,8 @@ def ee_delta_to_pose(pose: np.ndarray, action: np.ndarray) -> np.ndarray:
 
     The quaternion comes out unit-norm with qw >= 0 (xyzw, as PyRep and RLBench expect).
     """
+    from scipy.spatial.transform import Rotation
+
     pose = np.asarray(pose, dtype=np.float64)
     out = np.empty(8)
     out[:3] = pose[:3] + action[:3]
@@ -99,6 +100,8 @@ def ee_delta_to_pose(pose: np.ndarray, action: np.ndarray) -> np.ndarray:
 
 def pose_to_ee_delta(pose: np.ndarray, next_pose: np.ndarray, gripper_open: float) -> np.ndarray:
     """The 7-D policy delta that moves ``pose`` [7] to ``next_pose`` [7] with the gripper ``gripper_open``."""
+    from scipy.spatial.transform import Rotation
+
     pose, next_pose = np.asarray(pose, dtype=np.float64), np.asarray(next_pose, dtype=np.float64)
     out = np.empty(7)
     out[:3] = next_pose[:3] - pose[:3]
