@@ -48,5 +48,11 @@ def select_gl_backend(environ: dict[str, str] | None = None) -> str:
     if chosen in ("egl", "osmesa"):
         env.setdefault("PYOPENGL_PLATFORM", chosen)
     if environ is None and "mujoco" in sys.modules:
-        log.warning("mujoco was imported before the GL backend was chosen; MUJOCO_GL=%s may not take effect", chosen)
+        loaded = getattr(sys.modules["mujoco"], "GLContext", None)
+        loaded = loaded.__module__.rsplit(".", 1)[-1] if loaded is not None else "none"
+        if loaded != chosen:
+            raise RuntimeError(
+                f"mujoco was imported before the GL backend was chosen and uses {loaded!r}, not {chosen!r}: "
+                f"set MUJOCO_GL={chosen} before importing mujoco or metaworld (or create the simulator first)"
+            )
     return chosen
