@@ -184,8 +184,11 @@ class MetaWorldEnv(SimEnv):
         self._sim = _TaskSim(task, env, variations, renderer, ENV_POLICY_MAP[task]())
         return self._sim
 
-    def _observe(self) -> SimObservation:
+    def render(self) -> dict[str, np.ndarray]:
+        """The configured cameras at the current state: camera -> uint8 [H, W, 3] (``{}`` without cameras)."""
         sim = self._sim
+        if sim is None:
+            raise RuntimeError("call reset(task, seed) before rendering")
         images = {}
         if sim.renderer is not None:
             import mujoco
@@ -197,6 +200,9 @@ class MetaWorldEnv(SimEnv):
                     sim.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = False
                 image = sim.renderer.render()
                 images[camera] = np.ascontiguousarray(image[::-1, ::-1]) if self.config.flip_images else image
+        return images
+
+    def _observe(self) -> SimObservation:
         state = self._raw_obs[: len(STATE_NAMES)].astype(np.float32)
         t = self._steps / self.fps
-        return SimObservation(images=images, state=state, instruction=METAWORLD_INSTRUCTIONS[sim.task], t=t)
+        return SimObservation(images=self.render(), state=state, instruction=METAWORLD_INSTRUCTIONS[self._sim.task], t=t)
