@@ -28,6 +28,7 @@ BYTES_PER_STEP = 64
 class ReplayConfig:
     chunk: int = 1
     action_dim: int = 7
+    nan_after: int | None = None  # emit NaN actions from this step on (a broken policy)
 
 
 class ReplaySession(EpisodeSession):
@@ -48,6 +49,8 @@ class ReplaySession(EpisodeSession):
         chunk = self.actions[self.t : self.t + self.policy.config.chunk]
         if len(chunk) == 0:  # past the demonstration: hold still, gripper as it was
             chunk = np.concatenate([np.zeros(6), self.actions[-1, 6:]])[None]
+        if self.policy.config.nan_after is not None and self.t >= self.policy.config.nan_after:
+            chunk = np.full_like(chunk, np.nan)
         self.t += len(chunk)
         kv = KVStats(tokens_raw=self.t, bytes=self.t * BYTES_PER_STEP, tokens_seen=self.t)
         return StepResult(actions=np.asarray(chunk, dtype=np.float64), timings={"total": 0.0}, kv=kv)
@@ -84,5 +87,5 @@ class ReplayPolicy(Policy):
         return {"family": self.name, "demos": len(self.demos)}
 
 
-def make_replay_policy(dataset_dir, chunk: int = 1, action_dim: int = 7) -> ReplayPolicy:
-    return ReplayPolicy(dataset_dir, ReplayConfig(chunk=chunk, action_dim=action_dim))
+def make_replay_policy(dataset_dir, chunk: int = 1, action_dim: int = 7, nan_after: int | None = None) -> ReplayPolicy:
+    return ReplayPolicy(dataset_dir, ReplayConfig(chunk=chunk, action_dim=action_dim, nan_after=nan_after))

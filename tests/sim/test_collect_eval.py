@@ -121,3 +121,10 @@ def test_eval_rejects_a_policy_it_cannot_map(demos):
     config = EvalConfig(tasks=TASKS[:1], episodes=1)
     with pytest.raises(ValueError, match="action_dim=4 cannot be mapped to metaworld"):
         evaluate(partial(make_replay_policy, root, action_dim=4), partial(make_env, "metaworld", ENV), config, progress=False)
+
+
+def test_eval_counts_an_episode_with_unusable_actions_as_failed(demos):
+    root, _ = demos
+    config = EvalConfig(tasks=TASKS[1:], episodes=1, seed=5)
+    (result,) = evaluate(partial(make_replay_policy, root, nan_after=3), partial(make_env, "metaworld", ENV), config, progress=False)
+    assert not result.success and result.steps == 3 and "non-finite" in result.error

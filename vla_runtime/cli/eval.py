@@ -19,6 +19,7 @@ from ..kv.config import KV_MODES, KVConfig
 from ..sim import METAWORLD_TASKS, make_env
 from ..sim.base import check_task
 from ..sim.evaluate import EvalConfig, evaluate
+from ..sim.rlbench_env import import_rlbench
 from ..sim.report import format_table, plot_summary, summarize, write_report
 from .sim_args import add_sim_args, parse_tasks, sim_config
 
@@ -44,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
     if args.sim == "metaworld":
         for task in tasks:
             check_task(task, METAWORLD_TASKS, "Meta-World")
+    else:
+        try:
+            import_rlbench()
+        except ImportError as e:  # a user error here: say what to install, no traceback
+            raise ValueError(str(e)) from e
     family = detect_family(args.checkpoint)  # fail fast on a wrong path, before any process starts
     session = SessionConfig(kv=KVConfig(mode=args.kv), history=args.history, execution_horizon=args.execution_horizon, seed=args.seed)
     out = Path(args.out) if args.out else Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")

@@ -97,15 +97,19 @@ def run_episode(
         t0 = time.perf_counter()
         action, result = queue.next(obs.to_policy())
         t1 = time.perf_counter()
-        obs, done, success, info = env.step(action)
-        t2 = time.perf_counter()
         policy_s += t1 - t0
-        env_s += t2 - t1
         step_ms.append((t1 - t0) * 1e3)
         if result is not None:
             inference_ms.append((t1 - t0) * 1e3)
             kv_max = max(kv_max, int(result.kv.bytes))
             kv_final = result.kv.as_dict()
+        try:
+            obs, done, success, info = env.step(action)
+        except ValueError as e:  # an action the simulator cannot take (wrong shape, NaN): a failed episode, not a crash
+            log.warning("%s seed %d: episode ended at step %d: %s", task, seed, steps + 1, e)
+            error, success = str(e), False
+            break
+        env_s += time.perf_counter() - t1
         steps = info.step
         error = info.extra.get("error", error)
         if frames is not None:
