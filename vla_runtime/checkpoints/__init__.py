@@ -1,0 +1,1 @@
+"""Reading and writing real on-disk checkpoint formats, and tiny random checkpoints for tests."""
