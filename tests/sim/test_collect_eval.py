@@ -128,3 +128,25 @@ def test_eval_counts_an_episode_with_unusable_actions_as_failed(demos):
     config = EvalConfig(tasks=TASKS[1:], episodes=1, seed=5)
     (result,) = evaluate(partial(make_replay_policy, root, nan_after=3), partial(make_env, "metaworld", ENV), config, progress=False)
     assert not result.success and result.steps == 3 and "non-finite" in result.error
+
+
+def test_eval_tiny_openvla_end_to_end(tmp_path, capsys):
+    """A real (tiny, random) OpenVLA checkpoint through load_policy -> session -> Meta-World, both history modes."""
+    ckpt = tmp_path / "tiny-openvla"
+    assert main(["make-tiny", str(ckpt), "--family", "openvla", "--dtype", "float32"]) == 0
+    kv_max = {}
+    for history in ("single", "history"):
+        out = tmp_path / f"eval-{history}"
+        code = main(["eval", "--checkpoint", str(ckpt), "--sim", "metaworld", "--tasks", "button-press-v3", "--episodes", "1",
+                     "--max-steps", "6", "--resolution", "56", "--kv", "full", "--history", history, "--out", str(out)])
+        assert code == 0
+        report = json.loads((out / "report.json").read_text())
+        assert report["family"] == "openvla"
+        (episode,) = report["episodes"]
+        assert episode["steps"] == 6 and episode["error"] is None and episode["kv_final"]["tokens_raw"] > 0
+        m = report["summary"]["tasks"]["button-press-v3"]
+        assert m["control_rate_hz"] > 0 and m["inference_latency_ms"]["p50"] > 0
+        assert (out / "summary.png").stat().st_size > 5000 and (out / "videos" / "button-press-v3.mp4").stat().st_size > 0
+        kv_max[history] = m["kv_bytes_max"]
+    # history mode keeps the whole episode in one cache; single mode holds one step's context
+    assert kv_max["history"] > kv_max["single"] > 0

@@ -95,7 +95,10 @@ def plot_summary(path: Path, summary: dict, title: str) -> Path | None:
     m = [summary["tasks"][t] for t in tasks]
     x = np.arange(len(tasks))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(tasks) + 4), 4.5))
-    ax1.bar(x, [v["success_rate"] * 100 for v in m], color="tab:green")
+    bars = ax1.bar(x, [v["success_rate"] * 100 for v in m], color="tab:green")
+    for bar, v in zip(bars, m):
+        ax1.annotate(f"{v['successes']}/{v['episodes']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                     ha="center", va="bottom", fontsize=8)
     ax1.set_ylim(0, 100)
     ax1.set_ylabel("success rate (%)")
     ax1.set_title(f"success (overall {summary['overall']['success_rate'] * 100:.0f}%)")
