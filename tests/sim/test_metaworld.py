@@ -94,3 +94,24 @@ def test_instructions_cover_metaworld_tasks():
 
     assert set(METAWORLD_INSTRUCTIONS) == set(ALL_V3_ENVIRONMENTS) == set(ENV_POLICY_MAP)
     assert len(METAWORLD_INSTRUCTIONS) == 50 and len(set(METAWORLD_INSTRUCTIONS.values())) == 50
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_imports_after_rendering():
+    """Mesa's llvmpipe and Triton both bring LLVM; the env imports Triton first so a later import cannot crash.
+
+    Runs in a child process: the failure mode is a segmentation fault.
+    """
+    import subprocess
+    import sys
+
+    code = (
+        "from vla_runtime.sim import MetaWorldConfig, MetaWorldEnv\n"
+        "env = MetaWorldEnv(MetaWorldConfig(resolution=(8, 8)))\n"
+        "env.reset('reach-v3', 0)\n"
+        "import triton, triton.runtime\n"
+        "env.close()\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

@@ -8,6 +8,8 @@ rendering, works on any machine with Debian's ``libosmesa6``).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -56,3 +58,19 @@ def select_gl_backend(environ: dict[str, str] | None = None) -> str:
                 f"set MUJOCO_GL={chosen} before importing mujoco or metaworld (or create the simulator first)"
             )
     return chosen
+
+
+def import_triton_before_gl() -> None:
+    """Import Triton (when installed) before MuJoCo loads its GL library.
+
+    Mesa's software rasteriser (llvmpipe, behind OSMesa and EGL without a GPU) brings its own libLLVM
+    into the process's global symbol scope; Triton, imported afterwards (torch imports it lazily, e.g.
+    through torchvision or torch.compile), then binds its LLVM calls to Mesa's LLVM and the process
+    dies with a segmentation fault. Loaded in the other order, both work.
+    """
+    if "triton" in sys.modules or importlib.util.find_spec("triton") is None:
+        return
+    try:
+        importlib.import_module("triton")
+    except ImportError as e:  # a broken Triton install only matters to code that uses it
+        log.debug("could not pre-import triton: %s", e)

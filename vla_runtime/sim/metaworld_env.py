@@ -21,7 +21,7 @@ import numpy as np
 
 from .actions import MetaWorldActions
 from .base import SimEnv, SimObservation, StepInfo, check_task
-from .gl import select_gl_backend
+from .gl import import_triton_before_gl, select_gl_backend
 from .metaworld_tasks import METAWORLD_INSTRUCTIONS, METAWORLD_TASKS
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class MetaWorldEnv(SimEnv):
     def __init__(self, config: MetaWorldConfig | None = None) -> None:
         self.config = config or MetaWorldConfig()
         self.gl_backend = select_gl_backend()
+        import_triton_before_gl()
         self._sim: _TaskSim | None = None
         self._raw_obs: np.ndarray | None = None
         self._steps = 0
