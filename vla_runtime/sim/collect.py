@@ -107,6 +107,7 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
             state_names=env.state_names,
             action_names=list(POLICY_ACTION_NAMES),
         )
+        # `seeds` fills up while recording; info.json is written when the writer closes
         extra = {"vla_runtime": {"sim": env.name, "action_convention": "ee_delta_7d_gripper_open_1", "episode_seeds": seeds}}
         writer_config = WriterConfig(fps=env.fps, robot_type="sawyer", video_codec=config.video_codec, extra_info=extra)
         with LeRobotWriter(config.out, features, writer_config) as writer, tqdm(
