@@ -116,11 +116,20 @@ def test_eval_parallel_workers_with_action_chunks(demos):
         assert len(r.step_ms) == r.steps and len(r.inference_ms) == -(-r.steps // 4)  # one prediction per 4-action chunk
 
 
-def test_eval_rejects_a_policy_it_cannot_map(demos):
+def test_eval_rejects_a_policy_it_cannot_map(demos, monkeypatch):
     root, _ = demos
-    config = EvalConfig(tasks=TASKS[:1], episodes=1)
+    policy, env = partial(make_replay_policy, root, action_dim=4), partial(make_env, "metaworld", ENV)
     with pytest.raises(ValueError, match="action_dim=4 cannot be mapped to metaworld"):
-        evaluate(partial(make_replay_policy, root, action_dim=4), partial(make_env, "metaworld", ENV), config, progress=False)
+        evaluate(policy, env, EvalConfig(tasks=TASKS[:1], episodes=1), progress=False)
+    # a worker process surfaces the same error to the caller (run here in-process: same functions, no spawn)
+    import torch
+
+    from vla_runtime.sim import evaluate as evaluate_module
+
+    monkeypatch.setattr(evaluate_module, "_worker", {})
+    evaluate_module._init_worker(policy, env, torch.get_num_threads())
+    with pytest.raises(ValueError, match="action_dim=4 cannot be mapped to metaworld"):
+        evaluate_module._worker_episode(TASKS[0], 5, SessionConfig(), None)
 
 
 def test_eval_counts_an_episode_with_unusable_actions_as_failed(demos):

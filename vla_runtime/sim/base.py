@@ -38,6 +38,8 @@ class SimObservation:
     def to_policy(self) -> Observation:
         """The runtime API's observation: the first camera becomes ``"primary"``, the others keep their names."""
         names = list(self.images)
+        if not names:
+            raise ValueError("this observation has no camera images (the simulator was built without cameras)")
         images = {PRIMARY_CAMERA: self.images[names[0]], **{n: self.images[n] for n in names[1:]}}
         return Observation(images=images, state=self.state, t=self.t)
 

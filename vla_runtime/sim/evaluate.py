@@ -123,19 +123,28 @@ def run_episode(
 
 
 # -- worker processes --------------------------------------------------------------------------
-_worker: dict = {}  # per worker process: the policy and simulator its initializer built
+_worker: dict = {}  # per worker process: the factories, then the policy and simulator built from them
 
 
 def _init_worker(policy_factory: PolicyFactory, env_factory: EnvFactory, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    _worker["policy"] = policy_factory()
-    _worker["env"] = env_factory()
-    check_policy_action_dim(_worker["policy"].action_dim, _worker["env"].name)
+    _worker["factories"] = (policy_factory, env_factory)
 
 
 def _worker_episode(task: str, seed: int, session_config: SessionConfig, video_path: Path | None) -> EpisodeResult:
+    # built on the first episode rather than in the initializer: an error here (bad checkpoint, unmappable
+    # action space) reaches the caller as itself instead of as a broken process pool
+    if "policy" not in _worker:
+        policy_factory, env_factory = _worker["factories"]
+        policy, env = policy_factory(), env_factory()
+        try:
+            check_policy_action_dim(policy.action_dim, env.name)
+        except ValueError:
+            env.close()
+            raise
+        _worker["policy"], _worker["env"] = policy, env
     return run_episode(_worker["env"], _worker["policy"], task, seed, session_config, video_path=video_path)
 
 
