@@ -62,7 +62,7 @@ def test_round_trip_is_exact(tmp_path, episodes, codec):
 
 def test_metadata_follows_lerobot_v3_layout(tmp_path, episodes):
     root = tmp_path / "ds"
-    ds = write(root, episodes, video_codec="h264_lossless")
+    write(root, episodes, video_codec="h264_lossless")
     info = json.loads((root / "meta/info.json").read_text())
     assert info["codebase_version"] == "v3.0" and info["fps"] == 10 and info["robot_type"] == "sawyer"
     assert (info["total_episodes"], info["total_frames"], info["total_tasks"]) == (3, 19, 2)

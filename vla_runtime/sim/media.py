@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -17,9 +18,7 @@ def write_preview(path: Path, frames: np.ndarray, *, fps: int) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import av  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("av") is None:
         return _write_gif(path.with_suffix(".gif"), frames, fps=fps)
     from ..data.video import VIDEO_CODECS, VideoWriter
 
