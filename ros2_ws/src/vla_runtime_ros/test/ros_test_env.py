@@ -1,4 +1,4 @@
-"""A small simulator implementing the ``vla_runtime.sim`` env protocol, for the closed-loop ROS test.
+"""A small ``vla_runtime.sim.SimEnv`` for the closed-loop ROS test that needs a policy to succeed.
 
 A point on a line: the camera image's red channel encodes the position, the state is
 ``[x, steps / 100]``, and each 7-D policy action moves the point by ``0.5 * action[0]``. The episode
@@ -8,31 +8,14 @@ and every action it executed, so a test can check that each action was computed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
+from vla_runtime.sim import SimEnv, SimObservation, StepInfo
 
 TASK = "push-right"
 INSTRUCTION = "push the block to the right"
 
 
-@dataclass
-class TestObservation:
-    images: dict[str, np.ndarray]
-    state: np.ndarray
-    instruction: str
-    t: float = 0.0
-
-
-@dataclass
-class TestStepInfo:
-    step: int
-    truncated: bool
-    native_action: np.ndarray
-    extra: dict = field(default_factory=dict)
-
-
-class LineReachEnv:
+class LineReachEnv(SimEnv):
     name = "line-reach"
     fps = 10
 
@@ -43,26 +26,37 @@ class LineReachEnv:
         self.resets: list[tuple[str, int]] = []
         self.x, self.steps = 0.0, 0
 
-    tasks = property(lambda self: [TASK])
-    cameras = property(lambda self: ["front"])
-    state_names = property(lambda self: ["x", "progress"])
-    max_steps = property(lambda self: self._max_steps)
+    @property
+    def tasks(self) -> list[str]:
+        return [TASK]
+
+    @property
+    def cameras(self) -> list[str]:
+        return ["front"]
+
+    @property
+    def state_names(self) -> list[str]:
+        return ["x", "progress"]
+
+    @property
+    def max_steps(self) -> int:
+        return self._max_steps
 
     def instruction(self, task: str) -> str:
         if task != TASK:
             raise KeyError(f"unknown task {task!r}; valid tasks: {TASK}")
         return INSTRUCTION
 
-    def _observe(self) -> TestObservation:
+    def _observe(self) -> SimObservation:
         image = np.zeros((*self.size, 3), np.uint8)
         image[..., 0] = int(np.clip(60 + 150 * self.x, 0, 255))
         image[..., 1] = 90
         image[..., 2] = 30
         state = np.array([self.x, self.steps / 100], dtype=np.float32)
         self.frames.append((image, state))
-        return TestObservation({"front": image}, state, INSTRUCTION, self.steps / self.fps)
+        return SimObservation({"front": image}, state, INSTRUCTION, self.steps / self.fps)
 
-    def reset(self, task: str, seed: int) -> TestObservation:
+    def reset(self, task: str, seed: int) -> SimObservation:
         self.instruction(task)
         self.resets.append((task, seed))
         self.x, self.steps = 0.0, 0
@@ -77,7 +71,5 @@ class LineReachEnv:
         self.steps += 1
         success = self.x > self.goal
         truncated = self.steps >= self._max_steps
-        return self._observe(), success or truncated, success, TestStepInfo(self.steps, truncated and not success, action[:1])
+        return self._observe(), success or truncated, success, StepInfo(self.steps, truncated and not success, action[:1])
 
-    def close(self) -> None:
-        pass

@@ -4,7 +4,6 @@ OpenVLA) as two processes, connected by topics only, as on a robot."""
 import pytest
 
 pytest.importorskip("rclpy")
-pytest.importorskip("vla_runtime.sim")
 pytest.importorskip("metaworld")
 
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402

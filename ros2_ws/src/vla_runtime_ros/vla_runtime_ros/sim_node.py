@@ -32,6 +32,7 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profi
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import Float32MultiArray, String
 from std_srvs.srv import Trigger
+from vla_runtime.sim import SIMULATORS, SimEnv, make_env
 
 from . import conversions
 from .params import SimNodeConfig, declare_config, read_config
@@ -41,10 +42,8 @@ RESULT_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE, durabi
 ACTION_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
 
 
-def build_env(cfg: SimNodeConfig, overrides: dict):
+def build_env(cfg: SimNodeConfig, overrides: dict) -> SimEnv:
     """``vla_runtime.sim.make_env(cfg.sim, <its config with overrides>)``; unknown options raise ``ValueError``."""
-    from vla_runtime.sim import SIMULATORS, make_env
-
     if cfg.sim not in SIMULATORS:
         raise KeyError(f"unknown simulator {cfg.sim!r}; available: {', '.join(sorted(SIMULATORS))}")
     config_cls = SIMULATORS[cfg.sim][1]
@@ -58,7 +57,7 @@ def build_env(cfg: SimNodeConfig, overrides: dict):
 class SimNode(Node):
     """Steps a ``SimEnv`` once per received action and publishes what its cameras and robot state show."""
 
-    def __init__(self, env=None, node_name: str = "vla_sim", **kwargs) -> None:
+    def __init__(self, env: SimEnv | None = None, node_name: str = "vla_sim", **kwargs) -> None:
         super().__init__(node_name, **kwargs)
         declare_config(self, SimNodeConfig)
         self.cfg = read_config(self, SimNodeConfig)
