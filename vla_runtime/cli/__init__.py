@@ -12,6 +12,7 @@ import logging
 import sys
 
 COMMANDS: list[str] = [
+    "convert_gguf",
 ]
 
 

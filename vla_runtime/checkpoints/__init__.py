@@ -1,0 +1,1 @@
+"""Readers and writers of real on-disk checkpoint formats (safetensors HF directories, GGUF)."""
