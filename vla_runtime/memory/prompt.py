@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 
 from .bank import MemoryUnit
 
@@ -27,7 +28,7 @@ class PromptUnit:
     segments: tuple[PromptSegment, ...]
     joint: bool = False
 
-    @property
+    @cached_property
     def token_ids(self) -> tuple[int, ...]:
         return tuple(t for s in self.segments for t in s.token_ids)
 
@@ -59,7 +60,7 @@ class MemoryPrompt:
     def n_prefix(self) -> int:
         return len(self.prefix_ids)
 
-    @property
+    @cached_property
     def n_memory(self) -> int:
         return sum(len(u.token_ids) for u in self.units)
 
