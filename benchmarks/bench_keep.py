@@ -34,6 +34,7 @@ from kitchen_world import KitchenWorld  # noqa: E402
 
 from vla_runtime.checkpoints.causal_lm import load_causal_lm  # noqa: E402
 from vla_runtime.checkpoints.gguf import cached_conversion  # noqa: E402
+from vla_runtime.memory.branches import continuation_logprobs  # noqa: E402
 from vla_runtime.memory import EmbodiedMemory, KVStore, MemoryConfig, MemoryPrefill, PrefillConfig, PromptBuilder, SentenceEncoder  # noqa: E402
 
 METHODS = {
@@ -70,20 +71,8 @@ def parse_args(argv=None):
 
 
 def score_candidates(model, builder, result, candidates) -> torch.Tensor:
-    """Sum log-probability of each candidate continuation after the prompt: [n]."""
-    cache, first = result.cache, result.logits.log_softmax(-1)
-    scores = []
-    for text in candidates:
-        ids = builder.encode(text)
-        s = float(first[ids[0]])
-        if len(ids) > 1:
-            mark = cache.mark()
-            with torch.no_grad():
-                lp = model(torch.tensor([ids[:-1]]), cache=cache)[0].log_softmax(-1)
-            cache.rollback(mark)
-            s += float(sum(lp[i, ids[i + 1]] for i in range(len(ids) - 1)))
-        scores.append(s)
-    return torch.tensor(scores)
+    """Sum log-probability of each candidate continuation after the prompt: [n] (one forward for all)."""
+    return continuation_logprobs(model, result.cache, result.logits, [list(builder.encode(c)) for c in candidates])
 
 
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:

@@ -12,8 +12,8 @@ from vla_runtime.memory import KVStore, MemoryPrefill, PrefillConfig, StoreConfi
 
 from .conftest import make_prompt
 
-LOAD_S = 0.010  # one (segment, layer) load
-COMPUTE_S = 0.060  # one decoder layer
+LOAD_S = 0.020  # one (segment, layer) load
+COMPUTE_S = 0.100  # one decoder layer
 
 
 @pytest.fixture
@@ -50,11 +50,12 @@ def test_loads_exactly_what_is_needed_and_overlap_beats_serial(slow_layers):
         assert len(res.load_log) == len(set(res.load_log)), f"{schedule} loaded something twice"
         assert set(res.load_log) == needed_loads(res, modules), f"{schedule} loaded more or less than needed"
     assert len(serial.load_log) == 27  # prefix and s0: 4 layers each; 4 drops x 3 layers, 3 x 2, 1 x 1
-    # balanced preloads deeper layers while early layers compute: some layer-3 loads happen before any layer-2 one finishes
-    order = [layer for _, layer in balanced.load_log]
-    assert order.index(3) < len(order) - order[::-1].index(2) - 1
+    # the schedules differ in how far ahead of the computing layer they load
+    assert max(serial.load_ahead) == 0
+    assert max(results["next_layer"].load_ahead) == 1
+    assert max(balanced.load_ahead) >= 2  # preloads deeper layers of segments that can no longer be recomputed
     # time: serial pays every load on the critical path; overlapped schedules hide most of them
     assert serial.stats.loader_stall_ms >= 0.9 * 27 * LOAD_S * 1e3
     assert balanced.stats.loader_stall_ms < 0.5 * serial.stats.loader_stall_ms
-    assert walls["balanced"] < walls["serial"] - 0.1
+    assert walls["balanced"] < 0.8 * walls["serial"]
     assert walls["next_layer"] < walls["serial"]

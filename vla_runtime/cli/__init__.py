@@ -13,6 +13,7 @@ import sys
 
 COMMANDS: list[str] = [
     "convert_gguf",
+    "plan",
 ]
 
 

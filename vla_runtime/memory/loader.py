@@ -35,6 +35,8 @@ class LayerLoader:
         self.schedule = schedule
         self.device = device
         self.log: list[tuple[str, int]] = []  # (module, layer) in load order
+        self.ahead: list[int] = []  # per load: its layer minus the layer computing when it finished
+        self._computing = 0
         self.bytes = 0
         self.stall_s = 0.0  # time the compute thread waited for loads
         self._cv = threading.Condition()
@@ -68,6 +70,8 @@ class LayerLoader:
 
     def begin_layer(self, layer: int) -> None:
         """The compute thread starts ``layer``: with ``next_layer``, layer + 1 becomes runnable."""
+        with self._cv:
+            self._computing = layer
         if self.schedule != "next_layer":
             return
         with self._cv:
@@ -119,6 +123,7 @@ class LayerLoader:
             if event is not None:
                 self._events[layer] = event  # a layer's jobs run in order on one stream: the last event covers them
             self.log.append((module, layer))
+            self.ahead.append(layer - self._computing)
             self.bytes += nbytes
             self._pending[layer] -= 1
             self._cv.notify_all()

@@ -13,7 +13,8 @@ The paper's three interfaces: ``load_memory(memory_id, layer_id)``, ``prefill_la
 kv)`` and ``importance_evaluation(layer_id, memory_ids, attention)``.
 
 Units missing from the store (new or changed segments, groups that turned static or dynamic) are
-prefilled first, in one batched forward where every unit sees the system prefix and itself only.
+prefilled first, in one forward where every unit sees the system prefix and itself only
+(``BranchCache``).
 That cost is part of the time to first token.
 """
 
@@ -29,6 +30,7 @@ from ..kv.attention import masked_attention
 from ..kv.full import FullCache
 from ..kv.rope import apply_rope, rope_cos_sin
 from ..models.llama import LlamaForCausalLM
+from .branches import BranchCache
 from .config import PrefillConfig
 from .importance import SegmentAttention, propagate_importance
 from .loader import LayerLoader
@@ -71,6 +73,7 @@ class PrefillResult:
     cache: FullCache  # holds the whole prompt; continue decoding with model(ids, cache=cache)
     stats: PrefillStats
     load_log: list[tuple[str, int]]  # (module, layer) loads in order
+    load_ahead: list[int]  # per load: how many layers ahead of the computing layer it finished
 
 
 class PlanContext:
@@ -112,43 +115,6 @@ class AttentionView:
         scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [1, Hq, R, S]
         scores = scores.masked_fill(~self.mask[idx], float("-inf"))
         return scores.softmax(-1).mean(dim=1)[0]  # [R, S]
-
-
-class _BuildCache:
-    """Prefills many units in one forward: unit ``u``'s tokens sit at ``P .. P + n_u - 1`` after the
-    system prefix (pre-RoPE ``prefix_k``, ``prefix_v``: [L, Hkv, P, D]) and see the prefix and
-    themselves only (causally). Captures every layer's pre-RoPE k and v of the new tokens."""
-
-    def __init__(self, model: LlamaForCausalLM, lengths: list[int], prefix: UnitKV | None, device) -> None:
-        cfg = model.cfg
-        self.rope = cfg.rope
-        self.prefix = prefix
-        p = 0 if prefix is None else prefix.n_tokens
-        t = sum(lengths)
-        unit = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [T]
-        local = torch.cat([torch.arange(n) for n in lengths])  # [T]
-        self.pos = (local + p).to(device)
-        self.cos, self.sin = rope_cos_sin(self.pos, cfg.rope)
-        same = (unit[:, None] == unit[None, :]) & (local[None, :] <= local[:, None])  # [T, T]
-        self.mask = torch.cat([torch.ones(t, p, dtype=torch.bool), same], dim=1).to(device)  # [T, P + T]
-        if prefix is not None:
-            self.pcos, self.psin = rope_cos_sin(torch.arange(p, device=device), cfg.rope)
-        dtype = next(model.parameters()).dtype
-        self.k = torch.empty(cfg.n_layers, cfg.n_kv_heads, t, cfg.head_dim, device=device, dtype=dtype)
-        self.v = torch.empty_like(self.k)
-
-    def attend(self, layer, q, k_raw, v):
-        self.k[layer], self.v[layer] = k_raw[0], v[0]
-        q = apply_rope(q, self.cos, self.sin)
-        k = apply_rope(k_raw, self.cos, self.sin)
-        if self.prefix is not None:
-            pk = apply_rope(self.prefix.k[layer][None].to(k.device), self.pcos, self.psin)
-            k = torch.cat([pk, k], dim=2)  # [1, Hkv, P + T, D]
-            v = torch.cat([self.prefix.v[layer][None].to(v.device), v], dim=2)
-        return masked_attention(q, k, v, self.mask)
-
-    def end_forward(self, *, pin=False):
-        pass
 
 
 class PrefillRun:
@@ -308,8 +274,13 @@ class MemoryPrefill:
 
     @torch.no_grad()
     def _build(self, units: list[tuple[int, ...]], prefix: UnitKV | None) -> list[UnitKV]:
+        """Prefill units in one forward, each right after the system prefix and blind to the others."""
+        ctx_k = ctx_v = None
+        if prefix is not None:
+            cos, sin = rope_cos_sin(torch.arange(prefix.n_tokens, device=self.device), self.model.cfg.rope)
+            ctx_k, ctx_v = apply_rope(prefix.k.to(self.device), cos, sin), prefix.v.to(self.device)  # [L, Hkv, P, D]
         lengths = [len(u) for u in units]
-        cache = _BuildCache(self.model, lengths, prefix, self.device)
+        cache = BranchCache.for_model(self.model, lengths, ctx_k, ctx_v)
         ids = torch.tensor([[t for u in units for t in u]], device=self.device)
         self.model.model(ids, cache=cache)
         out, a = [], 0
@@ -395,4 +366,4 @@ class MemoryPrefill:
             modules_per_layer=run.stats_modules,
         )
         self._run = None
-        return PrefillResult(logits=logits, cache=run.out, stats=stats, load_log=list(loader.log))
+        return PrefillResult(logits=logits, cache=run.out, stats=stats, load_log=list(loader.log), load_ahead=list(loader.ahead))
