@@ -23,6 +23,7 @@ SEGMENTS = {
     "obj:Mug": "{'object': 'Mug', 'state': 'dirty', 'position': 'on the countertop'}",
     "obj:Knife": "{'object': 'Knife', 'state': 'clean', 'position': 'in the drawer'}",
     "rule:0": "Rule: I can only hold one thing at a time.",
+    "example:0": "Human: put the book on the shelf. Robot: 1. find a book, 2. pick up the book, 3. find a shelf, 4. put down the book, 5. done.",
 }
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -37,7 +38,7 @@ def word_tokenizer():
 
     specials = ["<unk>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
     split = pre_tokenizers.Split(r"\w+|[^\w]", "isolated")
-    corpus = [*SEGMENTS.values(), "Memory: Goal: Done so far: nothing yet. What is the next subtask? put the apple on the table; open"]
+    corpus = [*SEGMENTS.values(), "Memory: Human: Robot: 1. 2. 3. 4. put the apple on the table; open"]
     vocab = {t: i for i, t in enumerate(specials)}
     for text in corpus:
         for word, _ in split.pre_tokenize_str(text):
@@ -64,6 +65,7 @@ def memory(encoder):
 
 def test_cut_at_stop():
     assert cut_at_stop("\nOpen the fridge.\nThen", ("\n",)) == ("Open the fridge.", True)
+    assert cut_at_stop(" find a knife, 5. pick", (",", "\n")) == ("find a knife", True)
     assert cut_at_stop("pick up the mug<|end|>", ("<|end|>", "\n")) == ("pick up the mug", True)
     assert cut_at_stop("pick up", ("\n",)) == ("pick up", False)
 
@@ -71,10 +73,12 @@ def test_cut_at_stop():
 def test_prompt_keeps_a_constant_prefix_and_puts_memory_before_the_goal(tiny_llm, memory):
     planner = Planner(tiny_llm, memory)
     prefix1, query1 = planner._texts("put the apple on the table", [])
-    prefix2, query2 = planner._texts("open the fridge", ["pick up the knife"])
+    prefix2, query2 = planner._texts("open the fridge.", ["find a knife", "pick up the knife."])
     assert prefix1 == prefix2 and prefix1.startswith("<|system|>\n") and prefix1.endswith("Memory:\n")
-    assert "Goal: put the apple on the table" in query1 and "Done so far: nothing yet" in query1
-    assert "Done so far: pick up the knife" in query2 and query2.endswith("<|assistant|>\n")
+    assert query1 == "Human: put the apple on the table.<|end|>\n<|assistant|>\nRobot: 1."
+    assert query2.endswith("Human: open the fridge.<|end|>\n<|assistant|>\nRobot: 1. find a knife, 2. pick up the knife, 3.")
+    short = Planner(tiny_llm, memory, PlannerConfig(history=1))._texts("g", ["a", "b", "c"])[1]
+    assert short.endswith("Robot: 3. c, 4.")  # only the most recent, still numbered by their place
 
 
 def test_keep_with_full_recompute_plans_exactly_like_text_memory(tiny_llm, memory):
@@ -150,8 +154,8 @@ def test_subtask_tracker_reports_only_changes():
 
 
 def test_planner_on_smollm2_keep_matches_text_memory(smollm2_dir, encoder):
-    """The real SmolLM2-135M-Instruct: KEEP recomputing everything plans exactly like text memory,
-    the default KEEP plan is one line, and an update changes what is retrieved."""
+    """The real SmolLM2-135M-Instruct: KEEP recomputing everything plans exactly like text memory, and
+    the default KEEP plan is one step (stops at the comma that ends a LoTA step)."""
     from vla_runtime.checkpoints.causal_lm import load_causal_lm
 
     torch.set_num_threads(2)
@@ -162,8 +166,8 @@ def test_planner_on_smollm2_keep_matches_text_memory(smollm2_dir, encoder):
     plans = {}
     for name, prefill in {"full": PrefillConfig(method="full"), "keep-all": PrefillConfig(method="keep", ratios=(1.0,)), "keep": PrefillConfig()}.items():
         planner = Planner(llm, mem, PlannerConfig(prefill=prefill, max_new_tokens=16))
-        plans[name] = planner.next_subtask("put the sliced apple on the table")
+        plans[name] = planner.next_subtask("put the apple on the dining table", ["find an apple"])
     assert plans["keep-all"].instruction == plans["full"].instruction
     for step in plans.values():
-        assert step.instruction and "\n" not in step.instruction and step.new_tokens <= 16
+        assert step.instruction and not set("\n,") & set(step.instruction) and step.new_tokens <= 16
     assert plans["keep"].prefill.recompute_share < 1.0

@@ -1,8 +1,9 @@
 """Planner: goal + memory -> the next subtask instruction for the VLA policy (greedy, stop strings).
 
-The prompt is the model's chat template around
-``[system + "Memory:" header][retrieved memory][goal, finished subtasks, question]``; the memory is
-prefilled by ``MemoryPrefill`` (KEEP by default: stored per-unit KV, multi-hop recomputation,
+The prompt follows LoTA-Bench (the harness KEEP is evaluated with): the model's chat template around
+``[system + "Memory:" header][retrieved memory]["Human: <goal>."]``, and the answer opened as
+``"Robot: 1. <done>, 2. <done>, k."`` so the model writes step k. The memory is prefilled by
+``MemoryPrefill`` (KEEP by default: stored per-unit KV, multi-hop recomputation,
 layer-balanced loading), then the answer is decoded greedily from the assembled cache until a stop
 string, EOS or ``max_new_tokens``. Works with any LLaMA/Qwen2 HF directory loaded by
 ``vla_runtime.checkpoints.causal_lm.load_causal_lm`` (e.g. SmolLM2-135M-Instruct converted by
@@ -32,21 +33,17 @@ _MARK = "\x00MEMORY\x00"
 @dataclass
 class PlannerConfig:
     """Args:
-    system_prompt: the planner's role. question: what is asked after the goal.
+    system_prompt: the planner's role.
     max_new_tokens: longest instruction decoded. stop: strings that end the instruction (not included).
-    history: finished subtasks listed in the prompt (most recent).
+    history: finished subtasks listed in the answer (the most recent, numbered by their place in the plan).
     top_k: segments retrieved (None: the memory's ``top_k``).
     prefill: how the memory's KV is obtained (method, schedule ...). store: KV store tiers.
     """
 
-    system_prompt: str = (
-        "You are the task planner of a household robot. From the robot's memory and the goal, "
-        "say the next single subtask for the robot to do, as one short imperative sentence."
-    )
-    question: str = "What is the next subtask?"
-    max_new_tokens: int = 24
-    stop: tuple[str, ...] = ("\n",)
-    history: int = 8
+    system_prompt: str = "You are a household robot. Plan tasks step by step like the examples in your memory."
+    max_new_tokens: int = 16
+    stop: tuple[str, ...] = (",", "\n")
+    history: int = 12
     top_k: int | None = None
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -93,15 +90,16 @@ class Planner:
 
     def _texts(self, goal: str, done: list[str]) -> tuple[str, str]:
         """(prefix, query) text around the memory, from the tokenizer's chat template when it has one."""
-        recent = done[-self.config.history :] if self.config.history else []
-        finished = "; ".join(recent) if recent else "nothing yet"
-        user = f"Memory:\n{_MARK}Goal: {goal}\nDone so far: {finished}\n{self.config.question}"
+        first = max(0, len(done) - self.config.history) if self.config.history else len(done)
+        steps = "".join(f" {i + 1}. {d.strip().rstrip('.,')}," for i, d in enumerate(done) if i >= first)
+        answer = f"Robot:{steps} {len(done) + 1}."
+        user = f"Memory:\n{_MARK}Human: {goal.strip().rstrip('.')}."
         tok = self.llm.tokenizer
         if getattr(tok, "chat_template", None):
             chat = [{"role": "system", "content": self.config.system_prompt}, {"role": "user", "content": user}]
-            text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + answer
         else:
-            text = f"{self.config.system_prompt}\n\n{user}\nNext subtask:"
+            text = f"{self.config.system_prompt}\n\n{user}\n{answer}"
         prefix, query = text.split(_MARK)
         return prefix, query
 
@@ -140,4 +138,4 @@ class Planner:
             if stopped:
                 break
             logits = model(torch.tensor([[nxt]], device=result.logits.device), cache=result.cache, last_only=True)[0, -1]
-        return text.strip(), len(ids)
+        return text.strip().rstrip("."), len(ids)
