@@ -1,1 +1,2 @@
-"""Readers and writers of real on-disk checkpoint formats (safetensors HF directories, GGUF)."""
+"""Reading and writing real on-disk checkpoint formats (HF safetensors directories, GGUF), and tiny random
+checkpoints for tests."""

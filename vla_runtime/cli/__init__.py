@@ -12,6 +12,12 @@ import logging
 import sys
 
 COMMANDS: list[str] = [
+    "predict",
+    "info",
+    "make_tiny",
+    "demo",
+    "collect",
+    "eval",
     "convert_gguf",
     "plan",
 ]
