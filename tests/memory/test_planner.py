@@ -33,11 +33,11 @@ TEMPLATE = (
 
 def word_tokenizer():
     """A real `tokenizers` word-level tokenizer over this file's texts, with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-    split = pre_tokenizers.Split(r"\w+|[^\w]", "isolated")
+    split = pre_tokenizers.Split(Regex(r"\w+|[^\w]"), "isolated")
     corpus = [*SEGMENTS.values(), "Memory: Human: Robot: 1. 2. 3. 4. put the apple on the table; open"]
     vocab = {t: i for i, t in enumerate(specials)}
     for text in corpus:
