@@ -171,3 +171,34 @@ def test_planner_on_smollm2_keep_matches_text_memory(smollm2_dir, encoder):
     for step in plans.values():
         assert step.instruction and not set("\n,") & set(step.instruction) and step.new_tokens <= 16
     assert plans["keep"].prefill.recompute_share < 1.0
+
+
+def test_plan_cli_plans_like_the_library(tmp_path, encoder, capsys):
+    """`vla-runtime plan` on an HF directory + a memory file gives the library planner's instruction."""
+    from safetensors.torch import save_file
+
+    from vla_runtime.checkpoints.causal_lm import load_causal_lm
+    from vla_runtime.cli import main as cli_main
+    from vla_runtime.models.llama import LlamaConfig, LlamaForCausalLM
+
+    tok = word_tokenizer()
+    cfg = LlamaConfig.from_name("tiny", vocab_size=len(tok))
+    torch.manual_seed(0)
+    model_dir = tmp_path / "planner"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(cfg.to_hf()))
+    save_file({k: v.contiguous() for k, v in LlamaForCausalLM(cfg).state_dict().items()}, str(model_dir / "model.safetensors"))
+    tok.save_pretrained(model_dir)
+    memory_file = tmp_path / "memory.json"
+    memory_file.write_text(json.dumps({"updates": [{"id": k, "text": v} for k, v in SEGMENTS.items()], "advance": 3}))
+    args = ["plan", "--model", str(model_dir), "--memory", str(memory_file), "--goal", "open the fridge",
+            "--done", "find a fridge", "--method", "keep", "--top-k", "4", "--max-new-tokens", "5", "--threads", "1"]  # fmt: skip
+    assert cli_main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    mem = EmbodiedMemory(encoder, MemoryConfig(top_k=4))
+    apply_memory_update(mem, parse_memory_update(memory_file.read_text()))
+    expected = Planner(load_causal_lm(model_dir), mem, PlannerConfig(max_new_tokens=5)).next_subtask("open the fridge", ["find a fridge"])
+    assert out["instruction"] == expected.instruction and out["instruction"]
+    assert out["method"] == "keep" and out["retrieved"] == list(expected.retrieved)
+    assert cli_main(["plan", "--model", str(model_dir), "--memory", str(tmp_path / "none.json"), "--goal", "x"]) == 2
+    assert "none.json does not exist" in capsys.readouterr().err

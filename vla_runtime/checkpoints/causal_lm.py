@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..models.llama import LlamaConfig, LlamaForCausalLM
+from .safetensors_io import weight_files
 
 
 @dataclass
@@ -29,23 +30,9 @@ class CausalLM:
         return self.model.cfg
 
 
-def _weight_files(root: Path) -> list[Path]:
-    single = root / "model.safetensors"
-    if single.is_file():
-        return [single]
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (root / s).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{root}: shards listed in model.safetensors.index.json are missing: {missing}")
-        return [root / s for s in shards]
-    raise FileNotFoundError(f"{root}: no model.safetensors or model.safetensors.index.json")
-
-
 def load_state_dict(root: str | Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
-    for f in _weight_files(Path(root)):
+    for f in weight_files(root):
         state.update(load_file(str(f)))
     return state
 
@@ -54,7 +41,7 @@ def load_causal_lm(
     path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, tokenizer: bool = True
 ) -> CausalLM:
     """Our ``LlamaForCausalLM`` with the directory's weights (strict names) and its tokenizer."""
-    root = Path(path)
+    root = Path(path).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(f"model directory {root} does not exist")
     cfg_file = root / "config.json"
