@@ -64,6 +64,7 @@ class MemoryUnit:
     static: bool
     segments: tuple[SegmentView, ...]
     score: float = 0.0
+    order: tuple[int, int] = (0, 0)  # stable prompt order: static groups by group id, then segments by age
 
 
 class EmbodiedMemory:
@@ -187,17 +188,14 @@ class EmbodiedMemory:
             if self.is_static(group):
                 views = tuple(s.view() for s in sorted(members, key=lambda s: s.order))
                 score = max(scores.get(s.id, 0.0) for s in members)
-                units.append(MemoryUnit(f"group:{group.id}", True, views, score))
+                units.append(MemoryUnit(f"group:{group.id}", True, views, score, (0, group.id)))
             else:
-                units.extend(MemoryUnit(s.id, False, (s.view(),), scores.get(s.id, 0.0)) for s in members)
+                units.extend(MemoryUnit(s.id, False, (s.view(),), scores.get(s.id, 0.0), (1, s.order)) for s in members)
         return units
 
-    def _order(self, units: list[MemoryUnit]) -> list[MemoryUnit]:
-        def key(u: MemoryUnit):
-            first = min(self._segments[s.id].order for s in u.segments)
-            return (not u.static, int(u.id.split(":")[1]) if u.static else first)
-
-        return sorted(units, key=key)
+    @staticmethod
+    def _order(units: list[MemoryUnit]) -> list[MemoryUnit]:
+        return sorted(units, key=lambda u: u.order)
 
     # ---- retrieval ------------------------------------------------------------------------------
     def retrieve(self, query: str, k: int | None = None) -> list[MemoryUnit]:

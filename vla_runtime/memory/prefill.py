@@ -162,13 +162,14 @@ class PrefillRun:
     def end_forward(self, *, pin: bool = False) -> None:
         pass
 
-    def _needed_from_stored(self, computed: torch.Tensor) -> set[str]:
+    def needed_from_stored(self, computed: torch.Tensor) -> set[str]:
+        """Modules that read stored KV when ``computed: [S] bool`` positions are computed."""
         return {m.id for m in self.plan.modules if m.unit is not None and not bool(computed[m.start : m.end].all())}
 
     def _shrink(self, layer: int, nxt: torch.Tensor) -> None:
         if bool((nxt & ~self.computed).any()):
             raise AssertionError(f"{self.method.name}: layer {layer + 1} would compute rows layer {layer} did not")
-        newly = self._needed_from_stored(nxt) - self._needed_from_stored(self.computed)
+        newly = self.needed_from_stored(nxt) - self.needed_from_stored(self.computed)
         for mid in sorted(newly, key=lambda m: self.modules[m].start):
             self.loader.need(mid, range(layer + 1, self.n_layers))
         self.next_computed = nxt
@@ -329,7 +330,7 @@ class MemoryPrefill:
             loader = LayerLoader(self.load_memory, cfg.n_layers, self.config.load_schedule, device=self.device)
             run.loader = loader
             try:
-                needed = run._needed_from_stored(run.computed)
+                needed = run.needed_from_stored(run.computed)
                 for m in plan.modules:
                     if m.id in needed:
                         loader.need(m.id, range(cfg.n_layers))
