@@ -1,1 +1,2 @@
-"""Reading and writing real on-disk checkpoint formats, and tiny random checkpoints for tests."""
+"""Reading and writing real on-disk checkpoint formats (HF safetensors directories, GGUF), and tiny random
+checkpoints for tests."""

@@ -19,6 +19,8 @@ COMMANDS: list[str] = [
     "collect",
     "eval",
     "bench",
+    "convert_gguf",
+    "plan",
 ]
 
 

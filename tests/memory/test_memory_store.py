@@ -1,0 +1,76 @@
+"""Tiered KV store: byte budgets, LRU demotion and dropping, disk tier, layer reads, pins."""
+
+import time
+
+import pytest
+import torch
+
+from vla_runtime.memory import KVStore, StoreConfig, TierConfig, UnitKV
+
+
+def unit(seed, n=4, layers=2):
+    g = torch.Generator().manual_seed(seed)
+    return UnitKV(torch.randn(layers, 2, n, 8, generator=g), torch.randn(layers, 2, n, 8, generator=g))
+
+
+UNIT_BYTES = unit(0).nbytes  # 2 x 2*2*4*8 floats
+
+
+def test_lru_demotes_to_disk_and_drops_from_the_last_tier(tmp_path):
+    store = KVStore(StoreConfig([TierConfig("host", 2 * UNIT_BYTES), TierConfig("disk", 2 * UNIT_BYTES, path=tmp_path)]))
+    for name in "abc":
+        store.put(name, unit(ord(name)))
+    assert [store.tier_of(k) for k in "abc"] == ["disk", "host", "host"]  # a was least recently used
+    store.touch("b")
+    store.put("d", unit(4))
+    assert [store.tier_of(k) for k in "abcd"] == ["disk", "host", "disk", "host"]  # c, not the touched b
+    store.put("e", unit(5))  # b demoted; disk over budget: drops its least recently used unit, a
+    assert "a" not in store and store.tier_of("b") == "disk"
+    assert store.stats()["disk"].dropped == 1 and store.stats()["host"].demoted == 3
+    assert store.stats()["host"].bytes <= 2 * UNIT_BYTES and store.stats()["disk"].bytes <= 2 * UNIT_BYTES
+    # a unit read back from disk is bit-identical
+    torch.testing.assert_close(store.get("c").k, unit(ord("c")).k, rtol=0, atol=0)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+    with pytest.raises(KeyError, match="evicted or never stored"):
+        store.get("a")
+
+
+def test_read_layer_copies_one_layer_slice_from_every_tier(tmp_path):
+    store = KVStore(StoreConfig([TierConfig("host", UNIT_BYTES), TierConfig("disk", 4 * UNIT_BYTES, path=tmp_path)]))
+    store.put("x", unit(1))
+    store.put("y", unit(2))  # x moves to disk
+    for key in ("x", "y"):
+        k, v = torch.empty(2, 2, 8), torch.empty(2, 2, 8)
+        assert store.read_layer(key, 1, 1, 3, k, v) == 2 * k.numel() * 4
+        torch.testing.assert_close(k, unit(1 if key == "x" else 2).k[1, :, 1:3], rtol=0, atol=0)
+        torch.testing.assert_close(v, unit(1 if key == "x" else 2).v[1, :, 1:3], rtol=0, atol=0)
+
+
+def test_pinned_units_stay_put_until_released():
+    store = KVStore(StoreConfig([TierConfig("host", UNIT_BYTES)]))
+    store.put("a", unit(1))
+    with store.pinned(["a", "b"]):  # what a running prefill does with the units it reads
+        store.put("b", unit(2))
+        assert "a" in store and "b" in store  # over budget while pinned
+    assert "a" not in store and "b" in store  # released: the least recently used goes
+    with store.pinned(["b"]):
+        store.put("c", unit(3))  # only c can go
+        assert "b" in store and "c" not in store
+
+
+def test_throttled_tier_honours_its_bandwidth():
+    store = KVStore(StoreConfig([TierConfig("host", 1 << 20, bandwidth=UNIT_BYTES / 2 / 0.05)]))  # a layer in 50 ms
+    store.put("a", unit(1))
+    k, v = torch.empty(2, 4, 8), torch.empty(2, 4, 8)
+    t0 = time.perf_counter()
+    store.read_layer("a", 0, 0, 4, k, v)
+    assert time.perf_counter() - t0 >= 0.05
+
+
+def test_bad_configs_name_the_problem():
+    with pytest.raises(ValueError, match="does not fit any tier"):
+        KVStore(StoreConfig([TierConfig("host", 10)])).put("a", unit(1))
+    with pytest.raises(ValueError, match="needs `path`"):
+        TierConfig("disk")
+    with pytest.raises(ValueError, match="expected one of device, host, disk"):
+        TierConfig("cloud")

@@ -1,0 +1,370 @@
+"""Prefill with memory as a per-layer loop over our decoder (KEEP §4-5; CacheBlend/EPIC/Prompt Cache
+baselines through the same loop).
+
+The decoder runs one layer at a time, ``model.model.layers[l](x, cache)``, with ``x`` holding only
+the rows computed at that layer. ``PrefillRun`` is the cache object the layer talks to (the
+``attend`` protocol): it owns a working buffer of the whole prompt's pre-RoPE keys per layer
+(stored KV loaded for rows not computed, fresh k for computed rows), rotates all keys at their
+absolute positions, and attends with a true causal mask by position (a row sees key j iff
+``pos[j] <= pos[row]``). Values and rotated keys land directly in a ``FullCache`` that afterwards
+holds the whole prompt, so decoding continues with the ordinary model forward.
+
+The paper's three interfaces: ``load_memory(memory_id, layer_id)``, ``prefill_layer(input, layer_id,
+kv)`` and ``importance_evaluation(layer_id, memory_ids, attention)``.
+
+Units missing from the store (new or changed segments, groups that turned static or dynamic) are
+prefilled first, in one forward where every unit sees the system prefix and itself only
+(``BranchCache``).
+That cost is part of the time to first token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kv.attention import masked_attention
+from ..kv.full import FullCache
+from ..kv.rope import apply_rope, rope_cos_sin
+from ..models.llama import LlamaForCausalLM
+from .branches import BranchCache
+from .config import PrefillConfig
+from .importance import SegmentAttention, propagate_importance
+from .loader import LayerLoader
+from .methods import METHODS, Module, Plan, RecomputeMethod, UnitSpec
+from .prompt import MemoryPrompt
+from .store import KVStore, UnitKV, content_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillStats:
+    """What one prefill did. Token-layers count (token, layer) pairs computed."""
+
+    method: str
+    n_tokens: int
+    n_memory: int
+    memory_token_layers: int  # memory tokens x layers
+    recomputed_memory_token_layers: int
+    computed_token_layers: int  # every computed row (prefix, memory, query) x layer
+    units_built: int
+    tokens_built: int
+    loads: int
+    bytes_loaded: int
+    build_ms: float
+    loop_ms: float
+    ttft_ms: float
+    loader_stall_ms: float
+    memory_rows_per_layer: list[int] = field(default_factory=list)
+    modules_per_layer: list[tuple[str, ...]] = field(default_factory=list)  # modules with a computed token
+
+    @property
+    def recompute_share(self) -> float:
+        return self.recomputed_memory_token_layers / max(1, self.memory_token_layers)
+
+
+@dataclass
+class PrefillResult:
+    logits: torch.Tensor  # [V] float32, next-token logits after the prompt
+    cache: FullCache  # holds the whole prompt; continue decoding with model(ids, cache=cache)
+    stats: PrefillStats
+    load_log: list[tuple[str, int]]  # (module, layer) loads in order
+    load_ahead: list[int]  # per load: how many layers ahead of the computing layer it finished
+
+
+class PlanContext:
+    """Keys a method needs: everything stored is tied to the model and the system prefix it saw."""
+
+    def __init__(self, model_tag: str, prefix_ids: tuple[int, ...], store: KVStore) -> None:
+        self.model_tag = model_tag
+        self.prefix_ids = tuple(prefix_ids)
+        self.store = store
+
+    def prefix_key(self, prefix_ids) -> str:
+        return content_key(self.model_tag, "prefix", tuple(prefix_ids))
+
+    def unit_key(self, token_ids, *, kind: str = "unit") -> str:
+        return content_key(self.model_tag, kind, self.prefix_ids, tuple(token_ids))
+
+
+@dataclass
+class AttentionView:
+    """One layer's attention as a method sees it. rows: [T] absolute positions computed (sorted);
+    q: [1, Hq, T, D] and k: [1, Hkv, S, D] rotated; mask: [T, S]; v_fresh / v_stored: [Hkv, T, D]
+    (stored only on layers the plan asked for)."""
+
+    run: "PrefillRun"
+    layer: int
+    rows: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    mask: torch.Tensor
+    v_fresh: torch.Tensor
+    v_stored: torch.Tensor | None
+
+    def probs(self, idx: torch.Tensor) -> torch.Tensor:
+        """Attention probabilities of rows ``idx`` (indices into ``rows``), heads averaged: [len(idx), S]."""
+        q = self.q[:, :, idx].float()  # [1, Hq, R, D]
+        k = self.k.float()
+        groups = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(groups, dim=1)  # [1, Hq, S, D]
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [1, Hq, R, S]
+        scores = scores.masked_fill(~self.mask[idx], float("-inf"))
+        return scores.softmax(-1).mean(dim=1)[0]  # [R, S]
+
+
+class PrefillRun:
+    """One prefill's state; the ``cache`` the decoder layers call. Not reusable across prompts."""
+
+    def __init__(self, engine: "MemoryPrefill", prompt: MemoryPrompt, plan: Plan, ctx: PlanContext, out: FullCache) -> None:
+        cfg = engine.model.cfg
+        self.engine, self.prompt, self.plan, self.ctx, self.out = engine, prompt, plan, ctx, out
+        self.method: RecomputeMethod = engine.method
+        self.n_layers = cfg.n_layers
+        s = prompt.n_tokens
+        dev = engine.device
+        self.pos = torch.arange(s, device=dev)
+        self.cos, self.sin = rope_cos_sin(self.pos, cfg.rope)
+        self.k_pre = torch.empty(cfg.n_layers, cfg.n_kv_heads, s, cfg.head_dim, device=dev, dtype=engine.dtype)
+        self.modules: dict[str, Module] = {m.id: m for m in plan.modules}
+        self.computed = plan.computed.clone()  # [S] bool, current layer
+        self.rows = torch.nonzero(self.computed).flatten().to(dev)  # [T]
+        self.next_computed: torch.Tensor | None = None
+        self.stats_rows: list[int] = []
+        self.stats_total: list[int] = []
+        self.stats_modules: list[tuple[str, ...]] = []
+        self.loader: LayerLoader | None = None
+
+    # the KVCache protocol (the decoder layer only calls attend)
+    def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rows, s = self.rows, self.prompt.n_tokens
+        self.loader.wait(layer)
+        k_pre = self.k_pre[layer]  # [Hkv, S, D]
+        v_all = self.out.v[layer, :, :, :s]  # [1, Hkv, S, D]
+        v_stored = v_all[0][:, rows].clone() if layer in self.plan.stored_value_layers else None
+        k_pre[:, rows] = k_raw[0]
+        v_all[0][:, rows] = v[0]
+        k_rot = apply_rope(k_pre[None], self.cos, self.sin)  # [1, Hkv, S, D]
+        self.out.k[layer, :, :, :s] = k_rot
+        q_rot = apply_rope(q, self.cos[rows], self.sin[rows])
+        mask = self.pos[None, :] <= rows[:, None]  # [T, S]
+        out = masked_attention(q_rot, k_rot, v_all, mask)
+        view = AttentionView(self, layer, rows, q_rot, k_rot, mask, v[0], v_stored)
+        nxt = self.method.after_attention(layer, view)
+        if nxt is not None:
+            self._shrink(layer, nxt)
+        return out
+
+    def end_forward(self, *, pin: bool = False) -> None:
+        pass
+
+    def needed_from_stored(self, computed: torch.Tensor) -> set[str]:
+        """Modules that read stored KV when ``computed: [S] bool`` positions are computed."""
+        return {m.id for m in self.plan.modules if m.unit is not None and not bool(computed[m.start : m.end].all())}
+
+    def _shrink(self, layer: int, nxt: torch.Tensor) -> None:
+        if bool((nxt & ~self.computed).any()):
+            raise AssertionError(f"{self.method.name}: layer {layer + 1} would compute rows layer {layer} did not")
+        newly = self.needed_from_stored(nxt) - self.needed_from_stored(self.computed)
+        for mid in sorted(newly, key=lambda m: self.modules[m].start):
+            self.loader.need(mid, range(layer + 1, self.n_layers))
+        self.next_computed = nxt
+
+    def record(self) -> None:
+        p, m_end = self.prompt.n_prefix, self.prompt.memory_end
+        self.stats_rows.append(int(self.computed[p:m_end].sum()))
+        self.stats_total.append(int(self.computed.sum()))
+        self.stats_modules.append(tuple(m.id for m in self.plan.modules if bool(self.computed[m.start : m.end].any())))
+
+    def advance(self, x: torch.Tensor) -> torch.Tensor:
+        """After a layer: keep the hidden rows the next layer computes. x: [1, T, dim] -> [1, T', dim]."""
+        if self.next_computed is None:
+            return x
+        new_rows = torch.nonzero(self.next_computed).flatten().to(self.rows.device)
+        idx = torch.searchsorted(self.rows, new_rows)
+        self.computed, self.rows, self.next_computed = self.next_computed, new_rows, None
+        return x[:, idx]
+
+    def importance_evaluation(self, layer_id: int, memory_ids: list[str], attention: SegmentAttention) -> list[str]:
+        return self.engine.importance_evaluation(layer_id, memory_ids, attention)
+
+    def store_prompt_kv(self, key: str, n: int) -> None:
+        """Put the first ``n`` prompt tokens' KV (pre-RoPE keys, values) into the store as a unit."""
+        kv = UnitKV(self.k_pre[:, :, :n].clone(), self.out.v[:, 0, :, :n].clone())
+        self.engine.store.put(key, kv)
+
+
+class MemoryPrefill:
+    """The engine: a model, a KV store and one method. ``run(prompt)`` -> logits + a decode-ready cache.
+
+    ``model`` is our ``LlamaForCausalLM`` (any LLaMA/Qwen2 geometry). One run at a time: the returned
+    cache is reused by the next run.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        store: KVStore,
+        config: PrefillConfig | None = None,
+        *,
+        decode_capacity: int = 64,
+    ) -> None:
+        self.model = model
+        self.store = store
+        self.config = config or PrefillConfig()
+        if self.config.method not in METHODS:
+            raise KeyError(f"unknown prefill method {self.config.method!r}; available: {', '.join(sorted(METHODS))}")
+        self.method = METHODS[self.config.method](self.config)
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        self.decode_capacity = decode_capacity
+        self.model_tag = self._fingerprint(model)
+        self._out: FullCache | None = None
+        self._run: PrefillRun | None = None
+
+    @staticmethod
+    def _fingerprint(model: LlamaForCausalLM) -> str:
+        w = model.model.embed_tokens.weight.detach()
+        probe = (float(w[:4].double().sum()), float(model.model.layers[-1].mlp.down_proj.weight.detach()[:2].double().sum()))
+        return content_key(repr(model.cfg), str(w.dtype), probe)
+
+    # ---- the paper's interfaces -----------------------------------------------------------------
+    def load_memory(self, memory_id: str, layer_id: int) -> int:
+        """Copy memory ``memory_id``'s stored KV of layer ``layer_id`` into the running prefill's buffers
+        (keys pre-RoPE; they are rotated to their new positions at attention). Returns bytes moved."""
+        run = self._run
+        m = run.modules[memory_id]
+        a, b = m.start, m.end
+        return self.store.read_layer(
+            m.unit, layer_id, m.offset, m.offset + m.length,
+            run.k_pre[layer_id, :, a:b], run.out.v[layer_id, 0, :, a:b], non_blocking=self.device.type == "cuda",
+        )  # fmt: skip
+
+    def prefill_layer(self, input: torch.Tensor, layer_id: int, kv: PrefillRun) -> tuple[torch.Tensor, PrefillRun]:
+        """Run decoder layer ``layer_id`` on the computed rows ``input: [1, T, dim]`` against ``kv``.
+        Returns the next layer's input (rows it still computes) and the updated KV."""
+        kv.record()
+        out = self.model.model.layers[layer_id](input, kv)
+        return kv.advance(out), kv
+
+    def importance_evaluation(self, layer_id: int, memory_ids: list[str], attention: SegmentAttention) -> list[str]:
+        """The memories to recompute at layer ``layer_id + 1`` (KEEP's multi-hop propagation)."""
+        keep = self.method.segments_at(layer_id + 1)
+        if keep is None:
+            raise TypeError(f"method {self.method.name!r} does not select memories by importance")
+        picked, _ = propagate_importance(
+            attention, min(keep, len(memory_ids)), hops=self.config.hops, hop_weight=self.config.hop_weight
+        )
+        return [memory_ids[i] for i in picked]
+
+    # ---- running --------------------------------------------------------------------------------
+    def _prefix(self, ctx: PlanContext, prefix_ids: tuple[int, ...]) -> tuple[UnitKV | None, int]:
+        """The system prefix's KV (built and stored when missing) and the tokens built for it."""
+        if not prefix_ids:
+            return None, 0
+        key = ctx.prefix_key(prefix_ids)
+        built = 0
+        if key not in self.store:
+            self.store.put(key, self._build([prefix_ids], None)[0])
+            built = len(prefix_ids)
+        return self.store.get(key), built
+
+    @torch.no_grad()
+    def _build(self, units: list[tuple[int, ...]], prefix: UnitKV | None) -> list[UnitKV]:
+        """Prefill units in one forward, each right after the system prefix and blind to the others."""
+        ctx_k = ctx_v = None
+        if prefix is not None:
+            cos, sin = rope_cos_sin(torch.arange(prefix.n_tokens, device=self.device), self.model.cfg.rope)
+            ctx_k, ctx_v = apply_rope(prefix.k.to(self.device), cos, sin), prefix.v.to(self.device)  # [L, Hkv, P, D]
+        lengths = [len(u) for u in units]
+        cache = BranchCache.for_model(self.model, lengths, ctx_k, ctx_v)
+        ids = torch.tensor([[t for u in units for t in u]], device=self.device)
+        self.model.model(ids, cache=cache)
+        out, a = [], 0
+        for n in lengths:
+            out.append(UnitKV(cache.k[:, :, a : a + n].clone(), cache.v[:, :, a : a + n].clone()))
+            a += n
+        return out
+
+    def _ensure_units(self, ctx: PlanContext, prompt: MemoryPrompt, plan: Plan) -> tuple[int, int]:
+        missing = {}
+        for u in plan.units:
+            if u.key not in self.store and u.key not in missing:
+                missing[u.key] = u.token_ids
+        needs_prefix = bool(missing) or any(m.id == "<prefix>" for m in plan.modules)
+        prefix, prefix_built = self._prefix(ctx, prompt.prefix_ids) if needs_prefix else (None, 0)
+        if missing:
+            for key, kv in zip(missing, self._build(list(missing.values()), prefix)):
+                self.store.put(key, kv)
+        return len(missing) + bool(prefix_built), sum(len(t) for t in missing.values()) + prefix_built
+
+    def _out_cache(self, n_tokens: int) -> FullCache:
+        need = n_tokens + self.decode_capacity
+        if self._out is None or self._out.capacity < need:
+            self._out = FullCache(self.model.cfg, capacity=need, device=self.device, dtype=self.dtype)
+        self._out.reset()
+        return self._out
+
+    @torch.no_grad()
+    def run(self, prompt: MemoryPrompt) -> PrefillResult:
+        """Prefill ``prompt``; returns the next-token logits, a decode-ready cache and what it cost."""
+        cfg = self.model.cfg
+        if prompt.n_tokens + self.decode_capacity > cfg.max_position:
+            raise ValueError(
+                f"prompt of {prompt.n_tokens} tokens (+{self.decode_capacity} to decode) exceeds the model's "
+                f"{cfg.max_position} positions; retrieve fewer segments"
+            )
+        t0 = time.perf_counter()
+        ctx = PlanContext(self.model_tag, prompt.prefix_ids, self.store)
+        plan = self.method.plan(prompt, ctx)
+        keys = {m.unit for m in plan.modules if m.unit is not None} | {u.key for u in plan.units}
+        with self.store.pinned(keys):
+            built, built_tokens = self._ensure_units(ctx, prompt, plan)
+            t_built = time.perf_counter()
+            run = PrefillRun(self, prompt, plan, ctx, self._out_cache(prompt.n_tokens))
+            self._run = run
+            loader = LayerLoader(self.load_memory, cfg.n_layers, self.config.load_schedule, device=self.device)
+            run.loader = loader
+            try:
+                needed = run.needed_from_stored(run.computed)
+                for m in plan.modules:
+                    if m.id in needed:
+                        loader.need(m.id, range(cfg.n_layers))
+                    elif m.unit is not None and plan.stored_value_layers:  # CacheBlend compares with stored values
+                        loader.need(m.id, sorted(plan.stored_value_layers))
+                ids = torch.tensor(prompt.token_ids(), device=self.device)
+                x = self.model.model.embed_tokens(ids[run.rows])[None]  # [1, T, dim]
+                for layer in range(cfg.n_layers):
+                    loader.begin_layer(layer)
+                    x, run = self.prefill_layer(x, layer, run)
+                logits = self.model.lm_head(self.model.model.norm(x[:, -1:])).float()[0, -1]
+            finally:
+                loader.close()
+            run.out.length = prompt.n_tokens
+            self.method.finish(run)
+        t1 = time.perf_counter()
+        n_mem = prompt.n_memory
+        stats = PrefillStats(
+            method=self.method.name,
+            n_tokens=prompt.n_tokens,
+            n_memory=n_mem,
+            memory_token_layers=n_mem * cfg.n_layers,
+            recomputed_memory_token_layers=sum(run.stats_rows),
+            computed_token_layers=sum(run.stats_total),
+            units_built=built,
+            tokens_built=built_tokens,
+            loads=len(loader.log),
+            bytes_loaded=loader.bytes,
+            build_ms=(t_built - t0) * 1e3,
+            loop_ms=(t1 - t_built) * 1e3,
+            ttft_ms=(t1 - t0) * 1e3,
+            loader_stall_ms=loader.stall_s * 1e3,
+            memory_rows_per_layer=run.stats_rows,
+            modules_per_layer=run.stats_modules,
+        )
+        self._run = None
+        return PrefillResult(logits=logits, cache=run.out, stats=stats, load_log=list(loader.log), load_ahead=list(loader.ahead))
