@@ -19,6 +19,7 @@ COMMANDS: list[str] = [
     "collect",
     "eval",
     "bench",
+    "finetune",
 ]
 
 
