@@ -32,9 +32,9 @@ _FLOAT = {"type": float, "metavar": "X"}
 
 # (flag, dotted field, argparse kwargs, help)
 FLAGS: list[tuple[str, str, dict, str]] = [
-    ("--checkpoint", "checkpoint", {"type": Path}, "policy checkpoint directory (OpenVLA HF layout)"),
-    ("--dataset", "dataset", {"type": Path}, "local LeRobot dataset directory (v3.0 or v2.1)"),
-    ("--out", "out", {"type": Path}, "output directory (adapter, gates, statistics, log, plot)"),
+    ("--checkpoint", "checkpoint", {"type": Path, "metavar": "DIR"}, "policy checkpoint directory (OpenVLA HF layout)"),
+    ("--dataset", "dataset", {"type": Path, "metavar": "DIR"}, "local LeRobot dataset directory (v3.0 or v2.1)"),
+    ("--out", "out", {"type": Path, "metavar": "DIR"}, "output directory (adapter, gates, statistics, log, plot)"),
     ("--history", "history", {"choices": HISTORY_MODES}, "history (windows of steps, one cache per episode; default) or single"),
     ("--kv", "kv.mode", {"choices": TRAINABLE_KV_MODES}, "cache inference will use: chunked (trains the gate; default) or full"),
     ("--chunk", "kv.chunk", _OPT_INT, "chunk size C of the chunked cache (default 16)"),
@@ -53,7 +53,7 @@ FLAGS: list[tuple[str, str, dict, str]] = [
     ("--dataset-name", "data.dataset_name", {"metavar": "KEY"}, "key in dataset_statistics.json (default: the directory name)"),
     ("--action-mask", "data.action_mask", {"nargs": "+", "type": _bool, "metavar": "BOOL"},
      "per action dim: q01/q99-normalised? (default: all but the last, the gripper)"),
-    ("--cache-dir", "data.cache_dir", {"type": Path}, "decoded-frame cache directory (default OUT/cache)"),
+    ("--cache-dir", "data.cache_dir", {"type": Path, "metavar": "DIR"}, "decoded-frame cache directory (default OUT/cache)"),
     ("--num-workers", "data.num_workers", _OPT_INT, "DataLoader workers building batches (default 0)"),
     ("--gate-temperature", "gate.temperature", _FLOAT, "soft-gate temperature (default 1)"),
     ("--gate-temperature-final", "gate.temperature_final", _FLOAT, "anneal the temperature to this by the last step"),
@@ -69,7 +69,7 @@ FLAGS: list[tuple[str, str, dict, str]] = [
     ("--weight-decay", "weight_decay", _FLOAT, "AdamW weight decay (default 0.01)"),
     ("--max-grad-norm", "max_grad_norm", _FLOAT, "gradient clipping norm (default 1)"),
     ("--action-vocab-loss", "action_vocab_loss", {"action": argparse.BooleanOptionalAction},
-     "cross-entropy over the action tokens only (default: whole vocabulary, as OpenVLA)"),
+     "cross-entropy over the action tokens only (default; --no-action-vocab-loss: whole vocabulary, as OpenVLA)"),
     ("--seed", "seed", _OPT_INT, "seed of initialisation, data order and augmentation (default 0)"),
     ("--device", "device", {"metavar": "DEV"}, "cpu / cuda (default: cuda:LOCAL_RANK if available)"),
     ("--precision", "precision", {"choices": PRECISIONS}, "auto (bf16 autocast on CUDA; default), fp32, bf16"),

@@ -175,8 +175,10 @@ class FinetuneConfig:
         warmup_steps: linear warm-up steps.
         weight_decay: AdamW weight decay (torch's default 0.01, as OpenVLA).
         max_grad_norm: gradient clipping norm; ``None`` = no clipping.
-        action_vocab_loss: cross-entropy over the action tokens only (what the runtime's restricted
-            decoding picks from) instead of the whole vocabulary (OpenVLA).
+        action_vocab_loss: cross-entropy over the ``n_bins`` action tokens, the choice the runtime's
+            (default, restricted) greedy decoding makes, computing only those rows of ``lm_head`` (125x
+            less head work; on tiny models the head dominates). ``False`` = OpenVLA's cross-entropy over
+            the whole vocabulary (use it if you decode with ``restrict_to_action_tokens=False``).
         seed: seeds initialisation, data order and augmentation (resumed runs repeat them exactly).
         device: ``None`` = CUDA if available (``cuda:LOCAL_RANK`` under torchrun), else CPU.
         precision: ``auto`` = bf16 autocast on CUDA, float32 on CPU; ``fp32``; ``bf16`` (autocast).
@@ -207,7 +209,7 @@ class FinetuneConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
-    action_vocab_loss: bool = False
+    action_vocab_loss: bool = True
     seed: int = 0
     device: str | None = None
     precision: str = "auto"

@@ -64,7 +64,7 @@ def lr_factor(step: int, *, schedule: str, warmup: int, max_steps: int) -> float
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def history_kv(kv: KVConfig, policy, data: TrainingData) -> KVConfig:
+def history_kv(kv: KVConfig, data: TrainingData) -> KVConfig:
     """The cache as a history session resolves it: ``window=None`` -> one frame's tokens + the decodes
     (``OpenVLASession._plan_history``). Written explicitly into ``kv_config.json``."""
     if kv.window is not None:
@@ -89,11 +89,12 @@ class Trainer:
         if self.policy.name != "openvla":
             raise ValueError(f"{cfg.checkpoint} is a {self.policy.name!r} checkpoint; fine-tuning supports OpenVLA checkpoints")
         cache_dir = cfg.data.cache_dir or self.out / "cache"
-        if env.is_main:
-            TrainingData.prepare(cfg, self.policy, cache_dir=cache_dir, build_cache=True)  # decode once, rank 0
+        if env.is_main:  # rank 0 decodes the dataset once; the others read its cache (torchrun ends them if it fails)
+            self.data = TrainingData.prepare(cfg, self.policy, cache_dir=cache_dir, build_cache=True)
         self._barrier()
-        self.data = TrainingData.prepare(cfg, self.policy, cache_dir=cache_dir, build_cache=False, progress=False)
-        self.kv = history_kv(cfg.kv, self.policy, self.data) if cfg.history == "history" else cfg.kv
+        if not env.is_main:
+            self.data = TrainingData.prepare(cfg, self.policy, cache_dir=cache_dir, build_cache=False, progress=False)
+        self.kv = history_kv(cfg.kv, self.data) if cfg.history == "history" else cfg.kv
         self.gate = self._gate() if cfg.trains_gate else None
         self.peft_model = self._trainable()
         first, last = self.policy.config.action_token_range
@@ -298,12 +299,7 @@ class Trainer:
                 record = self._record(done, self._reduce(sums.to(self._reduce_device())).cpu(), elapsed, interval_steps, temperature)
                 if env.is_main:
                     outputs.append_log(self.out, record)
-                    bar.set_postfix(ce=f"{record['ce']:.3f}", acc=f"{record['accuracy']:.2f}", kept=f"{record['kept_ratio']:.2f}")
-                    log.info(
-                        "step %d/%d  loss %.4f  ce %.4f  acc %.3f  kept %.3f (hard %.3f)  lr %.2e  T %.3g  %.2f steps/s  %.1f windows/s",
-                        done, cfg.max_steps, record["loss"], record["ce"], record["accuracy"], record["kept_ratio"],
-                        record["hard_kept"], record["lr"], temperature, record["steps_per_s"], record["windows_per_s"],
-                    )  # fmt: skip
+                    self._report(bar, record)
                 sums.zero_()
                 interval_steps, interval_start = 0, time.perf_counter()
             if done % cfg.save_every == 0 or done == cfg.max_steps:
@@ -318,6 +314,16 @@ class Trainer:
             self.save()
         self._barrier()
         return self.out
+
+    def _report(self, bar: tqdm, r: dict) -> None:
+        gate = self.gate is not None
+        kept = {"kept": f"{r['kept_ratio']:.2f}"} if gate else {}
+        bar.set_postfix(ce=f"{r['ce']:.3f}", acc=f"{r['accuracy']:.2f}", **kept)
+        kept_text = f"  kept {r['kept_ratio']:.3f} (hard {r['hard_kept']:.3f})  T {r['temperature']:.3g}" if gate else ""
+        log.info(
+            "step %d/%d  loss %.4f  ce %.4f  acc %.3f%s  lr %.2e  %.2f steps/s  %.1f windows/s",
+            r["step"], self.cfg.max_steps, r["loss"], r["ce"], r["accuracy"], kept_text, r["lr"], r["steps_per_s"], r["windows_per_s"],
+        )  # fmt: skip
 
     def _reduce_device(self) -> torch.device:
         return self.device if self.env.world > 1 and self.device.type == "cuda" else torch.device("cpu")

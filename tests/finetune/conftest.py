@@ -16,8 +16,8 @@ TASKS = ("reach the red block", "press the button on the wall")
 ACTION_NAMES = ["dx", "dy", "dz", "droll", "dpitch", "dyaw", "gripper"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():  # session scope: also covers the module-scoped training fixtures
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

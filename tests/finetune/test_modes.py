@@ -32,7 +32,7 @@ def act(policy) -> np.ndarray:
 
 def test_from_scratch_trains_every_used_weight_and_writes_a_full_checkpoint(tiny_ckpt, tiny_dataset, tmp_path):
     out = tmp_path / "scratch"
-    trainer = Trainer(make_config(tiny_ckpt, tiny_dataset, out, trainable="all", max_steps=3, action_vocab_loss=True, lr=1e-3))
+    trainer = Trainer(make_config(tiny_ckpt, tiny_dataset, out, trainable="all", max_steps=3, lr=1e-3))
     before = snapshot(trainer.module)
     trainer.train()
     moved = changed(before, trainer.module)
@@ -69,7 +69,7 @@ def test_gates_only_changes_only_the_gate(tiny_ckpt, tiny_dataset, tmp_path):
 
 def test_single_mode_trains_without_a_gate(tiny_ckpt, tiny_dataset, tmp_path):
     out = tmp_path / "single"
-    trainer = Trainer(make_config(tiny_ckpt, tiny_dataset, out, history="single", max_steps=2, lora={"target_modules": "llm-linear"}))
+    trainer = Trainer(make_config(tiny_ckpt, tiny_dataset, out, history="single", max_steps=2, lora={"target_modules": "llm-linear"}, action_vocab_loss=False))
     assert trainer.gate is None and all(len(lay.target_pos) == 7 for lay in trainer.data.layouts.values())
     assert len(trainer.data.windows) == 39  # every frame is a sample
     trainer.train()
@@ -110,3 +110,25 @@ def test_cli_runs_from_a_yaml_config_with_flag_overrides(tiny_ckpt, tiny_dataset
     assert (out / "merged" / "model.safetensors").is_file()
     assert main(["--config", str(config), "--out", str(out), "--max-steps", "2"]) == 2
     assert "already holds a fine-tuning run" in capsys.readouterr().err
+
+
+def test_gradient_checkpointing_gives_the_same_training(tiny_ckpt, tiny_dataset, tmp_path):
+    run = {"max_steps": 2, "lora": {"rank": 4}, "lr": 1e-2}
+    for name, flag in (("plain", False), ("checkpointed", True)):
+        Trainer(make_config(tiny_ckpt, tiny_dataset, tmp_path / name, gradient_checkpointing=flag, **run)).train()
+    plain = load_file(str(tmp_path / "plain" / "checkpoints" / "last" / "trainable.safetensors"))
+    checkpointed = load_file(str(tmp_path / "checkpointed" / "checkpoints" / "last" / "trainable.safetensors"))
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_trains_under_bf16_autocast_with_gradient_checkpointing(tiny_ckpt, tiny_dataset, tmp_path):
+    out = tmp_path / "cuda"
+    trainer = Trainer(make_config(tiny_ckpt, tiny_dataset, out, max_steps=3, gradient_checkpointing=True))
+    assert trainer.device.type == "cuda" and next(trainer.module.parameters()).dtype == torch.float32
+    trainer.train()
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["loss"]) for r in log)
+    policy = load_policy(tiny_ckpt, adapter=out, device="cuda")
+    assert np.isfinite(act(policy)).all()
