@@ -4,7 +4,9 @@ Question: how fast does fine-tuning run on this machine, and what do the chunked
 LoRA and full training cost? Every variant trains the same tiny checkpoint (``make_tiny_openvla``,
 proprio projector) on the same synthetic LeRobot v3 dataset (written with ``vla_runtime.data``) for
 ``--warmup + --repeats`` steps in this process; the time of each step comes from the trainer's own
-JSONL log (``log_every=1``: data, forward, backward and optimizer; checkpoint saving excluded).
+JSONL log (``log_every=1``: data, forward, backward and optimizer; checkpoint saving excluded), wall
+time and this process's CPU time (the steadier number on a shared machine; with ``--threads 1`` it is the
+wall time an idle core would take).
 
 Variants (``--variants``): ``lora-chunked`` (the default recipe: LoRA + gate, history mode, parallel
 form; the baseline), ``lora-full`` (history mode, plain causal attention), ``gates`` (gates only),
@@ -96,12 +98,15 @@ def run_variant(name: str, args: argparse.Namespace, ckpt: Path, dataset: Path, 
     trainer.train()
     records = [json.loads(line) for line in (cfg.out / "train_log.jsonl").read_text().splitlines()][args.warmup :]
     times = [1e3 / r["steps_per_s"] for r in records]
+    cpu = [r["cpu_ms_per_step"] for r in records]
     layout = next(iter(trainer.data.layouts.values()))
     return {
         "times_ms": times,
         "median_ms": statistics.median(times),
         "p10_ms": float(np.percentile(times, 10)),
         "p90_ms": float(np.percentile(times, 90)),
+        "cpu_ms": cpu,
+        "median_cpu_ms": statistics.median(cpu),
         "windows_per_s": statistics.median(r["windows_per_s"] for r in records),
         "tokens_per_window": layout.n_tokens,
         "trainable": sum(p.numel() for p in trainer.module.parameters() if p.requires_grad),
@@ -138,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     baseline = results[args.variants[0]]["median_ms"]
     print(f"threads {args.threads}, batch {args.batch_size} windows x {args.window} steps, image {args.image_size}px, chunk {args.chunk}")
     width = max(len(n) for n in results)
-    print(f"{'variant':<{width}} | {'median ms/step':>14} | {'p10':>7} | {'p90':>7} | {'steps/s':>7} | {'windows/s':>9} | {'tokens/win':>10} | ratio")
+    print(f"{'variant':<{width}} | {'median ms/step':>14} | {'p10':>7} | {'p90':>7} | {'CPU ms':>7} | {'steps/s':>7} | {'windows/s':>9} | {'tokens/win':>10} | ratio")
     for name, r in results.items():
         r["ratio"] = r["median_ms"] / baseline
         print(
-            f"{name:<{width}} | {r['median_ms']:>14.1f} | {r['p10_ms']:>7.1f} | {r['p90_ms']:>7.1f} | {1e3 / r['median_ms']:>7.2f} | "
+            f"{name:<{width}} | {r['median_ms']:>14.1f} | {r['p10_ms']:>7.1f} | {r['p90_ms']:>7.1f} | {r['median_cpu_ms']:>7.1f} | {1e3 / r['median_ms']:>7.2f} | "
             f"{r['windows_per_s']:>9.1f} | {r['tokens_per_window']:>10} | {r['ratio']:.2f}"
         )
     out = Path(args.out)
