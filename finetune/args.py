@@ -56,7 +56,7 @@ FLAGS: list[tuple[str, str, dict, str]] = [
     ("--cache-dir", "data.cache_dir", {"type": Path, "metavar": "DIR"}, "decoded-frame cache directory (default OUT/cache)"),
     ("--num-workers", "data.num_workers", _OPT_INT, "DataLoader workers building batches (default 0)"),
     ("--gate-temperature", "gate.temperature", _FLOAT, "soft-gate temperature (default 1)"),
-    ("--gate-temperature-final", "gate.temperature_final", _FLOAT, "anneal the temperature to this by the last step"),
+    ("--gate-temperature-final", "gate.temperature_final", _FLOAT, "temperature at the last step (geometric anneal; default 0.1)"),
     ("--retention-target", "gate.retention_target", _FLOAT, "mean keep probability the retention term pulls toward (default 0.5)"),
     ("--retention-weight", "gate.retention_weight", _FLOAT, "weight of the retention term (default 1)"),
     ("--gate-lr", "gate.lr", _FLOAT, "learning rate of the aggregator and gate (default 5e-3)"),

@@ -122,8 +122,9 @@ class GateTraining:
 
     Args:
         temperature: soft gate ``g = sigmoid((s - tau) / temperature)`` at the start of training.
-        temperature_final: temperature at the last step (geometric anneal, so soft gates approach the
-            hard decisions inference takes); ``None`` = constant.
+        temperature_final: temperature at the last step (geometric anneal from ``temperature``), so the
+            soft gates end close to the hard keep/drop decisions inference takes (at T = 1 a chunk the
+            hard gate drops still gets weight g ~ 0.3 in training); ``None`` = constant.
         retention_target: the mean keep probability the retention term pulls toward.
         retention_weight: weight of ``(mean g - retention_target)^2`` in the loss; 0 = no pull.
         lr: learning rate of the gate and aggregator (the untrained gate keeps every chunk by a margin
@@ -131,7 +132,7 @@ class GateTraining:
     """
 
     temperature: float = 1.0
-    temperature_final: float | None = None
+    temperature_final: float | None = 0.1
     retention_target: float = 0.5
     retention_weight: float = 1.0
     lr: float = 5e-3

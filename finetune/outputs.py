@@ -143,7 +143,7 @@ def plot_curves(out: Path, *, retention_target: float | None) -> Path | None:
     panels = 3 if retention_target is not None else 2
     fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 3.4))
     axes[0].plot(steps, [r["ce"] for r in records])
-    axes[0].set(title="action-token cross-entropy", xlabel="step", yscale="log")
+    axes[0].set(title="action-token cross-entropy", xlabel="step")
     axes[1].plot(steps, [r["accuracy"] for r in records])
     axes[1].set(title="action-token accuracy", xlabel="step", ylim=(0, 1))
     if retention_target is not None:

@@ -192,7 +192,7 @@ class Trainer:
         groups = [g for g in groups if g["params"]]
         counts = {g["name"]: sum(p.numel() for p in g["params"]) for g in groups}
         total = sum(p.numel() for p in self.module.parameters())
-        log.info("trainable parameters: %s of %d (%s)", f"{sum(counts.values()):,}", total, ", ".join(f"{k} {v:,}" for k, v in counts.items()))
+        log.info("trainable parameters: %s of %s (%s)", f"{sum(counts.values()):,}", f"{total:,}", ", ".join(f"{k} {v:,}" for k, v in counts.items()))
         return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
