@@ -57,6 +57,10 @@ def write_run_config(out: Path, cfg) -> None:
     (out / RUN_CONFIG).write_text(yaml.safe_dump(data, sort_keys=False))
 
 
+def recorded_max_steps(out: Path) -> int:
+    return int(yaml.safe_load((out / RUN_CONFIG).read_text())["max_steps"])
+
+
 def config_changes(out: Path, cfg) -> list[str]:
     """Fields (dotted) whose value differs from the run recorded in ``out``, ignoring ``RESUMABLE_CHANGES``."""
     old = yaml.safe_load((out / RUN_CONFIG).read_text())

@@ -143,6 +143,9 @@ class Trainer:
             changes = outputs.config_changes(out, cfg)
             if changes:
                 raise ValueError(f"--resume: the config differs from the run in {out}: {'; '.join(changes)}")
+            before = outputs.recorded_max_steps(out)
+            if before != cfg.max_steps and (cfg.lr_schedule != "constant" or cfg.gate.temperature_final is not None):
+                log.warning("--resume: max_steps %d -> %d stretches the lr / gate-temperature schedules from here on", before, cfg.max_steps)
         elif any((out / name).exists() for name in ours):
             raise ValueError(f"{out} already holds a fine-tuning run; pass --resume to continue it or choose a new --out")
 

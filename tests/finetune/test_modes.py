@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from vla_finetune import outputs
 from vla_finetune.lora import is_unused, unused_by_forward
 from vla_finetune.train import main
 from vla_finetune.trainer import Trainer
@@ -79,20 +80,35 @@ def test_single_mode_trains_without_a_gate(tiny_ckpt, tiny_dataset, tmp_path):
     assert all("vision" not in t and "lm_head" not in t for t in adapter["target_modules"])
 
 
-def test_resume_continues_exactly(tiny_ckpt, tiny_dataset, tmp_path):
-    run = {"max_steps": 4, "save_every": 2, "lora": {"rank": 4}, "lr": 1e-2}
+class Killed(Exception):
+    pass
+
+
+def test_resume_continues_exactly(tiny_ckpt, tiny_dataset, tmp_path, monkeypatch):
+    run = {"max_steps": 4, "save_every": 2, "lora": {"rank": 4}, "lr": 1e-2, "lr_schedule": "cosine"}
     Trainer(make_config(tiny_ckpt, tiny_dataset, tmp_path / "straight", **run)).train()
-    Trainer(make_config(tiny_ckpt, tiny_dataset, tmp_path / "halves", **{**run, "max_steps": 2})).train()
+    save = outputs.save_training_state
+
+    def save_then_die(out, *, step, params, optimizer):
+        save(out, step=step, params=params, optimizer=optimizer)
+        raise Killed(f"killed after step {step}")
+
+    monkeypatch.setattr(outputs, "save_training_state", save_then_die)
+    with pytest.raises(Killed, match="after step 2"):
+        Trainer(make_config(tiny_ckpt, tiny_dataset, tmp_path / "killed", **run)).train()
+    monkeypatch.setattr(outputs, "save_training_state", save)
     with pytest.raises(ValueError, match="already holds a fine-tuning run"):
-        Trainer(make_config(tiny_ckpt, tiny_dataset, tmp_path / "halves", **run))
+        Trainer(make_config(tiny_ckpt, tiny_dataset, tmp_path / "killed", **run))
     with pytest.raises(ValueError, match=r"lr: 0.01 -> 0.02"):
-        Trainer(make_config(tiny_ckpt, tiny_dataset, tmp_path / "halves", **{**run, "lr": 2e-2}, resume=True))
-    Trainer(make_config(tiny_ckpt, tiny_dataset, tmp_path / "halves", **run, resume=True)).train()
+        Trainer(make_config(tiny_ckpt, tiny_dataset, tmp_path / "killed", **{**run, "lr": 2e-2}, resume=True))
+    resumed = Trainer(make_config(tiny_ckpt, tiny_dataset, tmp_path / "killed", **run, resume=True))
+    assert resumed.start_step == 2
+    resumed.train()
     straight = load_file(str(tmp_path / "straight" / "checkpoints" / "last" / "trainable.safetensors"))
-    halves = load_file(str(tmp_path / "halves" / "checkpoints" / "last" / "trainable.safetensors"))
+    halves = load_file(str(tmp_path / "killed" / "checkpoints" / "last" / "trainable.safetensors"))
     for name in straight:
         torch.testing.assert_close(halves[name], straight[name], atol=1e-6, rtol=1e-5)
-    steps = [json.loads(line)["step"] for line in (tmp_path / "halves" / "train_log.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "killed" / "train_log.jsonl").read_text().splitlines()]
     assert steps == [2, 4]
 
 
