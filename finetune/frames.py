@@ -40,7 +40,7 @@ class DecodedDataset:
     Args:
         frames: uint8 [F, H, W, 3], episode after episode.
         actions: [F, A] float32. states: [F, P] float32 or ``None``.
-        lengths: frames per episode; ``offsets[e]`` is episode e's first frame.
+        lengths: frames per episode (``offsets[e]``, derived, is episode e's first frame).
         tasks: instruction per episode.
         action_names, state_names: feature names from ``info.json`` (``None`` when unnamed).
     """
@@ -53,9 +53,8 @@ class DecodedDataset:
     action_names: list[str] | None
     state_names: list[str] | None
 
-    @property
-    def offsets(self) -> list[int]:
-        return [0, *np.cumsum(self.lengths).tolist()][:-1]
+    def __post_init__(self) -> None:
+        self.offsets = [0, *np.cumsum(self.lengths).tolist()][:-1]  # episode e's first frame
 
     def episode_slice(self, episode: int) -> slice:
         start = self.offsets[episode]
