@@ -47,7 +47,9 @@ VARIANTS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench_finetune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench_finetune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (pinned for every variant)")
     p.add_argument("--warmup", type=int, default=3)
@@ -72,7 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def write_dataset(root: Path, *, episodes: int, length: int, image: int, seed: int) -> Path:
     rng = np.random.default_rng(seed)
-    features = DatasetFeatures(cameras={"front": (image, image)}, state_names=list("abcd"), action_names=[f"a{i}" for i in range(7)])
+    features = DatasetFeatures(
+        cameras={"front": (image, image)}, state_names=list("abcd"), action_names=[f"a{i}" for i in range(7)]
+    )
     with LeRobotWriter(root, features, WriterConfig(fps=10)) as writer:
         for e in range(episodes):
             t = np.arange(length)
@@ -138,18 +142,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ckpt = make_tiny_openvla(work / "ckpt", dtype=torch.float32, image_size=args.image_size, proprio_dim=4)
-        dataset = write_dataset(work / "data", episodes=args.episodes, length=args.episode_length, image=args.image_size, seed=args.seed)
+        dataset = write_dataset(
+            work / "data", episodes=args.episodes, length=args.episode_length, image=args.image_size, seed=args.seed
+        )
         results = {name: run_variant(name, args, ckpt, dataset, work) for name in args.variants}
     baseline = results[args.variants[0]]["median_ms"]
-    print(f"threads {args.threads}, batch {args.batch_size} windows x {args.window} steps, image {args.image_size}px, chunk {args.chunk}")
+    print(f"threads {args.threads}, batch {args.batch_size} windows x {args.window} steps, "
+          f"image {args.image_size}px, chunk {args.chunk}")  # fmt: skip
     width = max(len(n) for n in results)
-    print(f"{'variant':<{width}} | {'median ms/step':>14} | {'p10':>7} | {'p90':>7} | {'CPU ms':>7} | {'steps/s':>7} | {'windows/s':>9} | {'tokens/win':>10} | ratio")
+    columns = ["median ms/step", "p10", "p90", "CPU ms", "steps/s", "windows/s", "tokens/win", "ratio"]
+    print(" | ".join([f"{'variant':<{width}}", *(f"{c:>10}" for c in columns)]))
     for name, r in results.items():
         r["ratio"] = r["median_ms"] / baseline
-        print(
-            f"{name:<{width}} | {r['median_ms']:>14.1f} | {r['p10_ms']:>7.1f} | {r['p90_ms']:>7.1f} | {r['median_cpu_ms']:>7.1f} | {1e3 / r['median_ms']:>7.2f} | "
-            f"{r['windows_per_s']:>9.1f} | {r['tokens_per_window']:>10} | {r['ratio']:.2f}"
-        )
+        values = [r["median_ms"], r["p10_ms"], r["p90_ms"], r["median_cpu_ms"], 1e3 / r["median_ms"], r["windows_per_s"]]
+        cells = [f"{v:>10.1f}" if i != 4 else f"{v:>10.2f}" for i, v in enumerate(values)]
+        print(" | ".join([f"{name:<{width}}", *cells, f"{r['tokens_per_window']:>10}", f"{r['ratio']:>10.2f}"]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

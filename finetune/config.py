@@ -65,7 +65,9 @@ class LoraSettings:
             )
         if isinstance(self.target_modules, (list, tuple)):
             if not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
-                raise ValueError(f"`target_modules` must be a shorthand or a non-empty list of names, got {self.target_modules}")
+                raise ValueError(
+                    f"`target_modules` must be a shorthand or a non-empty list of names, got {self.target_modules}"
+                )
             self.target_modules = list(self.target_modules)
         if self.init not in ("gaussian", "default"):
             raise ValueError(f"`init` is {self.init!r}; expected 'gaussian' or 'default'")
@@ -224,19 +226,30 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         self.checkpoint, self.dataset, self.out = Path(self.checkpoint), Path(self.dataset), Path(self.out)
-        choices = {"trainable": TRAINABLE, "history": HISTORY_MODES, "lr_schedule": LR_SCHEDULES, "precision": PRECISIONS}
+        choices = {
+            "trainable": TRAINABLE,
+            "history": HISTORY_MODES,
+            "lr_schedule": LR_SCHEDULES,
+            "precision": PRECISIONS,
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` is {getattr(self, name)!r}; expected one of {', '.join(allowed)}")
         if self.kv.mode not in TRAINABLE_KV_MODES:
             raise ValueError(f"`kv.mode` is {self.kv.mode!r}; training supports {', '.join(TRAINABLE_KV_MODES)}")
         if self.trainable == "gates" and not self.trains_gate:
-            raise ValueError("`trainable: gates` needs history mode with kv.mode 'chunked' (there is no gate to train otherwise)")
+            raise ValueError(
+                "`trainable: gates` needs history mode with kv.mode 'chunked' (there is no gate to train otherwise)"
+            )
         if self.merge and self.trainable != "lora":
-            raise ValueError(f"`merge` merges LoRA into the checkpoint; trainable={self.trainable!r} has no LoRA to merge")
+            raise ValueError(
+                f"`merge` merges LoRA into the checkpoint; trainable={self.trainable!r} has no LoRA to merge"
+            )
         _check_positive(self, "batch_size", "grad_accum", "max_steps", "lr", "log_every", "save_every")
         if self.warmup_steps < 0 or self.weight_decay < 0:
-            raise ValueError(f"`warmup_steps` and `weight_decay` must be >= 0, got {self.warmup_steps}, {self.weight_decay}")
+            raise ValueError(
+                f"`warmup_steps` and `weight_decay` must be >= 0, got {self.warmup_steps}, {self.weight_decay}"
+            )
         if self.max_grad_norm is not None:
             _check_positive(self, "max_grad_norm")
         if self.save_dtype is not None and self.save_dtype not in DTYPES:

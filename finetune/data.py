@@ -67,7 +67,9 @@ def check_features(ds: LeRobotDataset, *, camera: str | None, action_dim: int, p
     if missing:
         raise ValueError(f"dataset {ds.root} lacks required feature(s) {missing}; its features: {sorted(features)}")
     if not ds.cameras:
-        raise ValueError(f"dataset {ds.root} has no image or video feature (observation.images.*); its features: {sorted(features)}")
+        raise ValueError(
+            f"dataset {ds.root} has no image or video feature (observation.images.*); its features: {sorted(features)}"
+        )
     if camera is None:
         camera = ds.cameras[0]
     elif camera not in ds.cameras:
@@ -87,7 +89,9 @@ def check_features(ds: LeRobotDataset, *, camera: str | None, action_dim: int, p
             )
         state = int((features[lerobot.STATE_KEY].get("shape") or [0])[0])
         if state != proprio_dim:
-            raise ValueError(f"dataset {lerobot.STATE_KEY!r} is {state}-D; the policy's proprio projector takes {proprio_dim}-D")
+            raise ValueError(
+                f"dataset {lerobot.STATE_KEY!r} is {state}-D; the policy's proprio projector takes {proprio_dim}-D"
+            )
     return camera
 
 
@@ -116,7 +120,11 @@ class TrainingData:
         self.action_dim = decoded.actions.shape[1]
         self.dataset_name = dataset_name
         entry = dataset_statistics(
-            decoded.actions, decoded.states, mask=action_mask, n_episodes=len(decoded.lengths), action_names=decoded.action_names
+            decoded.actions,
+            decoded.states,
+            mask=action_mask,
+            n_episodes=len(decoded.lengths),
+            action_names=decoded.action_names,
         )
         self.statistics = {dataset_name: entry}
         action_stats = ActionStats.from_dict(entry["action"])
@@ -141,19 +149,30 @@ class TrainingData:
                 "lower `data.window`"
             )
         if short:
-            log.warning("%d of %d episodes are shorter than the %d-step window and are not used", short, len(decoded.lengths), window)
+            log.warning(
+                "%d of %d episodes are shorter than the %d-step window and are not used",
+                short,
+                len(decoded.lengths),
+                window,
+            )
         self.buckets: dict[tuple, list[int]] = {}
         for i, w in enumerate(self.windows):
             self.buckets.setdefault(self.bucket_key(w), []).append(i)
         self.layouts = {key: self._layout(self.windows[idx[0]])[0] for key, idx in self.buckets.items()}
 
     @classmethod
-    def prepare(cls, cfg: FinetuneConfig, policy, *, cache_dir: Path, build_cache: bool, progress: bool = True) -> "TrainingData":
+    def prepare(
+        cls, cfg: FinetuneConfig, policy, *, cache_dir: Path, build_cache: bool, progress: bool = True
+    ) -> "TrainingData":
         """Check ``cfg.dataset`` against the policy, decode it (cached) and build the windows."""
         ds = LeRobotDataset(cfg.dataset)
-        camera = check_features(ds, camera=cfg.data.camera, action_dim=policy.action_dim, proprio_dim=policy.config.proprio_dim)
+        camera = check_features(
+            ds, camera=cfg.data.camera, action_dim=policy.action_dim, proprio_dim=policy.config.proprio_dim
+        )
         decoded = cached_dataset(ds, camera, cache_dir, build=build_cache, progress=progress)
-        mask = cfg.data.action_mask if cfg.data.action_mask is not None else default_action_mask(decoded.actions.shape[1])
+        mask = (
+            cfg.data.action_mask if cfg.data.action_mask is not None else default_action_mask(decoded.actions.shape[1])
+        )
         return cls(
             decoded,
             policy=policy,
@@ -178,7 +197,11 @@ class TrainingData:
         rows = self._frames(w)
         prev = int(self.action_ids[rows.start - 1, -1]) if self.history and w.start > 0 else None
         forwards = window_forwards(
-            self.prompts[w.episode], self.action_ids[rows].tolist(), history=self.history, has_proprio=self.has_proprio, prev_token=prev
+            self.prompts[w.episode],
+            self.action_ids[rows].tolist(),
+            history=self.history,
+            has_proprio=self.has_proprio,
+            prev_token=prev,
         )
         return flatten(forwards, n_image_tokens=self.n_image_tokens, action_dim=self.action_dim)
 
@@ -224,7 +247,18 @@ class MicroBatches(Dataset):
     ``i % grad_accum``; see the module docstring for the order.
     """
 
-    def __init__(self, data: TrainingData, *, batch_size: int, grad_accum: int, max_steps: int, seed: int, rank: int = 0, world: int = 1, start_step: int = 0) -> None:
+    def __init__(
+        self,
+        data: TrainingData,
+        *,
+        batch_size: int,
+        grad_accum: int,
+        max_steps: int,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
+        start_step: int = 0,
+    ) -> None:
         self.data, self.batch_size, self.grad_accum = data, batch_size, grad_accum
         self.seed, self.rank, self.world, self.start_step = seed, rank, world, start_step
         self.n_steps = max_steps - start_step

@@ -90,11 +90,15 @@ def build_cache(ds: LeRobotDataset, camera: str, directory: Path, *, progress: b
         ep = ds.episode(i)
         images = ep.images[camera]
         if frames is None:
-            frames = np.lib.format.open_memmap(tmp / "frames.npy", mode="w+", dtype=np.uint8, shape=(total, *images.shape[1:]))
+            frames = np.lib.format.open_memmap(
+                tmp / "frames.npy", mode="w+", dtype=np.uint8, shape=(total, *images.shape[1:])
+            )
             actions = np.zeros((total, ep.action.shape[1]), dtype=np.float32)
             states = None if ep.state is None else np.zeros((total, ep.state.shape[1]), dtype=np.float32)
         if images.shape[1:] != frames.shape[1:]:
-            raise ValueError(f"episode {i}: camera {camera!r} frames are {images.shape[1:]}, episode 0's are {frames.shape[1:]}")
+            raise ValueError(
+                f"episode {i}: camera {camera!r} frames are {images.shape[1:]}, episode 0's are {frames.shape[1:]}"
+            )
         n = len(ep)
         if n != lengths[i]:
             raise ValueError(f"episode {i}: the episode index says {lengths[i]} frames, its data has {n}")
@@ -137,7 +141,9 @@ def load_cache(directory: Path) -> DecodedDataset:
     )
 
 
-def cached_dataset(ds: LeRobotDataset, camera: str, cache_dir: Path, *, build: bool, progress: bool = True) -> DecodedDataset:
+def cached_dataset(
+    ds: LeRobotDataset, camera: str, cache_dir: Path, *, build: bool, progress: bool = True
+) -> DecodedDataset:
     """The decoded dataset from ``cache_dir``; ``build=True`` decodes it first if absent (rank 0 only;
     the others call with ``build=False`` after a barrier)."""
     directory = Path(cache_dir) / f"{ds.root.name}-{camera}-{cache_key(ds.root, camera)}"

@@ -98,12 +98,21 @@ def flatten(forwards: Sequence[Forward], *, n_image_tokens: int, action_dim: int
         return torch.tensor(values, dtype=torch.long)
 
     layout = FlatLayout(
-        tuple(boundaries), pinned, as_tensor(text_pos), as_tensor(image_pos), as_tensor(proprio_pos), as_tensor(target_pos)
+        tuple(boundaries),
+        pinned,
+        as_tensor(text_pos),
+        as_tensor(image_pos),
+        as_tensor(proprio_pos),
+        as_tensor(target_pos),
     )
     return layout, text_ids
 
 
 def same_positions(a: FlatLayout, b: FlatLayout) -> bool:
-    return a.boundaries == b.boundaries and a.pinned == b.pinned and all(
-        torch.equal(getattr(a, f), getattr(b, f)) for f in ("text_pos", "image_pos", "proprio_pos", "target_pos")
+    return (
+        a.boundaries == b.boundaries
+        and a.pinned == b.pinned
+        and all(
+            torch.equal(getattr(a, f), getattr(b, f)) for f in ("text_pos", "image_pos", "proprio_pos", "target_pos")
+        )
     )

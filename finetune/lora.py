@@ -61,7 +61,9 @@ def resolve_targets(model: nn.Module, targets: str | list[str]) -> list[str]:
     """
     if isinstance(targets, str):
         if targets not in TARGET_SETS:
-            raise KeyError(f"unknown LoRA target shorthand {targets!r}; known: {', '.join(sorted(TARGET_SETS))} (or a list of layer names)")
+            raise KeyError(
+                f"unknown LoRA target shorthand {targets!r}; known: {', '.join(sorted(TARGET_SETS))} (or a list of layer names)"
+            )
         return TARGET_SETS[targets](model)
     layers = linear_layers(model)
     found, unknown = set(), []

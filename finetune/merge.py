@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 BESIDE = (GATE_WEIGHTS, GATE_CONFIG, SESSION_CONFIG)  # copied from the run directory when present
 
 
-def merge_adapter(checkpoint: str | Path, adapter: str | Path, out: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+def merge_adapter(
+    checkpoint: str | Path, adapter: str | Path, out: str | Path, *, dtype: torch.dtype | None = None
+) -> Path:
     """Base + LoRA -> ``out`` (float32 merge, stored as ``dtype``; ``None`` = the base's ``torch_dtype``)."""
     checkpoint, adapter, out = Path(checkpoint), Path(adapter), Path(out)
     if not has_lora(adapter):
@@ -49,7 +51,9 @@ def merge_adapter(checkpoint: str | Path, adapter: str | Path, out: str | Path, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vla_finetune.merge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m vla_finetune.merge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--checkpoint", type=Path, required=True, help="the base checkpoint the run fine-tuned")
     parser.add_argument("--adapter", type=Path, required=True, help="the run's output directory")
     parser.add_argument("--out", type=Path, required=True, help="directory for the merged checkpoint")

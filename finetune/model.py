@@ -77,7 +77,13 @@ class PolicyTrainModule(nn.Module):
     """``vla`` (an ``OpenVLA``) + optional ``gate``; ``forward(batch, layout)`` returns the loss terms."""
 
     def __init__(
-        self, vla: nn.Module, gate: ChunkGate | None, kv: KVConfig | None, loss: LossSettings, *, gradient_checkpointing: bool = False
+        self,
+        vla: nn.Module,
+        gate: ChunkGate | None,
+        kv: KVConfig | None,
+        loss: LossSettings,
+        *,
+        gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.vla = vla
@@ -132,8 +138,12 @@ class PolicyTrainModule(nn.Module):
         x = self.embed(batch, layout)
         b, n = x.shape[:2]
         if self.gate is not None:
-            schedule = ForwardSchedule.build(layout.boundaries, layout.pinned, window=self.chunked.window, chunk=self.chunked.chunk)
-            attn = ParallelChunkedAttention(schedule, self.gate, self.chunked, self.vla.language_model.cfg, soft=True, temperature=temperature)
+            schedule = ForwardSchedule.build(
+                layout.boundaries, layout.pinned, window=self.chunked.window, chunk=self.chunked.chunk
+            )
+            attn = ParallelChunkedAttention(
+                schedule, self.gate, self.chunked, self.vla.language_model.cfg, soft=True, temperature=temperature
+            )
         else:
             attn = CausalForm(self.vla.language_model.cfg.rope, n, x.device)
         hidden = self.decode(x, attn)[:, layout.target_pos.to(x.device)]  # [B, T, dim]

@@ -1,15 +1,15 @@
 """What a run writes into its output directory, and the resumable training checkpoint.
 
-    out/
-      adapter_config.json, adapter_model.safetensors   peft LoRA adapter        (trainable: lora)
-      config.json, model.safetensors, tokenizer ...   full checkpoint          (trainable: all)
-      gates.safetensors, kv_config.json               ChunkGate + KVConfig     (chunked history runs)
-      dataset_statistics.json                         OpenVLA-format action/proprio statistics
-      session_config.json                             the SessionConfig the model was trained for
-      finetune_config.yaml                            the run's config (``--config`` reruns it)
-      train_log.jsonl, training_curves.png            metrics every ``log_every`` steps, plotted
-      checkpoints/last/                               trainable weights + optimizer (``--resume``)
-      merged/                                         LoRA merged, original on-disk format (``--merge``)
+out/
+  adapter_config.json, adapter_model.safetensors   peft LoRA adapter        (trainable: lora)
+  config.json, model.safetensors, tokenizer ...   full checkpoint          (trainable: all)
+  gates.safetensors, kv_config.json               ChunkGate + KVConfig     (chunked history runs)
+  dataset_statistics.json                         OpenVLA-format action/proprio statistics
+  session_config.json                             the SessionConfig the model was trained for
+  finetune_config.yaml                            the run's config (``--config`` reruns it)
+  train_log.jsonl, training_curves.png            metrics every ``log_every`` steps, plotted
+  checkpoints/last/                               trainable weights + optimizer (``--resume``)
+  merged/                                         LoRA merged, original on-disk format (``--merge``)
 """
 
 from __future__ import annotations
@@ -33,7 +33,17 @@ LOG = "train_log.jsonl"
 PLOT = "training_curves.png"
 LAST = Path("checkpoints") / "last"
 # config fields a resumed run may change
-RESUMABLE_CHANGES = {"max_steps", "save_every", "log_every", "resume", "merge", "threads", "device", "data.num_workers", "data.cache_dir"}
+RESUMABLE_CHANGES = {
+    "max_steps",
+    "save_every",
+    "log_every",
+    "resume",
+    "merge",
+    "threads",
+    "device",
+    "data.num_workers",
+    "data.cache_dir",
+}
 
 
 def to_plain(obj):
@@ -84,7 +94,9 @@ def config_changes(out: Path, cfg) -> list[str]:
 # ---- resumable checkpoint --------------------------------------------------------------------------
 
 
-def save_training_state(out: Path, *, step: int, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+def save_training_state(
+    out: Path, *, step: int, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer
+) -> None:
     """Write ``checkpoints/last`` atomically: trainable weights (safetensors), optimizer (tensors and
     numbers only, read back with ``weights_only=True``) and the step."""
     last = out / LAST

@@ -30,7 +30,12 @@ def _summary(values: np.ndarray) -> dict[str, list[float]]:
 
 
 def dataset_statistics(
-    actions: np.ndarray, states: np.ndarray | None, *, mask: list[bool], n_episodes: int, action_names: list[str] | None = None
+    actions: np.ndarray,
+    states: np.ndarray | None,
+    *,
+    mask: list[bool],
+    n_episodes: int,
+    action_names: list[str] | None = None,
 ) -> dict:
     """One dataset's entry. actions: [N, A] over every frame; states: [N, P] or ``None``.
 
@@ -38,7 +43,9 @@ def dataset_statistics(
     would clip it and the policy could never produce those values.
     """
     if len(mask) != actions.shape[1]:
-        raise ValueError(f"`action_mask` has {len(mask)} entries; the dataset's actions have {actions.shape[1]} dimensions")
+        raise ValueError(
+            f"`action_mask` has {len(mask)} entries; the dataset's actions have {actions.shape[1]} dimensions"
+        )
     for d, normalised in enumerate(mask):
         lo, hi = float(actions[:, d].min()), float(actions[:, d].max())
         if not normalised and (lo < -1.0 or hi > 1.0):

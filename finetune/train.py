@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 
 def dist_env_from_environ() -> DistEnv:
     """torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (read here, at the entry point, only)."""
-    return DistEnv(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+    return DistEnv(
+        int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    )
 
 
 def run_training(cfg: FinetuneConfig, env: DistEnv) -> int:
@@ -54,11 +56,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vla_finetune.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m vla_finetune.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, tracebacks on errors")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return run(args)
     except (FileNotFoundError, ValueError, KeyError) as e:

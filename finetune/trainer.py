@@ -87,7 +87,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # LoRA and gate initialisation: identical on every rank
         self.policy = load_policy(cfg.checkpoint, device=self.device, dtype="float32")
         if self.policy.name != "openvla":
-            raise ValueError(f"{cfg.checkpoint} is a {self.policy.name!r} checkpoint; fine-tuning supports OpenVLA checkpoints")
+            raise ValueError(
+                f"{cfg.checkpoint} is a {self.policy.name!r} checkpoint; fine-tuning supports OpenVLA checkpoints"
+            )
         cache_dir = cfg.data.cache_dir or self.out / "cache"
         if env.is_main:  # rank 0 decodes the dataset once; the others read its cache (torchrun ends them if it fails)
             self.data = TrainingData.prepare(cfg, self.policy, cache_dir=cache_dir, build_cache=True)
@@ -102,7 +104,11 @@ class Trainer:
             (first, last), cfg.action_vocab_loss, cfg.batch_size, cfg.gate.retention_target, cfg.gate.retention_weight
         )
         module = PolicyTrainModule(
-            self.policy.model, self.gate, self.kv if self.gate is not None else None, loss, gradient_checkpointing=cfg.gradient_checkpointing
+            self.policy.model,
+            self.gate,
+            self.kv if self.gate is not None else None,
+            loss,
+            gradient_checkpointing=cfg.gradient_checkpointing,
         ).to(self.device)
         self.module = module.train()
         self.model = module
@@ -145,9 +151,15 @@ class Trainer:
                 raise ValueError(f"--resume: the config differs from the run in {out}: {'; '.join(changes)}")
             before = outputs.recorded_max_steps(out)
             if before != cfg.max_steps and (cfg.lr_schedule != "constant" or cfg.gate.temperature_final is not None):
-                log.warning("--resume: max_steps %d -> %d stretches the lr / gate-temperature schedules from here on", before, cfg.max_steps)
+                log.warning(
+                    "--resume: max_steps %d -> %d stretches the lr / gate-temperature schedules from here on",
+                    before,
+                    cfg.max_steps,
+                )
         elif any((out / name).exists() for name in ours):
-            raise ValueError(f"{out} already holds a fine-tuning run; pass --resume to continue it or choose a new --out")
+            raise ValueError(
+                f"{out} already holds a fine-tuning run; pass --resume to continue it or choose a new --out"
+            )
 
     def _gate(self) -> ChunkGate:
         """The policy's trained gate when it fits this cache, else a fresh one (mean pooling, keeps all)."""
@@ -190,12 +202,22 @@ class Trainer:
         params = [p for p in self.module.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if id(p) not in gate_ids], "lr": cfg.lr, "base_lr": cfg.lr, "name": "policy"},
-            {"params": [p for p in params if id(p) in gate_ids], "lr": cfg.gate.lr, "base_lr": cfg.gate.lr, "name": "gate"},
+            {
+                "params": [p for p in params if id(p) in gate_ids],
+                "lr": cfg.gate.lr,
+                "base_lr": cfg.gate.lr,
+                "name": "gate",
+            },
         ]
         groups = [g for g in groups if g["params"]]
         counts = {g["name"]: sum(p.numel() for p in g["params"]) for g in groups}
         total = sum(p.numel() for p in self.module.parameters())
-        log.info("trainable parameters: %s of %s (%s)", f"{sum(counts.values()):,}", f"{total:,}", ", ".join(f"{k} {v:,}" for k, v in counts.items()))
+        log.info(
+            "trainable parameters: %s of %s (%s)",
+            f"{sum(counts.values()):,}",
+            f"{total:,}",
+            ", ".join(f"{k} {v:,}" for k, v in counts.items()),
+        )
         return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
@@ -205,7 +227,9 @@ class Trainer:
         step, params, optimizer = outputs.load_training_state(self.out, device=self.device)
         own = self.trainable_state()
         if set(params) != set(own):
-            raise ValueError(f"{self.out / outputs.LAST} holds other trainable tensors than this run (e.g. {sorted(set(params) ^ set(own))[:3]})")
+            raise ValueError(
+                f"{self.out / outputs.LAST} holds other trainable tensors than this run (e.g. {sorted(set(params) ^ set(own))[:3]})"
+            )
         with torch.no_grad():
             for name, p in own.items():
                 p.copy_(params[name])
@@ -226,7 +250,9 @@ class Trainer:
                 len(self.data.windows), len(self.data.buckets), batches.per_epoch, cfg.batch_size, batches.steps_per_epoch, env.world,
             )  # fmt: skip
         workers = cfg.data.num_workers
-        return DataLoader(batches, batch_size=None, shuffle=False, num_workers=workers, pin_memory=self.device.type == "cuda")
+        return DataLoader(
+            batches, batch_size=None, shuffle=False, num_workers=workers, pin_memory=self.device.type == "cuda"
+        )
 
     def _micro_step(self, batch: dict, temperature: float, last: bool) -> dict[str, float]:
         layout = self.data.layouts[tuple(batch.pop("key"))]
@@ -248,7 +274,9 @@ class Trainer:
             dist.all_reduce(sums)
         return sums
 
-    def _record(self, step: int, sums: torch.Tensor, elapsed: float, cpu: float, steps: int, temperature: float) -> dict:
+    def _record(
+        self, step: int, sums: torch.Tensor, elapsed: float, cpu: float, steps: int, temperature: float
+    ) -> dict:
         m = dict(zip(METRICS, sums.tolist()))
         lrs = {g["name"]: g["lr"] for g in self.optimizer.param_groups}
         return {
@@ -280,13 +308,17 @@ class Trainer:
         sums = torch.zeros(len(METRICS), dtype=torch.float64)
         interval_steps, interval_start, interval_cpu = 0, time.perf_counter(), time.process_time()
         total_time, total_steps = 0.0, 0
-        bar = tqdm(total=cfg.max_steps, initial=self.start_step, desc="fine-tuning", unit="step", disable=not env.is_main)
+        bar = tqdm(
+            total=cfg.max_steps, initial=self.start_step, desc="fine-tuning", unit="step", disable=not env.is_main
+        )
         for step in range(self.start_step, cfg.max_steps):
             factor = lr_factor(step, schedule=cfg.lr_schedule, warmup=cfg.warmup_steps, max_steps=cfg.max_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = group["base_lr"] * factor
             temperature = cfg.gate.temperature_at(step, cfg.max_steps)
-            torch.manual_seed(cfg.seed * 1_000_003 + step * env.world + env.rank)  # LoRA dropout, reproducible on resume
+            torch.manual_seed(
+                cfg.seed * 1_000_003 + step * env.world + env.rank
+            )  # LoRA dropout, reproducible on resume
             for m in range(cfg.grad_accum):
                 micro = self._micro_step(next(batches), temperature, last=m == cfg.grad_accum - 1)
                 sums += torch.tensor([float(micro[k]) for k in METRICS], dtype=torch.float64)
@@ -309,7 +341,9 @@ class Trainer:
                 interval_steps, interval_start, interval_cpu = 0, time.perf_counter(), time.process_time()
             if done % cfg.save_every == 0 or done == cfg.max_steps:
                 if env.is_main:
-                    outputs.save_training_state(self.out, step=done, params=self.trainable_state(), optimizer=self.optimizer)
+                    outputs.save_training_state(
+                        self.out, step=done, params=self.trainable_state(), optimizer=self.optimizer
+                    )
                 self._barrier()
                 interval_start, interval_cpu = time.perf_counter(), time.process_time()  # saving is not training time
         bar.close()
@@ -324,7 +358,9 @@ class Trainer:
         gate = self.gate is not None
         kept = {"kept": f"{r['kept_ratio']:.2f}"} if gate else {}
         bar.set_postfix(ce=f"{r['ce']:.3f}", acc=f"{r['accuracy']:.2f}", **kept)
-        kept_text = f"  kept {r['kept_ratio']:.3f} (hard {r['hard_kept']:.3f})  T {r['temperature']:.3g}" if gate else ""
+        kept_text = (
+            f"  kept {r['kept_ratio']:.3f} (hard {r['hard_kept']:.3f})  T {r['temperature']:.3g}" if gate else ""
+        )
         log.info(
             "step %d/%d  loss %.4f  ce %.4f  acc %.3f%s  lr %.2e  %.2f steps/s  %.1f windows/s",
             r["step"], self.cfg.max_steps, r["loss"], r["ce"], r["accuracy"], kept_text, r["lr"], r["steps_per_s"], r["windows_per_s"],
@@ -342,7 +378,9 @@ class Trainer:
             (out / "README.md").unlink(missing_ok=True)  # peft's empty model-card template
         if cfg.trainable == "all":
             dtype = DTYPES[cfg.save_dtype] if cfg.save_dtype else None
-            save_openvla_like(self.policy.model, out, source=cfg.checkpoint, norm_stats=self.data.statistics, dtype=dtype)
+            save_openvla_like(
+                self.policy.model, out, source=cfg.checkpoint, norm_stats=self.data.statistics, dtype=dtype
+            )
         if self.gate is not None:
             save_gate(self.gate, out, self.kv)
         session = SessionConfig(kv=self.kv, history=cfg.history, center_crop=cfg.data.image_aug)

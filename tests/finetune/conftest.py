@@ -25,7 +25,13 @@ def _one_thread():  # session scope: also covers the module-scoped training fixt
 
 
 def episode(
-    rng: np.random.Generator, n: int, task: str, *, action_dim: int = 7, state_dim: int | None = 4, gripper_max: float = 1.0
+    rng: np.random.Generator,
+    n: int,
+    task: str,
+    *,
+    action_dim: int = 7,
+    state_dim: int | None = 4,
+    gripper_max: float = 1.0,
 ) -> Episode:
     """Frames whose content moves with time; smooth deltas and a gripper that opens and closes."""
     t = np.arange(n)
@@ -39,7 +45,13 @@ def episode(
 
 
 def write_dataset(
-    root: Path, *, lengths=(10, 10, 9, 10), action_dim: int = 7, state_dim: int | None = 4, gripper_max: float = 1.0, seed: int = 0
+    root: Path,
+    *,
+    lengths=(10, 10, 9, 10),
+    action_dim: int = 7,
+    state_dim: int | None = 4,
+    gripper_max: float = 1.0,
+    seed: int = 0,
 ) -> Path:
     rng = np.random.default_rng(seed)
     features = DatasetFeatures(
@@ -49,14 +61,18 @@ def write_dataset(
     )
     with LeRobotWriter(root, features, WriterConfig(fps=10)) as writer:
         for i, n in enumerate(lengths):
-            writer.add_episode(episode(rng, n, TASKS[i % 2], action_dim=action_dim, state_dim=state_dim, gripper_max=gripper_max))
+            writer.add_episode(
+                episode(rng, n, TASKS[i % 2], action_dim=action_dim, state_dim=state_dim, gripper_max=gripper_max)
+            )
     return root
 
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """float32 on disk so a merged checkpoint reproduces base + adapter exactly."""
-    return make_tiny_openvla(tmp_path_factory.mktemp("ckpt") / "tiny", dtype=torch.float32, image_size=28, proprio_dim=4)
+    return make_tiny_openvla(
+        tmp_path_factory.mktemp("ckpt") / "tiny", dtype=torch.float32, image_size=28, proprio_dim=4
+    )
 
 
 @pytest.fixture(scope="session")

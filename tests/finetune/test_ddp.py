@@ -25,7 +25,15 @@ def test_two_ranks_match_one_rank_with_gradient_accumulation(tiny_ckpt, tiny_dat
         "--stride", "2", "--chunk", "4", "--batch-size", "2", "--grad-accum", "1", "--max-steps", "2", "--log-every", "1",
         "--lora-rank", "8", "--lr", "1e-2", "--threads", "1", "--cache-dir", str(tmp_path / "frame-cache"),
     ]  # fmt: skip
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vla_finetune.train"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "vla_finetune.train",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([*launcher, *flags], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]

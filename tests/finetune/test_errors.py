@@ -32,7 +32,9 @@ def test_action_dimension_that_does_not_match_the_model(tiny_ckpt, tmp_path):
 
 
 def test_window_longer_than_every_episode(tiny_ckpt, tiny_dataset, tmp_path):
-    with pytest.raises(ValueError, match=r"history window \(12 steps\) is longer than every episode \(longest: 10 steps\)"):
+    with pytest.raises(
+        ValueError, match=r"history window \(12 steps\) is longer than every episode \(longest: 10 steps\)"
+    ):
         trainer(tiny_ckpt, tiny_dataset, tmp_path, data={"window": 12})
 
 

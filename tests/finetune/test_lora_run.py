@@ -29,7 +29,9 @@ def digest(t: torch.Tensor) -> str:
 @pytest.fixture(scope="module")
 def run(tiny_ckpt, tiny_dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "lora"
-    cfg = make_config(tiny_ckpt, tiny_dataset, out, max_steps=STEPS, log_every=5, lr=2e-3, gate={"retention_target": 0.5})
+    cfg = make_config(
+        tiny_ckpt, tiny_dataset, out, max_steps=STEPS, log_every=5, lr=2e-3, gate={"retention_target": 0.5}
+    )
     trainer = Trainer(cfg)
     before = {name: digest(p) for name, p in trainer.module.named_parameters()}
     trainer.train()
@@ -90,7 +92,10 @@ def test_outputs_in_the_expected_formats(run, tiny_dataset):
 
 def observations(n: int = 5) -> list[Observation]:
     rng = np.random.default_rng(7)
-    return [Observation(images={"primary": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)}, state=rng.normal(size=4)) for _ in range(n)]
+    return [
+        Observation(images={"primary": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)}, state=rng.normal(size=4))
+        for _ in range(n)
+    ]
 
 
 def rollout(policy, config: SessionConfig | None = None) -> np.ndarray:
@@ -133,19 +138,27 @@ def test_training_form_sees_what_streaming_inference_sees(run):
         batch = data.batch([index], np.random.default_rng(0))
         layout = data.layouts[batch.pop("key")]
         with torch.no_grad():
-            schedule = ForwardSchedule.build(layout.boundaries, layout.pinned, window=chunked.window, chunk=chunked.chunk)
-            attn = ParallelChunkedAttention(schedule, trainer.gate, chunked, vla.language_model.cfg, soft=True, temperature=1e-4)
+            schedule = ForwardSchedule.build(
+                layout.boundaries, layout.pinned, window=chunked.window, chunk=chunked.chunk
+            )
+            attn = ParallelChunkedAttention(
+                schedule, trainer.gate, chunked, vla.language_model.cfg, soft=True, temperature=1e-4
+            )
             parallel = module.decode(module.embed(batch, layout), attn)[:, layout.target_pos]
             assert schedule.n_chunks >= 3
             w = data.windows[index]
             rows = data._frames(w)
             prev = int(data.action_ids[rows.start - 1, -1]) if start else None
-            forwards = window_forwards(data.prompts[1], data.action_ids[rows].tolist(), history=True, has_proprio=True, prev_token=prev)
+            forwards = window_forwards(
+                data.prompts[1], data.action_ids[rows].tolist(), history=True, has_proprio=True, prev_token=prev
+            )
             images = [vla.embed_image(batch["pixels"][:, s]) for s in range(w.steps)]
             proprio = [vla.embed_proprio(batch["proprio"][:, s]) for s in range(w.steps)]
             cache = make_cache(trainer.kv, vla.language_model.cfg, gate=trainer.gate)
             hidden = [
-                vla.language_model.model(inputs_embeds=vla.embed_forward(f, images=images, proprio=proprio), cache=cache, pin=f.pin)
+                vla.language_model.model(
+                    inputs_embeds=vla.embed_forward(f, images=images, proprio=proprio), cache=cache, pin=f.pin
+                )
                 for f in forwards
             ]
             streamed = torch.cat(hidden, dim=1)[:, layout.target_pos]

@@ -27,7 +27,10 @@ def changed(before: dict, module: torch.nn.Module) -> set[str]:
 def act(policy) -> np.ndarray:
     session = policy.new_session(TASKS[1])
     rng = np.random.default_rng(3)
-    obs = [Observation(images={"primary": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)}, state=rng.normal(size=4)) for _ in range(3)]
+    obs = [
+        Observation(images={"primary": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)}, state=rng.normal(size=4))
+        for _ in range(3)
+    ]
     return np.stack([session.step(o).actions[0] for o in obs])
 
 
@@ -48,10 +51,16 @@ def test_from_scratch_trains_every_used_weight_and_writes_a_full_checkpoint(tiny
             "kv_config.json", "dataset_statistics.json", "session_config.json"} <= names  # fmt: skip
     assert "adapter_config.json" not in names
     policy = load_policy(out)  # the gate, statistics and session come from the directory itself
-    assert policy.kv_gate is not None and policy.session.history == "history" and sorted(policy.norm_stats) == ["tiny-reach"]
+    assert (
+        policy.kv_gate is not None
+        and policy.session.history == "history"
+        and sorted(policy.norm_stats) == ["tiny-reach"]
+    )
     trained = trainer.policy.model.state_dict()
     for name, tensor in policy.model.state_dict().items():
-        torch.testing.assert_close(tensor, trained[name].to(tensor.dtype), atol=0, rtol=0)  # float32 source: stored exactly
+        torch.testing.assert_close(
+            tensor, trained[name].to(tensor.dtype), atol=0, rtol=0
+        )  # float32 source: stored exactly
     np.testing.assert_array_equal(act(policy), act(policy))
 
 
@@ -63,14 +72,28 @@ def test_gates_only_changes_only_the_gate(tiny_ckpt, tiny_dataset, tmp_path):
     moved = changed(before, trainer.module)
     assert moved and all(n.startswith("gate.") for n in moved)
     names = {p.name for p in out.iterdir()}
-    assert {"gates.safetensors", "kv_config.json", "dataset_statistics.json"} <= names and "adapter_config.json" not in names
+    assert {
+        "gates.safetensors",
+        "kv_config.json",
+        "dataset_statistics.json",
+    } <= names and "adapter_config.json" not in names
     policy = load_policy(tiny_ckpt, adapter=out)
     assert torch.equal(policy.kv_gate.tau.cpu(), trainer.gate.tau.detach().cpu())
 
 
 def test_single_mode_trains_without_a_gate(tiny_ckpt, tiny_dataset, tmp_path):
     out = tmp_path / "single"
-    trainer = Trainer(make_config(tiny_ckpt, tiny_dataset, out, history="single", max_steps=2, lora={"target_modules": "llm-linear"}, action_vocab_loss=False))
+    trainer = Trainer(
+        make_config(
+            tiny_ckpt,
+            tiny_dataset,
+            out,
+            history="single",
+            max_steps=2,
+            lora={"target_modules": "llm-linear"},
+            action_vocab_loss=False,
+        )
+    )
     assert trainer.gate is None and all(len(lay.target_pos) == 7 for lay in trainer.data.layouts.values())
     assert len(trainer.data.windows) == 39  # every frame is a sample
     trainer.train()
@@ -136,6 +159,7 @@ def test_gradient_checkpointing_gives_the_same_training(tiny_ckpt, tiny_dataset,
     checkpointed = load_file(str(tmp_path / "checkpointed" / "checkpoints" / "last" / "trainable.safetensors"))
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5)
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

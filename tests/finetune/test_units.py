@@ -14,7 +14,6 @@ from vla_finetune.statistics import dataset_statistics, default_action_mask
 from vla_finetune.trainer import lr_factor
 from vla_runtime.models.openvla.processing_openvla import PromptIds, center_crop, crop_resize, history_frame
 
-
 PROMPT = PromptIds(bos=1, instruction=(10, 11, 12), out=(13, 14), empty=29871)
 
 
@@ -27,7 +26,9 @@ def test_history_window_layout_and_targets(prev):
     later = history_frame(PROMPT, step=1, prev_token=0, has_proprio=True).length(4)
     assert layout.pinned == 4 and layout.boundaries == (4, first, *[1] * 6, later, *[1] * 6, later, *[1] * 6)
     n = layout.n_tokens
-    assert sorted([*layout.text_pos.tolist(), *layout.image_pos.tolist(), *layout.proprio_pos.tolist()]) == list(range(n))
+    assert sorted([*layout.text_pos.tolist(), *layout.image_pos.tolist(), *layout.proprio_pos.tolist()]) == list(
+        range(n)
+    )
     # every target predicts the token at the next position: the first from the frame's "▁", then each fed action token
     tokens = dict(zip(layout.text_pos.tolist(), text))
     for s in range(3):
@@ -94,10 +95,18 @@ def test_lora_targets_resolve_to_full_names():
     model = nn.Module()
     model.language_model = nn.Module()
     model.language_model.model = nn.Module()
-    model.language_model.model.layers = nn.ModuleList([nn.ModuleDict({"q_proj": nn.Linear(4, 4), "o_proj": nn.Linear(4, 4)})])
+    model.language_model.model.layers = nn.ModuleList(
+        [nn.ModuleDict({"q_proj": nn.Linear(4, 4), "o_proj": nn.Linear(4, 4)})]
+    )
     model.language_model.lm_head = nn.Linear(4, 9)
-    assert resolve_targets(model, ["q_proj", "lm_head"]) == ["language_model.model.layers.0.q_proj", "language_model.lm_head"]
-    assert resolve_targets(model, "llm-linear") == ["language_model.model.layers.0.q_proj", "language_model.model.layers.0.o_proj"]
+    assert resolve_targets(model, ["q_proj", "lm_head"]) == [
+        "language_model.model.layers.0.q_proj",
+        "language_model.lm_head",
+    ]
+    assert resolve_targets(model, "llm-linear") == [
+        "language_model.model.layers.0.q_proj",
+        "language_model.model.layers.0.o_proj",
+    ]
     assert len(resolve_targets(model, "all-linear")) == 3
 
 
@@ -106,5 +115,9 @@ def test_schedules():
     assert lr_factor(2, schedule="cosine", warmup=2, max_steps=10) == pytest.approx(1.0)
     assert lr_factor(10, schedule="cosine", warmup=2, max_steps=10) == pytest.approx(0.0)
     gate = GateTraining(temperature=1.0, temperature_final=0.01)
-    assert gate.temperature_at(0, 11) == 1.0 and gate.temperature_at(5, 11) == pytest.approx(0.1) and gate.temperature_at(10, 11) == pytest.approx(0.01)
+    assert (
+        gate.temperature_at(0, 11) == 1.0
+        and gate.temperature_at(5, 11) == pytest.approx(0.1)
+        and gate.temperature_at(10, 11) == pytest.approx(0.01)
+    )
     assert LoraSettings(rank=8).lora_alpha == 8 and LoraSettings().lora_alpha == 16

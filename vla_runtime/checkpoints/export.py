@@ -35,7 +35,12 @@ STATISTICS = "dataset_statistics.json"
 
 
 def save_openvla_like(
-    model: nn.Module, out: str | Path, *, source: str | Path, norm_stats: dict | None = None, dtype: torch.dtype | None = None
+    model: nn.Module,
+    out: str | Path,
+    *,
+    source: str | Path,
+    norm_stats: dict | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write ``model``'s weights to ``out`` as a checkpoint shaped like ``source``.
 

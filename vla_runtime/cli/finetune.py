@@ -1,7 +1,7 @@
 """``vla-runtime finetune``: fine-tune a policy on a local LeRobot dataset (``vla_finetune.train``).
 
-    vla-runtime finetune --checkpoint CKPT --dataset DATASET --out RUN
-    torchrun --nproc_per_node 2 -m vla_finetune.train ...   (several processes: DDP)
+vla-runtime finetune --checkpoint CKPT --dataset DATASET --out RUN
+torchrun --nproc_per_node 2 -m vla_finetune.train ...   (several processes: DDP)
 """
 
 from __future__ import annotations
