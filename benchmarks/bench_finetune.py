@@ -151,12 +151,13 @@ def main(argv: list[str] | None = None) -> int:
           f"image {args.image_size}px, chunk {args.chunk}")  # fmt: skip
     width = max(len(n) for n in results)
     columns = ["median ms/step", "p10", "p90", "CPU ms", "steps/s", "windows/s", "tokens/win", "ratio"]
-    print(" | ".join([f"{'variant':<{width}}", *(f"{c:>10}" for c in columns)]))
+    widths = [max(10, len(c)) for c in columns]
+    print(" | ".join([f"{'variant':<{width}}", *(f"{c:>{w}}" for c, w in zip(columns, widths))]))
     for name, r in results.items():
         r["ratio"] = r["median_ms"] / baseline
         values = [r["median_ms"], r["p10_ms"], r["p90_ms"], r["median_cpu_ms"], 1e3 / r["median_ms"], r["windows_per_s"]]
-        cells = [f"{v:>10.1f}" if i != 4 else f"{v:>10.2f}" for i, v in enumerate(values)]
-        print(" | ".join([f"{name:<{width}}", *cells, f"{r['tokens_per_window']:>10}", f"{r['ratio']:>10.2f}"]))
+        cells = [f"{v:>{w}.{2 if i == 4 else 1}f}" for i, (v, w) in enumerate(zip(values, widths))]
+        print(" | ".join([f"{name:<{width}}", *cells, f"{r['tokens_per_window']:>{widths[6]}}", f"{r['ratio']:>{widths[7]}.2f}"]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
