@@ -62,6 +62,11 @@ def test_from_scratch_trains_every_used_weight_and_writes_a_full_checkpoint(tiny
             tensor, trained[name].to(tensor.dtype), atol=0, rtol=0
         )  # float32 source: stored exactly
     np.testing.assert_array_equal(act(policy), act(policy))
+    # LoRA on top of it (single mode: the adapter has no gate): the checkpoint's own gate stays in use
+    single = tmp_path / "single-on-scratch"
+    Trainer(make_config(out, tiny_dataset, single, history="single", max_steps=1, lora={"rank": 4})).train()
+    tuned = load_policy(out, adapter=single)
+    assert torch.equal(tuned.kv_gate.tau, policy.kv_gate.tau) and tuned.session.history == "single"
 
 
 def test_gates_only_changes_only_the_gate(tiny_ckpt, tiny_dataset, tmp_path):

@@ -335,23 +335,25 @@ def load_openvla_policy(
     (``adapter_config.json`` + ``adapter_model.safetensors``) is merged into the weights, and its
     ``dataset_statistics.json`` replaces the action statistics. The chunk gate
     (``gates.safetensors`` + ``kv_config.json``, contract 3) and ``session_config.json`` (the session the
-    model was trained for; ``kv`` overrides its cache) are read from the adapter directory, or from the
-    checkpoint directory itself when no adapter is given (models trained from scratch).
+    model was trained for; ``kv`` overrides its cache) are read from the adapter directory, else from the
+    checkpoint directory itself (models trained from scratch carry them there).
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     checkpoint = load_openvla(path, device=dev, dtype=dt)
-    extras = Path(path)
+    places = [Path(path)]  # where the gate and session config are looked for, the adapter first
     if adapter is not None:
-        extras = Path(adapter)
-        _apply_adapter(checkpoint, extras, load_weights=dev.type != "meta")
+        _apply_adapter(checkpoint, Path(adapter), load_weights=dev.type != "meta")
+        places.insert(0, Path(adapter))
     session = None
-    if (extras / SESSION_CONFIG).is_file():
-        session = from_dict(SessionConfig, read_json(extras / SESSION_CONFIG))
+    session_file = next((d / SESSION_CONFIG for d in places if (d / SESSION_CONFIG).is_file()), None)
+    if session_file is not None:
+        session = from_dict(SessionConfig, read_json(session_file))
     gate = None
-    if has_gate(extras) and dev.type != "meta":
-        gate, gate_kv = load_gate(extras, device=dev)
-        log.info("%s has a trained ChunkGate (%s)", extras, gate_kv)
+    gate_dir = next((d for d in places if has_gate(d)), None)
+    if gate_dir is not None and dev.type != "meta":
+        gate, gate_kv = load_gate(gate_dir, device=dev)
+        log.info("%s has a trained ChunkGate (%s)", gate_dir, gate_kv)
         session = session or SessionConfig(kv=gate_kv)
     if session is not None:
         kv = kv or session.kv
