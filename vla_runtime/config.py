@@ -50,22 +50,37 @@ class SessionConfig:
 def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     """Build dataclass ``cls`` from a dict, recursing into nested dataclass fields.
 
+    A nested mapping overrides the field's default instance (so a config whose default is, e.g.,
+    ``KVConfig(mode="chunked")`` keeps that mode when the mapping sets only ``chunk``).
     Unknown keys raise ``ValueError`` naming them and listing the valid ones.
     """
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__} expects a mapping, got {type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; valid: {sorted(names)}")
+        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; valid: {sorted(fields)}")
     hints = get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
         hint = hints.get(key)
         if dataclasses.is_dataclass(hint) and isinstance(value, dict):
-            value = from_dict(hint, value)
+            value = from_dict(hint, {**_default_values(fields[key]), **value})
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _default_values(f: dataclasses.Field) -> dict[str, Any]:
+    """The init fields of a dataclass-valued field's default instance ({} without a default)."""
+    if f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    elif f.default is not dataclasses.MISSING:
+        default = f.default
+    else:
+        return {}
+    if not dataclasses.is_dataclass(default):
+        return {}
+    return {g.name: getattr(default, g.name) for g in dataclasses.fields(default) if g.init}
 
 
 def load_yaml(cls: type[T], path: str | Path) -> T:

@@ -21,6 +21,7 @@ COMMANDS: list[str] = [
     "bench",
     "convert_gguf",
     "plan",
+    "finetune",
 ]
 
 

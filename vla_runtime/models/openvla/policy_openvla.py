@@ -23,12 +23,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...checkpoints.adapter import has_lora, merge_lora
 from ...checkpoints.openvla import OpenVLACheckpoint, load_openvla
 from ...api import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult
-from ...config import SessionConfig
+from ...config import SessionConfig, from_dict
 from ...device import resolve_device, resolve_dtype, synchronize
 from ...kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make_cache
-from .configuration_openvla import OpenVLAConfig
+from .configuration_openvla import OpenVLAConfig, read_json
 from .processing_openvla import (
     ActionStats,
     ActionTokenizer,
@@ -41,6 +42,8 @@ from .processing_openvla import (
 
 log = logging.getLogger(__name__)
 
+SESSION_CONFIG = "session_config.json"  # the SessionConfig a fine-tuned model was trained for
+
 
 class OpenVLAPolicy(Policy):
     """A loaded OpenVLA checkpoint: weights, tokenizer, image processor, statistics.
@@ -51,6 +54,9 @@ class OpenVLAPolicy(Policy):
         kv: default cache for sessions (a session's ``SessionConfig.kv`` overrides it).
         unnorm_key: default dataset key of the action statistics.
         restrict_to_action_tokens: greedy over the action ids only (default) or over the whole vocabulary.
+        session: default ``SessionConfig`` of ``new_session(instruction)`` (its ``kv``/``unnorm_key`` are
+            replaced by the two arguments above); a fine-tuned model brings the one it was trained for.
+        kv_gate: the trained ``ChunkGate`` for ``KVConfig(mode="chunked")`` (``None`` = untrained default).
     """
 
     name = "openvla"
@@ -65,6 +71,8 @@ class OpenVLAPolicy(Policy):
         kv: KVConfig | None = None,
         unnorm_key: str | None = None,
         restrict_to_action_tokens: bool = True,
+        session: SessionConfig | None = None,
+        kv_gate: torch.nn.Module | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.config: OpenVLAConfig = checkpoint.config
@@ -76,8 +84,10 @@ class OpenVLAPolicy(Policy):
         self.restrict_to_action_tokens = restrict_to_action_tokens
         # The learnable chunk aggregator/gate (vla_runtime.kv.gate.ChunkGate) for KVConfig(mode="chunked");
         # owned here (contract 3), handed to the cache, trained by finetune/. Loaded from gates.safetensors
-        # beside the checkpoint; None until then = the untrained default, built by `chunk_gate` on first use.
-        self.kv_gate: torch.nn.Module | None = None
+        # (beside the checkpoint or in an adapter directory); None = the untrained default, built by
+        # `chunk_gate` on first use.
+        self.kv_gate = kv_gate
+        self.session = session or SessionConfig()
         if unnorm_key is not None:
             resolve_unnorm_key(self.config.norm_stats, unnorm_key)  # fail at load, not at the first step
         self.unnorm_key = unnorm_key
@@ -108,7 +118,7 @@ class OpenVLAPolicy(Policy):
         return self.kv_gate
 
     def new_session(self, instruction: str, config: SessionConfig | None = None) -> "OpenVLASession":
-        config = config or SessionConfig(kv=self.kv, unnorm_key=self.unnorm_key)
+        config = config or replace(self.session, kv=self.kv, unnorm_key=self.unnorm_key)
         if config.unnorm_key is None and self.unnorm_key is not None:
             config = replace(config, unnorm_key=self.unnorm_key)
         return OpenVLASession(self, instruction, config)
@@ -320,22 +330,57 @@ def load_openvla_policy(
     """Load an OpenVLA checkpoint directory as a policy (``load_policy``'s OpenVLA branch).
 
     device: ``None`` = CUDA if available else CPU; ``"meta"`` = structure only, no weights read.
-    dtype: ``None`` = bfloat16 on CUDA, float32 on CPU. adapter: a fine-tuning output directory
-    (adapters arrive with the fine-tuning work; only ``None`` is accepted so far).
+    dtype: ``None`` = bfloat16 on CUDA, float32 on CPU. kv: the sessions' default cache.
+    adapter: a fine-tuning output directory (``vla_finetune``): its LoRA adapter
+    (``adapter_config.json`` + ``adapter_model.safetensors``) is merged into the weights, and its
+    ``dataset_statistics.json`` replaces the action statistics. The chunk gate
+    (``gates.safetensors`` + ``kv_config.json``, contract 3) and ``session_config.json`` (the session the
+    model was trained for; ``kv`` overrides its cache) are read from the adapter directory, else from the
+    checkpoint directory itself (models trained from scratch carry them there).
     """
-    if adapter is not None:
-        raise ValueError(f"adapter {adapter}: this build loads merged checkpoints only (adapter=None)")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     checkpoint = load_openvla(path, device=dev, dtype=dt)
+    places = [Path(path)]  # where the gate and session config are looked for, the adapter first
+    if adapter is not None:
+        _apply_adapter(checkpoint, Path(adapter), load_weights=dev.type != "meta")
+        places.insert(0, Path(adapter))
+    session = None
+    session_file = next((d / SESSION_CONFIG for d in places if (d / SESSION_CONFIG).is_file()), None)
+    if session_file is not None:
+        session = from_dict(SessionConfig, read_json(session_file))
     gate = None
-    if has_gate(path) and dev.type != "meta":  # a trained ChunkGate beside the weights (contract 3)
-        gate, gate_kv = load_gate(path, device=dev)
-        if kv is None:
-            kv = gate_kv
-            log.info("%s has a trained ChunkGate: the default cache is %s", path, gate_kv)
-    policy = OpenVLAPolicy(
-        checkpoint, device=dev, dtype=dt, kv=kv, unnorm_key=unnorm_key, restrict_to_action_tokens=restrict_to_action_tokens
+    gate_dir = next((d for d in places if has_gate(d)), None)
+    if gate_dir is not None and dev.type != "meta":
+        gate, gate_kv = load_gate(gate_dir, device=dev)
+        log.info("%s has a trained ChunkGate (%s)", gate_dir, gate_kv)
+        session = session or SessionConfig(kv=gate_kv)
+    if session is not None:
+        kv = kv or session.kv
+        unnorm_key = unnorm_key or session.unnorm_key
+    return OpenVLAPolicy(
+        checkpoint,
+        device=dev,
+        dtype=dt,
+        kv=kv,
+        unnorm_key=unnorm_key,
+        restrict_to_action_tokens=restrict_to_action_tokens,
+        session=session,
+        kv_gate=gate,
     )
-    policy.kv_gate = gate
-    return policy
+
+
+def _apply_adapter(checkpoint: OpenVLACheckpoint, adapter: Path, *, load_weights: bool) -> None:
+    """Merge the directory's LoRA adapter and take its statistics (in place)."""
+    if not adapter.is_dir():
+        raise FileNotFoundError(f"adapter directory {adapter} does not exist")
+    statistics = adapter / "dataset_statistics.json"
+    if not (has_lora(adapter) or has_gate(adapter) or statistics.is_file()):
+        raise ValueError(
+            f"{adapter} is not a fine-tuning output: it has none of adapter_config.json, gates.safetensors, "
+            "dataset_statistics.json"
+        )
+    if has_lora(adapter) and load_weights:
+        checkpoint.model = merge_lora(checkpoint.model, adapter).eval()
+    if statistics.is_file():
+        checkpoint.config = replace(checkpoint.config, norm_stats=read_json(statistics))

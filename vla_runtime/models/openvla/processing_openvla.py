@@ -154,24 +154,35 @@ def center_crop(image: np.ndarray, *, size: int, area: float = 0.9) -> np.ndarra
 
     image: uint8 [H, W, 3] -> uint8 [size, size, 3].
     """
+    return crop_resize(image, size=size, area=area)
+
+
+def crop_resize(image: np.ndarray, *, size: int, area: float = 0.9, at: tuple[float, float] = (0.5, 0.5)) -> np.ndarray:
+    """``center_crop`` with the box anywhere: ``at`` = (y, x) place of the box as fractions of the free
+    margin (0.5 = centred, the eval crop; training's random resized crop draws them uniformly).
+
+    image: uint8 [H, W, 3] -> uint8 [size, size, 3].
+    """
     image = validate_image(image)
     if not 0 < area <= 1:
         raise ValueError(f"crop `area` must be in (0, 1], got {area}")
     if size < 2:
         raise ValueError(f"crop output `size` must be >= 2, got {size}")
+    if not all(0.0 <= a <= 1.0 for a in at):
+        raise ValueError(f"crop position `at` must be fractions in [0, 1], got {at}")
     h, w = image.shape[:2]
     side = np.float32(math.sqrt(area))
-    lo = (np.float32(1) - side) / np.float32(2)
     steps = np.arange(size, dtype=np.float32)
 
-    def coords(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def coords(n: int, place: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Sample rows (or columns) of an n-long axis: floor index, ceil index, fraction."""
+        lo = (np.float32(1) - side) * np.float32(place)
         at = lo * np.float32(n - 1) + steps * (side * np.float32(n - 1) / np.float32(size - 1))
         low = np.floor(at).astype(np.int64)
         return low, np.minimum(np.ceil(at).astype(np.int64), n - 1), (at - low).astype(np.float32)
 
-    y0, y1, fy = coords(h)
-    x0, x1, fx = coords(w)
+    y0, y1, fy = coords(h, at[0])
+    x0, x1, fx = coords(w, at[1])
     img = image.astype(np.float32) * np.float32(1.0 / 255.0)
     fx = fx[None, :, None]
     top = img[y0][:, x0] + (img[y0][:, x1] - img[y0][:, x0]) * fx
@@ -300,15 +311,19 @@ def history_frame(prompt: PromptIds, *, step: int, prev_token: int | None, has_p
     return Forward((*head, *_observation(step, has_proprio), _text([*prompt.out, prompt.empty])))
 
 
-def history_sequence(prompt: PromptIds, action_ids: Sequence[Sequence[int]], *, has_proprio: bool) -> list[Forward]:
+def history_sequence(
+    prompt: PromptIds, action_ids: Sequence[Sequence[int]], *, has_proprio: bool, prev_token: int | None = None
+) -> list[Forward]:
     """The whole history-mode episode as the runtime runs it, for ``len(action_ids)`` steps.
 
     action_ids[s]: the ``action_dim`` tokens generated at step s. Flattened, the forwards are the
     training parallel form's sequence; each non-pinned forward's last position predicts the next token.
+    prev_token: the last action token of the step before ``action_ids[0]`` (a window that starts
+    mid-episode: the runtime feeds it at the start of that step's frame); ``None`` = the episode's start.
     """
     forwards = [history_prompt(prompt)]
     for step, ids in enumerate(action_ids):
-        prev = int(action_ids[step - 1][-1]) if step else None
+        prev = int(action_ids[step - 1][-1]) if step else prev_token
         forwards.append(history_frame(prompt, step=step, prev_token=prev, has_proprio=has_proprio))
         forwards.extend(Forward((_text([t]),)) for t in ids[:-1])
     return forwards

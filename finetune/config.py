@@ -1,0 +1,267 @@
+"""``FinetuneConfig``: everything one fine-tuning run needs, with working defaults (YAML and CLI load it).
+
+Defaults follow OpenVLA's LoRA recipe (``shared/research/openvla.md`` §6): rank 32, alpha
+``min(rank, 16)``, dropout 0, every linear layer, gaussian init, AdamW at a constant 5e-4. The KV side
+(seed 002 §3, §4.2): the chunked cache's aggregator and gate train beside LoRA with soft gates, a
+learnable threshold and a retention term pulling the mean keep probability toward a target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vla_runtime.config import HISTORY_MODES
+from vla_runtime.device import DTYPES
+from vla_runtime.kv import KVConfig
+
+# what trains: LoRA + gates (the seed's recipe), the gates alone, or every weight (training from scratch)
+TRAINABLE = ("lora", "gates", "all")
+LR_SCHEDULES = ("constant", "cosine")
+PRECISIONS = ("auto", "fp32", "bf16")
+# KV modes with a training form: full (plain causal attention) and chunked (the parallel form)
+TRAINABLE_KV_MODES = ("full", "chunked")
+# LoRA target shorthands (resolved in ``lora.TARGET_SETS``)
+LORA_SHORTHANDS = ("all-linear", "llm-linear")
+
+
+def _check_positive(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is None or value <= 0:
+            raise ValueError(f"`{name}` must be > 0, got {value}")
+
+
+@dataclass
+class LoraSettings:
+    """peft LoRA on the policy's linear layers (OpenVLA: ``LoraConfig(r=32, lora_alpha=16, lora_dropout=0,
+    target_modules="all-linear", init_lora_weights="gaussian")``).
+
+    Args:
+        rank: LoRA rank r.
+        alpha: scaling numerator (scale = alpha / rank); ``None`` = ``min(rank, 16)`` as OpenVLA.
+        dropout: dropout on the LoRA branch's input.
+        target_modules: a shorthand (``all-linear``: every linear layer the forward pass uses, vision
+            towers, projectors, LLM and ``lm_head``, as OpenVLA; ``llm-linear``: the LLM's attention and
+            MLP projections only) or a list of module names (full names or suffixes such as ``q_proj``).
+        init: peft ``init_lora_weights`` (``gaussian`` as OpenVLA, or ``default`` = Kaiming-uniform A).
+    """
+
+    rank: int = 32
+    alpha: float | None = None
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+    init: str = "gaussian"
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "rank")
+        if self.alpha is not None:
+            _check_positive(self, "alpha")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout}")
+        if isinstance(self.target_modules, str) and self.target_modules not in LORA_SHORTHANDS:
+            raise KeyError(
+                f"unknown LoRA target shorthand {self.target_modules!r}; known: {', '.join(LORA_SHORTHANDS)} (or a list of layer names)"
+            )
+        if isinstance(self.target_modules, (list, tuple)):
+            if not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
+                raise ValueError(
+                    f"`target_modules` must be a shorthand or a non-empty list of names, got {self.target_modules}"
+                )
+            self.target_modules = list(self.target_modules)
+        if self.init not in ("gaussian", "default"):
+            raise ValueError(f"`init` is {self.init!r}; expected 'gaussian' or 'default'")
+
+    @property
+    def lora_alpha(self) -> float:
+        """The alpha peft gets (``alpha`` or OpenVLA's ``min(rank, 16)``)."""
+        return self.alpha if self.alpha is not None else min(self.rank, 16)
+
+
+@dataclass
+class DataConfig:
+    """Episodes -> training windows.
+
+    Args:
+        camera: dataset camera fed as the policy's primary image; ``None`` = the dataset's first camera
+            (what ``vla-runtime eval`` feeds as ``primary``).
+        window: control steps per history window (``history`` mode; ``single`` mode trains on steps).
+        stride: steps between consecutive window starts in an episode (the last window always ends at
+            the episode's end, so every step is covered).
+        image_aug: random resized crop covering 0.9 of the image area (OpenVLA's ``image_aug`` crop);
+            evaluate such a model with ``SessionConfig.center_crop=True``.
+        dataset_name: key of the statistics in ``dataset_statistics.json``; ``None`` = the dataset
+            directory's name.
+        action_mask: per action dimension, whether it is q01/q99-normalised; ``None`` = OpenVLA's
+            convention: every dimension but the last (the absolute gripper, which must lie in [-1, 1]).
+        cache_dir: where decoded frames are cached (one ``.npy`` per dataset and camera, memory-mapped);
+            ``None`` = ``<out>/cache``.
+        num_workers: DataLoader worker processes building batches (0 = in the training process).
+    """
+
+    camera: str | None = None
+    window: int = 8
+    stride: int = 4
+    image_aug: bool = False
+    dataset_name: str | None = None
+    action_mask: list[bool] | None = None
+    cache_dir: Path | None = None
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "window", "stride")
+        if self.num_workers < 0:
+            raise ValueError(f"`num_workers` must be >= 0, got {self.num_workers}")
+        if self.cache_dir is not None:
+            self.cache_dir = Path(self.cache_dir)
+        if self.action_mask is not None:
+            self.action_mask = [bool(m) for m in self.action_mask]
+
+
+@dataclass
+class GateTraining:
+    """How the chunked cache's aggregator and gate train (``kv.mode == "chunked"`` in history mode).
+
+    Args:
+        temperature: soft gate ``g = sigmoid((s - tau) / temperature)`` at the start of training.
+        temperature_final: temperature at the last step (geometric anneal from ``temperature``), so the
+            soft gates end close to the hard keep/drop decisions inference takes (at T = 1 a chunk the
+            hard gate drops still gets weight g ~ 0.3 in training); ``None`` = constant.
+        retention_target: the mean keep probability the retention term pulls toward.
+        retention_weight: weight of ``(mean g - retention_target)^2`` in the loss; 0 = no pull.
+        lr: learning rate of the gate and aggregator (the untrained gate keeps every chunk by a margin
+            of 3; Adam moves about ``lr`` per step, so the policy's LoRA rate would take thousands of steps).
+    """
+
+    temperature: float = 1.0
+    temperature_final: float | None = 0.1
+    retention_target: float = 0.5
+    retention_weight: float = 1.0
+    lr: float = 5e-3
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "temperature", "lr")
+        if self.temperature_final is not None:
+            _check_positive(self, "temperature_final")
+        if not 0.0 <= self.retention_target <= 1.0:
+            raise ValueError(f"`retention_target` must be in [0, 1], got {self.retention_target}")
+        if self.retention_weight < 0:
+            raise ValueError(f"`retention_weight` must be >= 0, got {self.retention_weight}")
+
+    def temperature_at(self, step: int, max_steps: int) -> float:
+        if self.temperature_final is None or max_steps <= 1:
+            return self.temperature
+        frac = min(step, max_steps - 1) / (max_steps - 1)
+        return self.temperature * (self.temperature_final / self.temperature) ** frac
+
+
+@dataclass
+class FinetuneConfig:
+    """One fine-tuning run.
+
+    Args:
+        checkpoint: policy checkpoint directory (any ``load_policy`` path; OpenVLA family).
+        dataset: local LeRobot dataset directory (v3.0 or v2.1).
+        out: output directory (adapter, gates, statistics, log, plot; ``checkpoints/last`` for resuming).
+        trainable: ``lora`` (LoRA + gates), ``gates`` (only the aggregator and gate) or ``all`` (every
+            weight, no LoRA: training from scratch; ``out`` becomes a full checkpoint).
+        history: ``history`` (windows of consecutive steps, one cache per episode) or ``single``.
+        kv: the cache inference will use; ``chunked`` trains the gate, ``full`` is plain attention.
+        lora: LoRA settings (``trainable == "lora"``).
+        data: windows, camera, augmentation.
+        gate: gate temperature, retention term, gate learning rate.
+        batch_size: windows per micro-batch (per process).
+        grad_accum: micro-batches per optimizer step (per process).
+        max_steps: optimizer steps.
+        lr: learning rate (AdamW) of LoRA / model weights.
+        lr_schedule: ``constant`` (OpenVLA) or ``cosine`` (to 0 at ``max_steps``), after ``warmup_steps``.
+        warmup_steps: linear warm-up steps.
+        weight_decay: AdamW weight decay (torch's default 0.01, as OpenVLA).
+        max_grad_norm: gradient clipping norm; ``None`` = no clipping.
+        action_vocab_loss: cross-entropy over the ``n_bins`` action tokens, the choice the runtime's
+            (default, restricted) greedy decoding makes, computing only those rows of ``lm_head`` (125x
+            less head work; on tiny models the head dominates). ``False`` = OpenVLA's cross-entropy over
+            the whole vocabulary (use it if you decode with ``restrict_to_action_tokens=False``).
+        seed: seeds initialisation, data order and augmentation (resumed runs repeat them exactly).
+        device: ``None`` = CUDA if available (``cuda:LOCAL_RANK`` under torchrun), else CPU.
+        precision: ``auto`` = bf16 autocast on CUDA, float32 on CPU; ``fp32``; ``bf16`` (autocast).
+        gradient_checkpointing: recompute decoder layers in the backward pass (less memory, ~30% slower).
+        threads: torch CPU threads per process (``None`` = torch's default).
+        log_every: steps between log lines / JSONL records.
+        save_every: steps between resumable checkpoints (and at the end).
+        resume: continue from ``out/checkpoints/last``.
+        merge: also write ``out/merged``: the checkpoint with LoRA merged, in its on-disk format.
+        save_dtype: dtype of written full checkpoints (``merge``, ``trainable: all``); ``None`` = the
+            source checkpoint's ``torch_dtype`` (bfloat16 upstream).
+    """
+
+    checkpoint: Path
+    dataset: Path
+    out: Path
+    trainable: str = "lora"
+    history: str = "history"
+    kv: KVConfig = field(default_factory=lambda: KVConfig(mode="chunked"))
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    data: DataConfig = field(default_factory=DataConfig)
+    gate: GateTraining = field(default_factory=GateTraining)
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_steps: int = 1000
+    lr: float = 5e-4
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+    action_vocab_loss: bool = True
+    seed: int = 0
+    device: str | None = None
+    precision: str = "auto"
+    gradient_checkpointing: bool = False
+    threads: int | None = None
+    log_every: int = 10
+    save_every: int = 500
+    resume: bool = False
+    merge: bool = False
+    save_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        self.checkpoint, self.dataset, self.out = Path(self.checkpoint), Path(self.dataset), Path(self.out)
+        choices = {
+            "trainable": TRAINABLE,
+            "history": HISTORY_MODES,
+            "lr_schedule": LR_SCHEDULES,
+            "precision": PRECISIONS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"`{name}` is {getattr(self, name)!r}; expected one of {', '.join(allowed)}")
+        if self.kv.mode not in TRAINABLE_KV_MODES:
+            raise ValueError(f"`kv.mode` is {self.kv.mode!r}; training supports {', '.join(TRAINABLE_KV_MODES)}")
+        if self.trainable == "gates" and not self.trains_gate:
+            raise ValueError(
+                "`trainable: gates` needs history mode with kv.mode 'chunked' (there is no gate to train otherwise)"
+            )
+        if self.merge and self.trainable != "lora":
+            raise ValueError(
+                f"`merge` merges LoRA into the checkpoint; trainable={self.trainable!r} has no LoRA to merge"
+            )
+        _check_positive(self, "batch_size", "grad_accum", "max_steps", "lr", "log_every", "save_every")
+        if self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ValueError(
+                f"`warmup_steps` and `weight_decay` must be >= 0, got {self.warmup_steps}, {self.weight_decay}"
+            )
+        if self.max_grad_norm is not None:
+            _check_positive(self, "max_grad_norm")
+        if self.save_dtype is not None and self.save_dtype not in DTYPES:
+            raise ValueError(f"`save_dtype` is {self.save_dtype!r}; expected one of {', '.join(sorted(DTYPES))}")
+        if self.threads is not None:
+            _check_positive(self, "threads")
+
+    @property
+    def trains_gate(self) -> bool:
+        """The chunked cache compresses only in history mode; single mode and ``full`` have no gate."""
+        return self.history == "history" and self.kv.mode == "chunked"
+
+    @property
+    def trains_lora(self) -> bool:
+        return self.trainable == "lora"

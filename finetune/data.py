@@ -1,0 +1,294 @@
+"""A LeRobot dataset prepared for training one policy: checked, decoded once, tokenised, windowed.
+
+    data = TrainingData.prepare(cfg, policy, cache_dir, build_cache=rank == 0)
+    data.statistics             # dataset_statistics.json entry (OpenVLA format)
+    batches = MicroBatches(data, cfg, rank=r, world=w, start_step=s)   # torch Dataset of micro-batches
+
+Every problem with the data is raised before training starts: missing features, an action or state
+size the model cannot take, windows longer than every episode.
+
+Micro-batches are drawn per bucket (windows whose token layouts coincide: same prompt length, same
+steps, starting at the episode's start or not), because the parallel form runs one schedule per
+forward. An epoch shuffles the windows of every bucket, cuts them into micro-batches of
+``batch_size`` (a bucket's last one may be smaller) and shuffles the micro-batches. Optimizer step k
+uses the ``grad_accum * world`` consecutive micro-batches from ``k * grad_accum * world`` on; rank r
+takes ``m * world + r`` for its m-th accumulation step, so 2 ranks x 1 step of accumulation see the
+same data as 1 rank x 2. Everything random derives from (seed, epoch, index): a resumed run repeats it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from vla_runtime.data import LeRobotDataset
+from vla_runtime.data import layout as lerobot
+from vla_runtime.models.openvla.processing_openvla import ActionStats, ActionTokenizer, PromptIds, crop_resize
+
+from .config import FinetuneConfig
+from .frames import DecodedDataset, cached_dataset
+from .layout import FlatLayout, flatten, same_positions, window_forwards
+from .statistics import dataset_statistics, default_action_mask
+
+log = logging.getLogger(__name__)
+
+CROP_AREA = 0.9  # OpenVLA's image_aug random resized crop (and the eval centre crop)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Steps ``start .. start + steps - 1`` of ``episode``."""
+
+    episode: int
+    start: int
+    steps: int
+
+
+def window_starts(length: int, window: int, stride: int) -> list[int]:
+    """Starts of the windows of an episode: every ``stride`` steps, plus one ending at the last step."""
+    if length < window:
+        return []
+    starts = list(range(0, length - window + 1, stride))
+    if starts[-1] != length - window:
+        starts.append(length - window)
+    return starts
+
+
+def check_features(ds: LeRobotDataset, *, camera: str | None, action_dim: int, proprio_dim: int | None) -> str:
+    """Raise before training when the dataset cannot train this model; returns the camera to use."""
+    features = ds.features
+    missing = [k for k in (lerobot.ACTION_KEY, "task_index", "episode_index", "frame_index") if k not in features]
+    if missing:
+        raise ValueError(f"dataset {ds.root} lacks required feature(s) {missing}; its features: {sorted(features)}")
+    if not ds.cameras:
+        raise ValueError(
+            f"dataset {ds.root} has no image or video feature (observation.images.*); its features: {sorted(features)}"
+        )
+    if camera is None:
+        camera = ds.cameras[0]
+    elif camera not in ds.cameras:
+        raise ValueError(f"camera {camera!r} is not in dataset {ds.root}; its cameras: {', '.join(ds.cameras)}")
+    shape = features[lerobot.ACTION_KEY].get("shape") or [0]
+    if int(shape[0]) != action_dim:
+        names = features[lerobot.ACTION_KEY].get("names")
+        raise ValueError(
+            f"dataset {ds.root} has {shape[0]}-D actions {names or ''}, but the policy predicts {action_dim}-D actions "
+            "(its action statistics / config); convert the dataset to the policy's action convention"
+        )
+    if proprio_dim is not None:
+        if lerobot.STATE_KEY not in features:
+            raise ValueError(
+                f"the policy has a proprio projector ({proprio_dim}-D input) but dataset {ds.root} has no "
+                f"{lerobot.STATE_KEY!r}; its features: {sorted(features)}"
+            )
+        state = int((features[lerobot.STATE_KEY].get("shape") or [0])[0])
+        if state != proprio_dim:
+            raise ValueError(
+                f"dataset {lerobot.STATE_KEY!r} is {state}-D; the policy's proprio projector takes {proprio_dim}-D"
+            )
+    return camera
+
+
+class TrainingData:
+    """Decoded frames, tokenised actions, normalised proprio, windows grouped into buckets."""
+
+    def __init__(
+        self,
+        decoded: DecodedDataset,
+        *,
+        policy,
+        history: bool,
+        window: int,
+        stride: int,
+        dataset_name: str,
+        action_mask: list[bool],
+        image_aug: bool,
+    ) -> None:
+        cfg = policy.config
+        self.decoded = decoded
+        self.processor = policy.image_processor
+        self.history = history
+        self.image_aug = image_aug
+        self.has_proprio = cfg.proprio_dim is not None
+        self.n_image_tokens = cfg.vision.num_patches
+        self.action_dim = decoded.actions.shape[1]
+        self.dataset_name = dataset_name
+        entry = dataset_statistics(
+            decoded.actions,
+            decoded.states,
+            mask=action_mask,
+            n_episodes=len(decoded.lengths),
+            action_names=decoded.action_names,
+        )
+        self.statistics = {dataset_name: entry}
+        action_stats = ActionStats.from_dict(entry["action"])
+        tokenizer = ActionTokenizer(cfg.n_bins, cfg.vocab_size_text, action_stats)
+        self.action_ids = tokenizer.encode(action_stats.normalize(decoded.actions.astype(np.float64)))  # [F, A]
+        self.proprio = None
+        if self.has_proprio:
+            proprio_stats = ActionStats.from_dict(entry["proprio"], what="proprio")
+            self.proprio = proprio_stats.normalize(decoded.states.astype(np.float64)).astype(np.float32)  # [F, P]
+        prompts: dict[str, PromptIds] = {}
+        self.prompts = [prompts.setdefault(t, policy.tokenizer.prompt(t)) for t in decoded.tasks]
+        steps, stride = (window, stride) if history else (1, 1)
+        self.windows: list[Window] = []
+        short = 0
+        for e, length in enumerate(decoded.lengths):
+            starts = window_starts(length, steps, stride)
+            short += not starts
+            self.windows += [Window(e, s, steps) for s in starts]
+        if not self.windows:
+            raise ValueError(
+                f"the history window ({window} steps) is longer than every episode (longest: {max(decoded.lengths)} steps); "
+                "lower `data.window`"
+            )
+        if short:
+            log.warning(
+                "%d of %d episodes are shorter than the %d-step window and are not used",
+                short,
+                len(decoded.lengths),
+                window,
+            )
+        self.buckets: dict[tuple, list[int]] = {}
+        for i, w in enumerate(self.windows):
+            self.buckets.setdefault(self.bucket_key(w), []).append(i)
+        self.layouts = {key: self._layout(self.windows[idx[0]])[0] for key, idx in self.buckets.items()}
+
+    @classmethod
+    def prepare(
+        cls, cfg: FinetuneConfig, policy, *, cache_dir: Path, build_cache: bool, progress: bool = True
+    ) -> "TrainingData":
+        """Check ``cfg.dataset`` against the policy, decode it (cached) and build the windows."""
+        ds = LeRobotDataset(cfg.dataset)
+        camera = check_features(
+            ds, camera=cfg.data.camera, action_dim=policy.action_dim, proprio_dim=policy.config.proprio_dim
+        )
+        decoded = cached_dataset(ds, camera, cache_dir, build=build_cache, progress=progress)
+        mask = (
+            cfg.data.action_mask if cfg.data.action_mask is not None else default_action_mask(decoded.actions.shape[1])
+        )
+        return cls(
+            decoded,
+            policy=policy,
+            history=cfg.history == "history",
+            window=cfg.data.window,
+            stride=cfg.data.stride,
+            dataset_name=cfg.data.dataset_name or Path(cfg.dataset).resolve().name,
+            action_mask=mask,
+            image_aug=cfg.data.image_aug,
+        )
+
+    # ---- windows -----------------------------------------------------------------------------------
+    def bucket_key(self, w: Window) -> tuple[int, int, bool]:
+        """Windows with equal keys have equal token layouts."""
+        return len(self.prompts[w.episode].instruction), w.steps, self.history and w.start > 0
+
+    def _frames(self, w: Window) -> slice:
+        first = self.decoded.offsets[w.episode] + w.start
+        return slice(first, first + w.steps)
+
+    def _layout(self, w: Window) -> tuple[FlatLayout, list[int]]:
+        rows = self._frames(w)
+        prev = int(self.action_ids[rows.start - 1, -1]) if self.history and w.start > 0 else None
+        forwards = window_forwards(
+            self.prompts[w.episode],
+            self.action_ids[rows].tolist(),
+            history=self.history,
+            has_proprio=self.has_proprio,
+            prev_token=prev,
+        )
+        return flatten(forwards, n_image_tokens=self.n_image_tokens, action_dim=self.action_dim)
+
+    # ---- one micro-batch ---------------------------------------------------------------------------
+    def pixels(self, frame: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
+        """uint8 [H, W, 3] -> [C, S, S]; with ``image_aug`` a random crop of 0.9 of the area first."""
+        if self.image_aug:
+            frame = crop_resize(frame, size=self.processor.size, area=CROP_AREA, at=tuple(rng.random(2)))
+        return self.processor(np.ascontiguousarray(frame))
+
+    def batch(self, indices: list[int], rng: np.random.Generator) -> dict:
+        """Windows (of one bucket) -> tensors: ``pixels`` [B, S, C, H, W], ``proprio`` [B, S, P] (if any),
+        ``text_ids`` [B, Nt], ``labels`` [B, S * A], and the bucket ``key``."""
+        windows = [self.windows[i] for i in indices]
+        key = self.bucket_key(windows[0])
+        layout = self.layouts[key]
+        pixels, text, labels, proprio = [], [], [], []
+        for w in windows:
+            own, ids = self._layout(w)
+            if not same_positions(own, layout):
+                raise AssertionError(f"window {w} does not share its bucket's layout")
+            rows = self._frames(w)
+            pixels.append(torch.stack([self.pixels(f, rng) for f in self.decoded.frames[rows]]))
+            text.append(ids)
+            labels.append(self.action_ids[rows].reshape(-1))
+            if self.proprio is not None:
+                proprio.append(torch.from_numpy(self.proprio[rows]))
+        out = {
+            "key": key,
+            "pixels": torch.stack(pixels),
+            "text_ids": torch.tensor(text, dtype=torch.long),
+            "labels": torch.from_numpy(np.stack(labels)).long(),
+        }
+        if proprio:
+            out["proprio"] = torch.stack(proprio)
+        return out
+
+
+class MicroBatches(Dataset):
+    """The micro-batches one rank consumes from ``start_step`` to ``max_steps`` (``grad_accum`` per step).
+
+    Item i is the micro-batch of step ``start_step + i // grad_accum``, accumulation index
+    ``i % grad_accum``; see the module docstring for the order.
+    """
+
+    def __init__(
+        self,
+        data: TrainingData,
+        *,
+        batch_size: int,
+        grad_accum: int,
+        max_steps: int,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
+        start_step: int = 0,
+    ) -> None:
+        self.data, self.batch_size, self.grad_accum = data, batch_size, grad_accum
+        self.seed, self.rank, self.world, self.start_step = seed, rank, world, start_step
+        self.n_steps = max_steps - start_step
+        self.per_epoch = sum(-(-len(idx) // batch_size) for idx in data.buckets.values())
+        self.steps_per_epoch = self.per_epoch // (grad_accum * world)
+        if self.steps_per_epoch < 1:
+            raise ValueError(
+                f"the dataset yields {self.per_epoch} micro-batches of {batch_size} windows per epoch, fewer than one optimizer "
+                f"step needs (grad_accum {grad_accum} x {world} process(es)); lower batch_size / grad_accum or add data"
+            )
+
+    def __len__(self) -> int:
+        return self.n_steps * self.grad_accum
+
+    @lru_cache(maxsize=2)
+    def epoch(self, epoch: int) -> list[list[int]]:
+        """The epoch's micro-batches (window indices), in order."""
+        rng = np.random.default_rng([self.seed, epoch])
+        micro = []
+        for key in sorted(self.data.buckets):
+            idx = rng.permutation(self.data.buckets[key])
+            micro += [idx[i : i + self.batch_size].tolist() for i in range(0, len(idx), self.batch_size)]
+        return [micro[i] for i in rng.permutation(len(micro))]
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """Item i -> (epoch, index of its micro-batch in the epoch)."""
+        step, m = divmod(i, self.grad_accum)
+        epoch, k = divmod(self.start_step + step, self.steps_per_epoch)
+        return epoch, (k * self.grad_accum + m) * self.world + self.rank
+
+    def __getitem__(self, i: int) -> dict:
+        epoch, j = self.locate(i)
+        return self.data.batch(self.epoch(epoch)[j], np.random.default_rng([self.seed, epoch, j, 1]))

@@ -1,0 +1,174 @@
+"""The training forward: a micro-batch of windows -> action-token cross-entropy (+ retention term).
+
+``PolicyTrainModule`` holds the policy model (LoRA injected or not) and the ``ChunkGate`` as
+submodules, so one ``DistributedDataParallel`` wraps everything that trains. Attention runs through a
+training form (an object with the cache's ``attend``): ``ParallelChunkedAttention`` (the chunked
+cache's parallel form, soft gates) in history mode with ``kv.mode == "chunked"``, else
+``CausalForm`` (one causal forward at absolute positions, which is what ``FullCache`` streams).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from peft.tuners.lora import LoraLayer
+from torch.utils.checkpoint import checkpoint
+
+from vla_runtime.kv import KVConfig
+from vla_runtime.kv.attention import causal_attention
+from vla_runtime.kv.chunked_gated import ChunkedGatedConfig
+from vla_runtime.kv.chunked_parallel import ForwardSchedule, ParallelChunkedAttention
+from vla_runtime.kv.gate import ChunkGate, check_gate
+from vla_runtime.kv.rope import RopeConfig, apply_rope, rope_cos_sin
+
+from .layout import FlatLayout
+
+
+class CausalForm:
+    """Training form of ``FullCache``: the whole sequence in one causal forward at positions 0..N-1."""
+
+    def __init__(self, rope: RopeConfig, n_tokens: int, device: torch.device) -> None:
+        self.cos, self.sin = rope_cos_sin(torch.arange(n_tokens, device=device), rope)
+
+    def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [B, Hq, N, D]; k_raw, v: [B, Hkv, N, D] -> [B, Hq, N, D]."""
+        return causal_attention(apply_rope(q, self.cos, self.sin), apply_rope(k_raw, self.cos, self.sin), v, past=0)
+
+    def end_forward(self, *, pin: bool = False) -> None:
+        """Nothing to commit."""
+
+
+def head_rows(head: nn.Module, hidden: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``head(hidden)[..., rows]`` computing only those output rows (the 256 action ids of a 32064-row
+    head: 125x less work), for a plain ``nn.Linear`` or a peft LoRA ``Linear`` around one
+    (``base(x) + sum_adapters scaling * B(A(dropout(x)))``)."""
+    if not isinstance(head, LoraLayer):
+        return F.linear(hidden, head.weight[rows], None if head.bias is None else head.bias[rows])
+    base = head.get_base_layer()
+    out = F.linear(hidden, base.weight[rows], None if base.bias is None else base.bias[rows])
+    if head.disable_adapters or head.merged:
+        return out
+    for name in head.active_adapters:
+        if name not in head.lora_A:
+            continue
+        a, b = head.lora_A[name], head.lora_B[name]
+        down = a(head.lora_dropout[name](hidden))
+        out = out + F.linear(down, b.weight[rows], None if b.bias is None else b.bias[rows]) * head.scaling[name]
+    return out
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Args: action_range: [first, last] action token ids; action_vocab_loss: CE over those ids only;
+    batch_size: the nominal rows per micro-batch (a smaller last micro-batch of a bucket weighs less);
+    retention_target / retention_weight: the pull of the mean keep probability."""
+
+    action_range: tuple[int, int]
+    action_vocab_loss: bool
+    batch_size: int
+    retention_target: float
+    retention_weight: float
+
+
+class PolicyTrainModule(nn.Module):
+    """``vla`` (an ``OpenVLA``) + optional ``gate``; ``forward(batch, layout)`` returns the loss terms."""
+
+    def __init__(
+        self,
+        vla: nn.Module,
+        gate: ChunkGate | None,
+        kv: KVConfig | None,
+        loss: LossSettings,
+        *,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        self.vla = vla
+        self.gate = gate
+        self.kv = kv
+        self.loss = loss
+        self.gradient_checkpointing = gradient_checkpointing
+        self.chunked = None
+        if gate is not None:
+            llm_cfg = vla.language_model.cfg
+            check_gate(gate, kv, llm_cfg)
+            self.chunked = ChunkedGatedConfig.from_kv(kv, llm_cfg)
+
+    def embed(self, batch: dict, layout: FlatLayout) -> torch.Tensor:
+        """Input embeddings [B, N, dim]: text ids embedded, image and proprio tokens scattered in."""
+        vla = self.vla
+        pixels = batch["pixels"]  # [B, S, C, H, W]
+        b, steps = pixels.shape[:2]
+        device = pixels.device
+        dim = vla.language_model.cfg.dim
+        text = vla.language_model.model.embed_tokens(batch["text_ids"])  # [B, Nt, dim]
+        image = vla.embed_image(pixels.flatten(0, 1)).reshape(b, -1, dim)  # [B, S * n_image, dim]
+        x = text.new_zeros(b, layout.n_tokens, dim)
+        x = x.index_copy(1, layout.text_pos.to(device), text)
+        x = x.index_copy(1, layout.image_pos.to(device), image.to(x.dtype))
+        if "proprio" in batch:
+            proprio = vla.embed_proprio(batch["proprio"].flatten(0, 1)).reshape(b, steps, dim)  # [B, S, dim]
+            x = x.index_copy(1, layout.proprio_pos.to(device), proprio.to(x.dtype))
+        return x
+
+    def decode(self, x: torch.Tensor, attn) -> torch.Tensor:
+        """The LLM decoder over [B, N, dim] with ``attn`` as its cache -> final-normed hidden [B, N, dim]."""
+        decoder = self.vla.language_model.model
+        if not self.gradient_checkpointing:
+            return decoder(inputs_embeds=x, cache=attn)
+        for layer in decoder.layers:  # LlamaModel.forward, each layer recomputed in the backward pass
+            x = checkpoint(layer, x, attn, use_reentrant=False)
+        attn.end_forward()
+        return decoder.norm(x)
+
+    def action_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., dim] -> float32 logits [..., V] (``action_vocab_loss``: [..., n_bins] over the action ids)."""
+        head = self.vla.language_model.lm_head
+        if not self.loss.action_vocab_loss:
+            return head(hidden).float()
+        first, last = self.loss.action_range
+        return head_rows(head, hidden, slice(first, last + 1)).float()
+
+    def forward(self, batch: dict, layout: FlatLayout, *, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        """Returns ``loss`` (to backpropagate), ``ce_sum``, ``correct`` (argmax over the action ids equals
+        the target), ``targets``, ``kept_ratio`` / ``hard_kept`` (mean soft / hard gate; 1 without a gate)."""
+        x = self.embed(batch, layout)
+        b, n = x.shape[:2]
+        if self.gate is not None:
+            schedule = ForwardSchedule.build(
+                layout.boundaries, layout.pinned, window=self.chunked.window, chunk=self.chunked.chunk
+            )
+            attn = ParallelChunkedAttention(
+                schedule, self.gate, self.chunked, self.vla.language_model.cfg, soft=True, temperature=temperature
+            )
+        else:
+            attn = CausalForm(self.vla.language_model.cfg.rope, n, x.device)
+        hidden = self.decode(x, attn)[:, layout.target_pos.to(x.device)]  # [B, T, dim]
+        logits = self.action_logits(hidden)  # [B, T, V']
+        first, last = self.loss.action_range
+        labels = batch["labels"]
+        target = labels - first if self.loss.action_vocab_loss else labels
+        ce_sum = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+        action_part = logits if self.loss.action_vocab_loss else logits[..., first : last + 1]
+        correct = (action_part.argmax(-1) + first == labels).sum()
+        rows = b / self.loss.batch_size  # weight of this micro-batch against a full one
+        loss = ce_sum / (self.loss.batch_size * labels.shape[1])
+        one = torch.ones((), device=x.device)
+        kept, hard = one, one
+        if self.gate is not None:
+            aux = attn.aux()
+            kept = aux.kept_ratio
+            hard = aux.kept.float().mean() if aux.kept.numel() else one
+            if self.loss.retention_weight and aux.keep_prob.numel():
+                loss = loss + rows * self.loss.retention_weight * (kept - self.loss.retention_target) ** 2
+        return {
+            "loss": loss,
+            "ce_sum": ce_sum.detach(),
+            "correct": correct.detach().float(),
+            "targets": torch.tensor(float(labels.numel()), device=x.device),
+            "kept_ratio": kept.detach().float(),
+            "hard_kept": hard.detach().float(),
+        }

@@ -1,0 +1,176 @@
+"""What a run writes into its output directory, and the resumable training checkpoint.
+
+out/
+  adapter_config.json, adapter_model.safetensors   peft LoRA adapter        (trainable: lora)
+  config.json, model.safetensors, tokenizer ...   full checkpoint          (trainable: all)
+  gates.safetensors, kv_config.json               ChunkGate + KVConfig     (chunked history runs)
+  dataset_statistics.json                         OpenVLA-format action/proprio statistics
+  session_config.json                             the SessionConfig the model was trained for
+  finetune_config.yaml                            the run's config (``--config`` reruns it)
+  train_log.jsonl, training_curves.png            metrics every ``log_every`` steps, plotted
+  checkpoints/last/                               trainable weights + optimizer (``--resume``)
+  merged/                                         LoRA merged, original on-disk format (``--merge``)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+STATISTICS = "dataset_statistics.json"
+SESSION_CONFIG = "session_config.json"
+RUN_CONFIG = "finetune_config.yaml"
+LOG = "train_log.jsonl"
+PLOT = "training_curves.png"
+LAST = Path("checkpoints") / "last"
+# config fields a resumed run may change
+RESUMABLE_CHANGES = {
+    "max_steps",
+    "save_every",
+    "log_every",
+    "resume",
+    "merge",
+    "threads",
+    "device",
+    "data.num_workers",
+    "data.cache_dir",
+}
+
+
+def to_plain(obj):
+    """Dataclasses / Paths -> YAML/JSON-safe dicts and strings."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    return str(obj) if isinstance(obj, Path) else obj
+
+
+def write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(to_plain(data), indent=2) + "\n")
+
+
+def write_run_config(out: Path, cfg) -> None:
+    data = to_plain(cfg)
+    data["resume"] = False
+    (out / RUN_CONFIG).write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def recorded_max_steps(out: Path) -> int:
+    return int(yaml.safe_load((out / RUN_CONFIG).read_text())["max_steps"])
+
+
+def config_changes(out: Path, cfg) -> list[str]:
+    """Fields (dotted) whose value differs from the run recorded in ``out``, ignoring ``RESUMABLE_CHANGES``."""
+    old = yaml.safe_load((out / RUN_CONFIG).read_text())
+    new = to_plain(cfg)
+
+    def diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+        out = []
+        for key in sorted(set(a) | set(b)):
+            name = prefix + key
+            if name in RESUMABLE_CHANGES:
+                continue
+            if isinstance(a.get(key), dict) and isinstance(b.get(key), dict):
+                out += diff(a[key], b[key], name + ".")
+            elif a.get(key) != b.get(key):
+                out.append(f"{name}: {a.get(key)!r} -> {b.get(key)!r}")
+        return out
+
+    return diff(old, new)
+
+
+# ---- resumable checkpoint --------------------------------------------------------------------------
+
+
+def save_training_state(
+    out: Path, *, step: int, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer
+) -> None:
+    """Write ``checkpoints/last`` atomically: trainable weights (safetensors), optimizer (tensors and
+    numbers only, read back with ``weights_only=True``) and the step."""
+    last = out / LAST
+    tmp = last.with_name("last.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in params.items()}, str(tmp / "trainable.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step}) + "\n")
+    shutil.rmtree(last, ignore_errors=True)
+    tmp.rename(last)
+
+
+def load_training_state(out: Path, *, device: torch.device) -> tuple[int, dict[str, torch.Tensor], dict]:
+    """(step, trainable weights, optimizer state) from ``checkpoints/last``."""
+    last = out / LAST
+    if not (last / "state.json").is_file():
+        raise FileNotFoundError(f"nothing to resume: {last} has no training checkpoint")
+    step = int(json.loads((last / "state.json").read_text())["step"])
+    params = load_file(str(last / "trainable.safetensors"), device=str(device))
+    optimizer = torch.load(last / "optimizer.pt", map_location=device, weights_only=True)
+    return step, params, optimizer
+
+
+# ---- log and plot ---------------------------------------------------------------------------------
+
+
+def append_log(out: Path, record: dict) -> None:
+    with (out / LOG).open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def truncate_log(out: Path, step: int) -> None:
+    """Drop records past ``step`` (a resumed run repeats those steps)."""
+    path = out / LOG
+    if path.is_file():
+        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in keep))
+
+
+def read_log(out: Path) -> list[dict]:
+    path = out / LOG
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def plot_curves(out: Path, *, retention_target: float | None) -> Path | None:
+    """``training_curves.png``: cross-entropy, action-token accuracy and (with a gate) kept ratios per step."""
+    records = read_log(out)
+    if not records:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed; skipping %s", PLOT)
+        return None
+    steps = [r["step"] for r in records]
+    panels = 3 if retention_target is not None else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 3.4))
+    axes[0].plot(steps, [r["ce"] for r in records])
+    axes[0].set(title="action-token cross-entropy", xlabel="step")
+    axes[1].plot(steps, [r["accuracy"] for r in records])
+    axes[1].set(title="action-token accuracy", xlabel="step", ylim=(0, 1))
+    if retention_target is not None:
+        axes[2].plot(steps, [r["kept_ratio"] for r in records], label="soft (mean g)")
+        axes[2].plot(steps, [r["hard_kept"] for r in records], label="hard (s > tau)")
+        axes[2].axhline(retention_target, color="gray", linestyle="--", label="target")
+        axes[2].set(title="chunks kept", xlabel="step", ylim=(0, 1.02))
+        axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / PLOT, dpi=110)
+    plt.close(fig)
+    return out / PLOT

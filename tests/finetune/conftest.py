@@ -1,0 +1,94 @@
+"""A tiny OpenVLA checkpoint (float32, 28 px, 4-D proprio) and a tiny LeRobot v3 dataset written with the
+project's own writer, made once per session; ``finetune_config`` builds fast run configs."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vla_finetune.config import FinetuneConfig
+from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
+from vla_runtime.config import from_dict
+from vla_runtime.data import DatasetFeatures, Episode, LeRobotWriter, WriterConfig
+
+TASKS = ("reach the red block", "press the button on the wall")
+ACTION_NAMES = ["dx", "dy", "dz", "droll", "dpitch", "dyaw", "gripper"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():  # session scope: also covers the module-scoped training fixtures
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def episode(
+    rng: np.random.Generator,
+    n: int,
+    task: str,
+    *,
+    action_dim: int = 7,
+    state_dim: int | None = 4,
+    gripper_max: float = 1.0,
+) -> Episode:
+    """Frames whose content moves with time; smooth deltas and a gripper that opens and closes."""
+    t = np.arange(n)
+    y, x = np.mgrid[0:32, 0:32]
+    frames = np.stack([((x * 8 + y * 3 + 20 * s) % 256) for s in t]).astype(np.uint8)[..., None].repeat(3, axis=-1)
+    frames = np.clip(frames.astype(int) + rng.integers(0, 16, frames.shape), 0, 255).astype(np.uint8)
+    deltas = 0.02 * np.sin(0.7 * t[:, None] + np.arange(action_dim - 1)[None])
+    action = np.concatenate([deltas, gripper_max * (t[:, None] % 4 < 2)], axis=1).astype(np.float32)
+    state = None if state_dim is None else rng.normal(size=(n, state_dim)).astype(np.float32)
+    return Episode(images={"front": frames}, state=state, action=action, task=task)
+
+
+def write_dataset(
+    root: Path,
+    *,
+    lengths=(10, 10, 9, 10),
+    action_dim: int = 7,
+    state_dim: int | None = 4,
+    gripper_max: float = 1.0,
+    seed: int = 0,
+) -> Path:
+    rng = np.random.default_rng(seed)
+    features = DatasetFeatures(
+        cameras={"front": (32, 32)},
+        state_names=None if state_dim is None else [f"s{i}" for i in range(state_dim)],
+        action_names=ACTION_NAMES[:action_dim] if action_dim <= 7 else [f"a{i}" for i in range(action_dim)],
+    )
+    with LeRobotWriter(root, features, WriterConfig(fps=10)) as writer:
+        for i, n in enumerate(lengths):
+            writer.add_episode(
+                episode(rng, n, TASKS[i % 2], action_dim=action_dim, state_dim=state_dim, gripper_max=gripper_max)
+            )
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """float32 on disk so a merged checkpoint reproduces base + adapter exactly."""
+    return make_tiny_openvla(
+        tmp_path_factory.mktemp("ckpt") / "tiny", dtype=torch.float32, image_size=28, proprio_dim=4
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory) -> Path:
+    return write_dataset(tmp_path_factory.mktemp("data") / "tiny-reach")
+
+
+def make_config(ckpt: Path, dataset: Path, out: Path, **overrides) -> FinetuneConfig:
+    """Small, fast runs: 3-step windows, batches of 2, chunk 4 (chunks form every step)."""
+    data = {
+        "checkpoint": ckpt, "dataset": dataset, "out": out, "batch_size": 2, "max_steps": 4, "log_every": 2, "save_every": 100,
+        "kv": {"chunk": 4}, "data": {"window": 3, "stride": 2, "cache_dir": out.parent / "frame-cache"},
+    }  # fmt: skip
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    return from_dict(FinetuneConfig, data)
