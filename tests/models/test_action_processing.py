@@ -1,0 +1,128 @@
+"""Un-normalisation masks, CogACT's adaptive ensemble and HybridVLA's AR tokens / collaborative ensemble."""
+
+import math
+
+import numpy as np
+import pytest
+
+from vla_runtime.models.cogact.configuration_cogact import AdaptiveEnsembleConfig
+from vla_runtime.models.cogact.processing_cogact import AdaptiveEnsembler, ensemble_weights
+from vla_runtime.models.hybridvla.configuration_hybridvla import CollaborativeEnsembleConfig
+from vla_runtime.models.hybridvla.processing_hybridvla import ARActionCodec, ar_is_confident, collaborative_ensemble
+from vla_runtime.models.normalization import BoundsStats, postprocess_actions, resolve_unnorm_key
+
+BRIDGE = {  # bridge_orig action statistics (OpenVLA's dataset_statistics.json)
+    "q01": [-0.028727, -0.041703, -0.026094, -0.080921, -0.092887, -0.207183, 0.0],
+    "q99": [0.028310, 0.040855, 0.040162, 0.081920, 0.077929, 0.203826, 1.0],
+    "mask": [True] * 6 + [False],
+}
+
+
+def test_unnormalize_uses_q01_q99_on_masked_dims_only():
+    stats = BoundsStats.from_dict(BRIDGE, where="bridge_orig.action")
+    out = stats.unnormalize(np.array([[-1.0] * 7, [1.0] * 7, [0.0] * 7]))
+    np.testing.assert_allclose(out[0, :6], BRIDGE["q01"][:6])
+    np.testing.assert_allclose(out[1, :6], BRIDGE["q99"][:6])
+    np.testing.assert_allclose(out[2, :6], (np.array(BRIDGE["q01"]) + np.array(BRIDGE["q99"]))[:6] / 2)
+    np.testing.assert_array_equal(out[:, 6], [-1.0, 1.0, 0.0])  # mask False: passes through untouched
+
+
+def test_missing_mask_means_all_dims_and_normalize_inverts():
+    stats = BoundsStats.from_dict({"q01": [0.0, -2.0], "q99": [4.0, 2.0]}, where="proprio")
+    assert stats.mask.tolist() == [True, True]
+    x = np.array([1.0, 0.5])
+    np.testing.assert_allclose(stats.unnormalize(stats.normalize(x)), x, atol=1e-7)
+    np.testing.assert_array_equal(stats.normalize(np.array([100.0, -100.0])), [1.0, -1.0])  # clipped
+    with pytest.raises(KeyError, match="proprio has no 'q99'"):
+        BoundsStats.from_dict({"q01": [0.0]}, where="proprio")
+
+
+def test_postprocess_clips_binarises_gripper_and_unnormalises():
+    stats = BoundsStats.from_dict(BRIDGE, where="bridge_orig.action")
+    raw = np.array([[2.0, -3.0, 0.0, 0.0, 0.0, 0.0, 0.49], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5]])
+    out = postprocess_actions(raw, stats)
+    assert out[0, 0] == pytest.approx(BRIDGE["q99"][0]) and out[0, 1] == pytest.approx(BRIDGE["q01"][1])
+    assert out[:, 6].tolist() == [0.0, 1.0]  # upstream: 0 if x < 0.5 else 1
+    with pytest.raises(ValueError, match="6 dims; the statistics have 7"):
+        postprocess_actions(raw[:, :6], stats)
+
+
+def test_unnorm_key_resolution_errors_name_the_keys():
+    assert resolve_unnorm_key({"bridge_orig": {}}, None) == "bridge_orig"
+    with pytest.raises(ValueError, match=r"pass `unnorm_key`, one of \['bridge_orig', 'fractal'\]"):
+        resolve_unnorm_key({"bridge_orig": {}, "fractal": {}}, None)
+    with pytest.raises(KeyError, match="'rlbench' is not in the dataset statistics"):
+        resolve_unnorm_key({"bridge_orig": {}}, "rlbench")
+
+
+def test_adaptive_ensemble_weights_on_a_hand_made_example():
+    a_new = np.array([1.0, 0, 0, 0, 0, 0, 1])
+    a_old = np.array([0.0, 1, 0, 0, 0, 0, 1])  # cos(a_old, a_new) = 1/2 (gripper dim included)
+    w = ensemble_weights(np.stack([a_old, a_new]), alpha=0.1)
+    np.testing.assert_allclose(w, [1 / (1 + math.exp(0.05)), 1 / (1 + math.exp(-0.05))], rtol=1e-6)
+    assert w[0] == pytest.approx(0.4875026, abs=1e-7)
+
+
+def test_adaptive_ensembler_takes_row_j_of_the_chunk_from_j_steps_ago():
+    ens = AdaptiveEnsembler(AdaptiveEnsembleConfig(horizon=3, alpha=0.1))
+    chunks = [np.full((16, 7), 0.0) for _ in range(4)]
+    for k, c in enumerate(chunks):
+        c[:, :6] = (k + 1) * 10 + np.arange(16)[:, None]  # chunk k, row r -> value 10(k+1) + r
+        c[:, 6] = 1.0
+    first = ens(chunks[0])
+    np.testing.assert_allclose(first, chunks[0][0])  # one prediction: itself
+    ens(chunks[1])
+    ens(chunks[2])
+    out = ens(chunks[3])  # deque keeps chunks 1, 2, 3 -> rows 2, 1, 0
+    candidates = np.stack([chunks[1][2], chunks[2][1], chunks[3][0]])
+    np.testing.assert_allclose(out, ensemble_weights(candidates, 0.1) @ candidates)
+    assert len(ens) == 3
+    ens.reset()
+    assert len(ens) == 0
+
+
+def test_ensemble_rebinarises_gripper_with_half_closed():
+    ens = AdaptiveEnsembler(AdaptiveEnsembleConfig(horizon=2, alpha=0.0))  # alpha 0: plain mean
+    c0, c1 = np.zeros((16, 7)), np.zeros((16, 7))
+    c0[:, 0], c1[:, 0] = 1.0, 1.0
+    c0[1, 6], c1[0, 6] = 1.0, 0.0  # open then closed -> mean 0.5 -> deploy.py's `> 0.5` gives 0
+    ens(c0)
+    assert ens(c1)[6] == 0.0
+
+
+CODEC = ARActionCodec()
+
+
+def test_ar_token_bin_golden_values_and_round_trip():
+    assert CODEC.token_range == (31744, 31999)
+    assert CODEC.decode(np.array([31999]))[0] == pytest.approx(-1 + 1 / 255)
+    assert CODEC.decode(np.array([31872]))[0] == pytest.approx(0.0, abs=1e-12)
+    ids = np.arange(31745, 32000)
+    np.testing.assert_array_equal(CODEC.encode(CODEC.decode(ids)), ids)
+    assert CODEC.decode(np.array([31744]))[0] == CODEC.decode(np.array([31745]))[0]  # bins 256 and 255 share a centre
+    a = np.random.default_rng(0).uniform(-1, 1, (50, 7))
+    assert np.abs(CODEC.decode(CODEC.encode(a)) - a).max() <= 1 / 255 + 1e-12  # within half a bin width (2/255)
+
+
+def test_need_to_sub_shifts_the_token_range():
+    shifted = ARActionCodec(need_to_sub=7)
+    assert shifted.token_range == (31737, 31992)
+    a = np.array([0.3, -0.7])
+    np.testing.assert_array_equal(shifted.encode(a), CODEC.encode(a) - 7)
+    np.testing.assert_allclose(shifted.decode(shifted.encode(a)), CODEC.decode(CODEC.encode(a)))
+
+
+def test_collaborative_ensemble_code_rule_vs_paper_rule():
+    conf = np.array([0.97] * 6 + [0.1])  # first six sum to 5.82 > 5.8; mean of all 0.846 < 0.96
+    diff = np.array([0.1, 0.2, 0.3, 0.0, 0.0, 0.0, 1.0])
+    ar = np.array([0.3, 0.2, 0.1, 0.0, 0.0, 0.2, 0.0])
+    action, used = collaborative_ensemble(diff, ar, conf, CollaborativeEnsembleConfig())
+    assert used
+    np.testing.assert_allclose(action[:6], (diff[:6] + ar[:6]) / 2)
+    assert action[6] == 0.0  # mean 0.5 -> sim.py's `1 if > 0.5 else 0`
+    action, used = collaborative_ensemble(diff, ar, conf, CollaborativeEnsembleConfig(rule="paper"))
+    assert not used and np.array_equal(action, diff)
+    assert not ar_is_confident(np.array([0.96] * 6 + [1.0]), CollaborativeEnsembleConfig())  # 5.76 <= 5.8
+    assert ar_is_confident(np.full(7, 0.97), CollaborativeEnsembleConfig(rule="paper"))
+    with pytest.raises(KeyError, match="code, paper"):
+        CollaborativeEnsembleConfig(rule="vote")

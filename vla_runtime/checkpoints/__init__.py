@@ -1,0 +1,1 @@
+"""Read and write real on-disk checkpoint formats."""

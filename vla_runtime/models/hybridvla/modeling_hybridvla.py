@@ -1,0 +1,110 @@
+"""HybridVLA: diffusion inside the LLM, with upstream's module and parameter names.
+
+There is no separate action network. Four small modules, each its own entry of the checkpoint's
+``model`` dict, turn diffusion state into LLM tokens and back:
+
+- ``proprio_embedder``: robot state [A] -> one token (timm ``Mlp`` A -> dim -> dim, GELU-tanh);
+- ``t_embedder``: DDIM timestep -> one token (DiT's sinusoid + MLP);
+- ``x_embedder``: each noisy action [A] -> one token (same shape as ``proprio_embedder``);
+- ``final_layer``: RMSNorm + ``Mlp`` dim -> dim -> A, read at the noisy-action positions -> eps.
+
+Sequence (one view): ``[BOS] [patches] [prompt] 29871 <BOD> [proprio] [t] [x_0 .. x_fut]`` for the
+diffusion branch; the AR branch continues ``... [x] <EOD> 29871`` and decodes 7 action tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..diffusion import Mlp, TimestepEmbedder
+from ..llama import RMSNorm
+from .configuration_hybridvla import DiffusionHeadConfig
+
+DIFFUSION_MODULES = ("proprio_embedder", "x_embedder", "t_embedder", "final_layer")
+
+
+class ActionEmbedder(nn.Module):
+    """One token per action vector: ``mlp`` (``fc1`` A -> dim, GELU-tanh, ``fc2`` dim -> dim)."""
+
+    def __init__(self, action_dim: int, dim: int) -> None:
+        super().__init__()
+        self.mlp = Mlp(action_dim, dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., A] -> [..., dim]."""
+        return self.mlp(x)
+
+
+class NoiseHead(nn.Module):
+    """Upstream's ``final_layer``: ``norm_final`` (RMSNorm, eps 1e-6) then ``mlp`` dim -> dim -> A."""
+
+    def __init__(self, dim: int, action_dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.norm_final = RMSNorm(dim, eps)
+        self.mlp = Mlp(dim, dim, action_dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [..., dim] final (post-norm) LLM hidden states -> eps [..., A]."""
+        return self.mlp(self.norm_final(h))
+
+
+class DiffusionHead(nn.Module):
+    """The four diffusion modules; attribute names are the checkpoint's module keys (``DIFFUSION_MODULES``)."""
+
+    def __init__(self, cfg: DiffusionHeadConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.proprio_embedder = ActionEmbedder(cfg.action_dim, cfg.dim)
+        self.x_embedder = ActionEmbedder(cfg.action_dim, cfg.dim)
+        self.t_embedder = TimestepEmbedder(cfg.dim)
+        self.final_layer = NoiseHead(cfg.dim, cfg.action_dim, cfg.norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Upstream's initialisation: xavier linears, N(0, 0.02) embedders, zero last projection of the noise head."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        for emb in (self.x_embedder, self.proprio_embedder):
+            nn.init.normal_(emb.mlp.fc1.weight, std=0.02)
+            nn.init.normal_(emb.mlp.fc2.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        nn.init.zeros_(self.final_layer.mlp.fc2.weight)
+        nn.init.zeros_(self.final_layer.mlp.fc2.bias)
+
+    @classmethod
+    def from_state_dicts(cls, modules: dict[str, dict[str, torch.Tensor]], *, future_window: int) -> "DiffusionHead":
+        """Build from the checkpoint's per-module state dicts; sizes come from the tensors.
+
+        ``future_window`` cannot be read from the weights (there is no positional table): take it from config.json.
+        """
+        missing = [m for m in DIFFUSION_MODULES if m not in modules]
+        if missing:
+            raise KeyError(f"HybridVLA checkpoint lacks diffusion module(s) {missing}; found: {sorted(modules)}")
+        key = "mlp.fc1.weight"
+        if key not in modules["proprio_embedder"]:
+            raise KeyError(f"proprio_embedder has no {key!r}; keys: {sorted(modules['proprio_embedder'])}")
+        dim, action_dim = modules["proprio_embedder"][key].shape
+        head = cls(DiffusionHeadConfig(dim=int(dim), action_dim=int(action_dim), future_window=future_window))
+        for name in DIFFUSION_MODULES:
+            getattr(head, name).load_state_dict(modules[name], strict=True)
+        return head
+
+    def module_state_dicts(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per-module state dicts in the checkpoint layout."""
+        return {name: getattr(self, name).state_dict() for name in DIFFUSION_MODULES}
+
+    def embed_proprio(self, state: torch.Tensor) -> torch.Tensor:
+        """state: [B, A] normalised robot state -> [B, 1, dim]."""
+        return self.proprio_embedder(state).unsqueeze(1)
+
+    def embed_step(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The tokens of one diffusion step, ``[t, x_0 .. x_fut]``. x: [B, chunk, A]; t: [B]. Returns [B, 1 + chunk, dim]."""
+        return torch.cat([self.t_embedder(t).unsqueeze(1), self.x_embedder(x)], dim=1)
+
+    def eps(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, chunk, dim] final LLM states *at* the noisy-action positions (not shifted) -> eps [B, chunk, A]."""
+        return self.final_layer(hidden)
