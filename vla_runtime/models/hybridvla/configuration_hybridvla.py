@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ..diffusion import DiffusionConfig
 
+EMPTY_TOKEN_ID = 29871  # the lone SentencePiece space after "Out:"
 BOD_TOKEN_ID = 32001  # <BOD>: diffusion tokens follow
 EOD_TOKEN_ID = 32002  # <EOD>: the autoregressive action tokens follow
 TEXT_VOCAB_SIZE = 32000  # LLaMA-2's vocabulary before <PAD>/<BOD>/<EOD>

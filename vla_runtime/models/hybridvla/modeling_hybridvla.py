@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..diffusion import Mlp, TimestepEmbedder
-from ..llama import RMSNorm
-from .configuration_hybridvla import DiffusionHeadConfig
+from ...kv.base import KVCache
+from ..diffusion import GaussianDiffusion, Mlp, TimestepEmbedder
+from ..llama import LlamaForCausalLM, RMSNorm
+from .configuration_hybridvla import EMPTY_TOKEN_ID, EOD_TOKEN_ID, DiffusionHeadConfig
 
 DIFFUSION_MODULES = ("proprio_embedder", "x_embedder", "t_embedder", "final_layer")
 
@@ -108,3 +109,81 @@ class DiffusionHead(nn.Module):
     def eps(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, chunk, dim] final LLM states *at* the noisy-action positions (not shifted) -> eps [B, chunk, A]."""
         return self.final_layer(hidden)
+
+
+@torch.no_grad()
+def denoise_on_cache(
+    lm: LlamaForCausalLM, head: DiffusionHead, cache: KVCache, diffusion: GaussianDiffusion, noise: torch.Tensor
+) -> torch.Tensor:
+    """DDIM inside the LLM, reusing the prefix KV: the cache already holds the prefix (up to the proprio token).
+
+    Each step appends ``[t, x_0 .. x_fut]`` (``1 + chunk`` tokens), reads eps at the x positions, then rolls
+    the cache back to the prefix, so no step re-runs the prefix and the trim is ``1 + chunk`` tokens for any
+    ``future_window`` (upstream hard-codes 2, right only for ``future_window = 0``).
+    noise: [B, chunk, A]. Returns normalised actions [B, chunk, A].
+    """
+    mark = cache.mark()
+
+    def eps_fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = lm.model(inputs_embeds=head.embed_step(x, t).to(lm.lm_head.weight.dtype), cache=cache)
+        cache.rollback(mark)
+        return head.eps(h[:, 1:].to(head.final_layer.norm_final.weight.dtype))
+
+    return diffusion.ddim_sample(eps_fn, noise)
+
+
+@torch.no_grad()
+def denoise_by_reprefill(
+    lm: LlamaForCausalLM,
+    head: DiffusionHead,
+    cache: KVCache,
+    diffusion: GaussianDiffusion,
+    noise: torch.Tensor,
+    prefix: torch.Tensor,
+) -> torch.Tensor:
+    """The same DDIM loop without prefix reuse: every step runs ``prefix + [t, x]`` through the LLM from a
+    rolled-back cache (what upstream does without its KV trick; the reference for ``denoise_on_cache``).
+
+    prefix: [B, P, dim] embeddings; the cache's content at call time stays. Returns [B, chunk, A].
+    """
+    mark = cache.mark()
+
+    def eps_fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        tokens = torch.cat([prefix, head.embed_step(x, t).to(prefix.dtype)], dim=1)
+        h = lm.model(inputs_embeds=tokens, cache=cache)
+        cache.rollback(mark)
+        return head.eps(h[:, -x.shape[1] :].to(head.final_layer.norm_final.weight.dtype))
+
+    return diffusion.ddim_sample(eps_fn, noise)
+
+
+@torch.no_grad()
+def decode_ar_actions(
+    lm: LlamaForCausalLM,
+    head: DiffusionHead,
+    cache: KVCache,
+    *,
+    noise: torch.Tensor,
+    t: torch.Tensor,
+    n_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The autoregressive branch on the cached prefix: append ``[t, x_noise] <EOD> 29871`` and greedily decode
+    ``n_tokens`` tokens over the full vocabulary, as upstream (conditioned on a random-noise diffusion slot at a
+    random t, which matches its training distribution). The cache keeps what was appended; roll back to drop it.
+
+    noise: [B, chunk, A]; t: [B]. Returns ids [B, n_tokens] and confidences [B, n_tokens] (max softmax probability).
+    """
+    b = noise.shape[0]
+    tail = torch.tensor([EOD_TOKEN_ID, EMPTY_TOKEN_ID], device=noise.device).expand(b, 2)
+    dtype = lm.lm_head.weight.dtype
+    embeds = torch.cat([head.embed_step(noise, t).to(dtype), lm.model.embed_tokens(tail)], dim=1)
+    logits = lm(inputs_embeds=embeds, cache=cache, last_only=True)[:, -1]  # [B, V] float32
+    ids, conf = [], []
+    for i in range(n_tokens):
+        probs = logits.softmax(-1)
+        p, tok = probs.max(-1)
+        ids.append(tok)
+        conf.append(p)
+        if i + 1 < n_tokens:
+            logits = lm(tok[:, None], cache=cache, last_only=True)[:, -1]
+    return torch.stack(ids, dim=1), torch.stack(conf, dim=1)
