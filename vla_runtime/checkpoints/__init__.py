@@ -1,1 +1,1 @@
-"""Read and write real on-disk checkpoint formats."""
+"""Reading and writing real on-disk checkpoint formats, and tiny random checkpoints for tests."""

@@ -12,6 +12,10 @@ import logging
 import sys
 
 COMMANDS: list[str] = [
+    "predict",
+    "info",
+    "make_tiny",
+    "demo",
 ]
 
 

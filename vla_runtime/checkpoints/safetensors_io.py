@@ -1,0 +1,92 @@
+"""Safetensors checkpoints in the Hugging Face layout: one ``model.safetensors`` or shards listed by
+``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {name: shard}}``).
+
+Shapes are read from the headers only (no tensor data), so a loader can build and check the model
+before reading gigabytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (the index's shards, or the single file)."""
+    path = Path(path)
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (needs a `weight_map` object): {e}") from e
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"shard {file.name} listed in {index} does not exist")
+        return files
+    single = path / WEIGHTS_NAME
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no weights file in {path}: expected {WEIGHTS_NAME} or {INDEX_NAME} with its shards")
+
+
+def read_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
+    """Tensor name -> (shape, file), from the headers. A name stored twice raises ``ValueError``."""
+    out: dict[str, tuple[tuple[int, ...], Path]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name in out:
+                    raise ValueError(f"tensor `{name}` is stored in both {out[name][1].name} and {file.name}")
+                out[name] = (tuple(f.get_slice(name).get_shape()), file)
+    return out
+
+
+def iter_tensors(names: Mapping[str, Path], *, device: torch.device | str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for the given name -> file map, file by file, cast and placed on ``device``."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in names.items():
+        by_file.setdefault(file, []).append(name)
+    for file, group in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in group:
+                yield name, f.get_tensor(name).to(device=device, dtype=dtype)
+
+
+def save_safetensors(state: Mapping[str, torch.Tensor], path: str | Path, *, max_shard_bytes: int | None = None) -> list[Path]:
+    """Write ``state`` into directory ``path`` as transformers does: ``model.safetensors``, or shards
+    ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` past ``max_shard_bytes``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        return [path / WEIGHTS_NAME]
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        files.append(path / name)
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return files

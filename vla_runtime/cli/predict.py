@@ -1,0 +1,77 @@
+"""``vla-runtime predict``: one action from a checkpoint, an image and an instruction, printed as JSON.
+
+    vla-runtime predict --checkpoint runs/openvla-7b --image frame.png \
+        --instruction "put the cup in the drawer" --unnorm-key bridge_orig
+
+Prints one JSON object per step: the action in robot units, its tokens, per-stage timings (ms) and
+the KV cache's stats. ``--steps N`` runs N control steps on the same image (the first includes warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..config import HISTORY_MODES
+from ..device import DTYPES
+from ..kv.config import KV_MODES
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "predict",
+        help="predict an action from an image and an instruction",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory (e.g. an OpenVLA HF directory)")
+    p.add_argument("--image", required=True, type=Path, help="RGB image file (PNG/JPEG) from the policy camera")
+    p.add_argument("--instruction", required=True, help="task instruction, e.g. 'pick up the red cube'")
+    add_session_arguments(p)
+    p.add_argument("--steps", type=int, default=1, help="control steps to run on the image (default 1)")
+    p.set_defaults(func=run)
+
+
+def add_session_arguments(p: argparse.ArgumentParser) -> None:
+    """Options shared by the commands that run a policy."""
+    p.add_argument("--unnorm-key", help="dataset key of the action statistics (needed when the checkpoint has several)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="weights/activations dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--kv", choices=KV_MODES, default="full", help="KV cache (default full)")
+    p.add_argument("--history", choices=HISTORY_MODES, default="single", help="single = stock OpenVLA; history = one cache per episode")
+    p.add_argument("--center-crop", action="store_true", help="0.9-area centre crop (models trained with image augmentation)")
+
+
+def session_config(args: argparse.Namespace):
+    from ..config import SessionConfig
+    from ..kv.config import KVConfig
+
+    return SessionConfig(kv=KVConfig(mode=args.kv), history=args.history, unnorm_key=args.unnorm_key, center_crop=args.center_crop)
+
+
+def step_report(step: int, session, result) -> dict:
+    """The JSON object printed per step."""
+    return {
+        "step": step,
+        "action": [round(float(a), 6) for a in result.actions[0]],
+        "action_tokens": [int(t) for t in session.last_tokens[0]] if getattr(session, "last_tokens", None) is not None else None,
+        "unnorm_key": getattr(session, "unnorm_key", None),
+        "timings_ms": {k: round(v, 3) for k, v in result.timings.items()},
+        "kv": result.kv.as_dict(),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..api import Observation, load_policy
+    from ..images import read_image
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    image = read_image(args.image)
+    policy = load_policy(args.checkpoint, device=args.device, dtype=args.dtype, unnorm_key=args.unnorm_key)
+    session = policy.new_session(args.instruction, session_config(args))
+    obs = Observation(images={"primary": image})
+    for step in range(args.steps):
+        print(json.dumps(step_report(step, session, session.step(obs))))
+    return 0

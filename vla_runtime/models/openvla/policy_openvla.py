@@ -1,0 +1,325 @@
+"""``OpenVLAPolicy`` (family ``openvla``) and its ``EpisodeSession``.
+
+Two history modes (``SessionConfig.history``), both laid out by ``processing_openvla``:
+
+- ``single``: stock OpenVLA. Each step prefills ``[BOS] + image (+ proprio) + prompt + [29871]`` into a
+  fresh cache and decodes ``action_dim`` greedy tokens.
+- ``history``: one cache for the episode. The prompt is prefilled once and pinned; each step appends
+  ``[previous step's last action token] + image (+ proprio) + "\\nOut:" + [29871]`` and decodes.
+  How much of the history is kept is the cache's business (``KVConfig.mode``).
+
+Greedy decoding is restricted to the ``n_bins`` action token ids by default
+(``restrict_to_action_tokens=False`` decodes over the full vocabulary, as upstream does).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ...checkpoints.openvla import OpenVLACheckpoint, load_openvla
+from ...api import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult
+from ...config import SessionConfig
+from ...device import resolve_device, resolve_dtype, synchronize
+from ...kv import KVConfig, make_cache
+from .configuration_openvla import OpenVLAConfig
+from .processing_openvla import (
+    ActionStats,
+    ActionTokenizer,
+    center_crop,
+    history_frame,
+    history_prompt,
+    resolve_unnorm_key,
+    single_layout,
+)
+
+log = logging.getLogger(__name__)
+
+
+class OpenVLAPolicy(Policy):
+    """A loaded OpenVLA checkpoint: weights, tokenizer, image processor, statistics.
+
+    Args:
+        checkpoint: what ``vla_runtime.checkpoints.openvla.load_openvla`` returned.
+        device, dtype: where the weights live (fixed at construction).
+        kv: default cache for sessions (a session's ``SessionConfig.kv`` overrides it).
+        unnorm_key: default dataset key of the action statistics.
+        restrict_to_action_tokens: greedy over the action ids only (default) or over the whole vocabulary.
+    """
+
+    name = "openvla"
+    config_class = OpenVLAConfig
+
+    def __init__(
+        self,
+        checkpoint: OpenVLACheckpoint,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv: KVConfig | None = None,
+        unnorm_key: str | None = None,
+        restrict_to_action_tokens: bool = True,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.config: OpenVLAConfig = checkpoint.config
+        self.model = checkpoint.model
+        self.tokenizer = checkpoint.tokenizer
+        self.image_processor = checkpoint.image_processor
+        self.device, self.dtype = device, dtype
+        self.kv = kv or KVConfig()
+        self.restrict_to_action_tokens = restrict_to_action_tokens
+        # The learnable chunk aggregator/gate (vla_runtime.kv.gate.ChunkGate) for KVConfig(mode="chunked");
+        # owned here (contract 3), handed to the cache, trained by finetune/. None = the cache's default.
+        self.kv_gate: torch.nn.Module | None = None
+        if unnorm_key is not None:
+            resolve_unnorm_key(self.config.norm_stats, unnorm_key)  # fail at load, not at the first step
+        self.unnorm_key = unnorm_key
+
+    @property
+    def norm_stats(self) -> dict:
+        return self.config.norm_stats
+
+    @property
+    def action_dim(self) -> int:
+        """Actions per step: the statistics' size for the default key, else the config's."""
+        if not self.norm_stats or (self.unnorm_key is None and len(self.norm_stats) != 1):
+            return self.config.action_dim
+        return self.action_stats(self.unnorm_key).dim
+
+    def action_stats(self, unnorm_key: str | None) -> ActionStats | None:
+        """The action statistics for ``unnorm_key`` (``None`` when the checkpoint has none: actions stay normalised)."""
+        if not self.norm_stats:
+            return None
+        key = resolve_unnorm_key(self.norm_stats, unnorm_key)
+        return ActionStats.from_dict(self.norm_stats[key]["action"], what=f"{key} action")
+
+    def new_session(self, instruction: str, config: SessionConfig | None = None) -> "OpenVLASession":
+        config = config or SessionConfig(kv=self.kv, unnorm_key=self.unnorm_key)
+        if config.unnorm_key is None and self.unnorm_key is not None:
+            config = replace(config, unnorm_key=self.unnorm_key)
+        return OpenVLASession(self, instruction, config)
+
+    def info(self) -> dict:
+        cfg = self.config
+
+        def count(module: torch.nn.Module | None) -> int:
+            return sum(p.numel() for p in module.parameters()) if module is not None else 0
+
+        llm = cfg.llm
+        return {
+            "family": self.name,
+            "path": str(self.checkpoint.path),
+            "vision_backbone_id": cfg.vision.backbone_id,
+            "vision_towers": [
+                {"timm_id": t.timm_id, "image_size": t.image_size, "patch_size": t.patch_size, "embed_dim": t.embed_dim,
+                 "depth": t.depth, "num_heads": t.num_heads, "mlp_hidden": t.mlp_hidden, "patches": t.num_patches}
+                for t in cfg.vision.towers
+            ],  # fmt: skip
+            "image_tokens": cfg.vision.num_patches,
+            "projector": list(cfg.projector.dims),
+            "llm": {"backbone_id": cfg.llm_backbone_id, "dim": llm.dim, "layers": llm.n_layers, "heads": llm.n_heads,
+                    "kv_heads": llm.n_kv_heads, "ffn_dim": llm.ffn_dim, "vocab_size": llm.vocab_size,
+                    "max_position": llm.max_position},  # fmt: skip
+            "proprio_dim": cfg.proprio_dim,
+            "action_dim": self.action_dim,
+            "n_bins": cfg.n_bins,
+            "parameters": {
+                "total": count(self.model),
+                "vision": count(self.model.vision_backbone),
+                "projector": count(self.model.projector) + count(self.model.proprio_projector),
+                "llm": count(self.model.language_model),
+            },
+            "datasets": sorted(self.norm_stats),
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+
+class OpenVLASession(EpisodeSession):
+    """One episode: the cache, the previous action token (history mode), the last tokens decoded."""
+
+    def __init__(self, policy: OpenVLAPolicy, instruction: str, config: SessionConfig) -> None:
+        super().__init__(instruction, config)
+        self.policy = policy
+        self.unnorm_key = resolve_unnorm_key(policy.norm_stats, config.unnorm_key) if policy.norm_stats else None
+        stats = policy.action_stats(self.unnorm_key)
+        if stats is None:
+            log.warning("checkpoint has no action statistics: actions are returned normalised to [-1, 1]")
+        cfg = policy.config
+        self.action_dim = stats.dim if stats is not None else cfg.action_dim
+        self.actions = ActionTokenizer(cfg.n_bins, cfg.vocab_size_text, stats)
+        proprio = policy.norm_stats.get(self.unnorm_key, {}).get("proprio") if self.unnorm_key else None
+        self.proprio_stats = ActionStats.from_dict(proprio, what="proprio") if proprio and cfg.proprio_dim else None
+        modes = {"single": (self._plan_single, self._step_single), "history": (self._plan_history, self._step_history)}
+        self._plan, self._step_fn = modes[config.history]
+        self.last_tokens: np.ndarray | None = None  # [1, action_dim] ids of the last step
+        self._build(instruction)
+
+    # ---- episode state ---------------------------------------------------------------------------
+
+    def _build(self, instruction: str) -> None:
+        """Tokenise the prompt and size the cache for it."""
+        policy, cfg = self.policy, self.policy.config
+        self.instruction = instruction
+        self.prompt = policy.tokenizer.prompt(instruction)
+        kv = self._plan(self.config.kv)
+        self.kv_config = kv
+        extra = {"gate": policy.kv_gate} if kv.mode == "chunked" else {}
+        self.cache = make_cache(kv, cfg.llm, batch=1, device=policy.device, dtype=policy.dtype, **extra)
+        self._prev_token: int | None = None
+        self._pinned = False
+
+    def _plan_single(self, kv: KVConfig) -> KVConfig:
+        """Single mode: lay out the step; its tokens are the whole context (capacity, default window)."""
+        cfg = self.policy.config
+        self.layout = single_layout(self.prompt, has_proprio=cfg.proprio_dim is not None)
+        tokens = self.layout.length(cfg.vision.num_patches) + self.action_dim - 1
+        return replace(kv, capacity=kv.capacity or tokens, window=kv.window or tokens)
+
+    def _plan_history(self, kv: KVConfig) -> KVConfig:
+        """History mode: the default raw window is one control step's tokens."""
+        cfg = self.policy.config
+        frame = history_frame(self.prompt, step=0, prev_token=0, has_proprio=cfg.proprio_dim is not None)
+        return replace(kv, window=kv.window or frame.length(cfg.vision.num_patches) + self.action_dim - 1)
+
+    def reset(self, instruction: str | None = None) -> None:
+        if instruction is not None and instruction != self.instruction:
+            self._build(instruction)
+        else:
+            self.cache.reset()
+            self._prev_token, self._pinned = None, False
+        self.last_tokens = None
+
+    # ---- one control step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, obs: Observation) -> StepResult:
+        return self._step_fn(obs)
+
+    def _observation_tokens(self, obs: Observation) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Image tokens [1, N, dim] and the proprio token list ([1, 1, dim] or empty)."""
+        policy = self.policy
+        if PRIMARY_CAMERA not in obs.images:
+            raise ValueError(f"observation has no {PRIMARY_CAMERA!r} image; cameras given: {sorted(obs.images)}")
+        image = obs.images[PRIMARY_CAMERA]
+        if self.config.center_crop:
+            image = center_crop(image, size=policy.image_processor.size)
+        pixels = policy.image_processor(image)[None].to(policy.device, policy.dtype)  # [1, C, S, S]
+        image_tokens = policy.model.embed_image(pixels)
+        if policy.config.proprio_dim is None:
+            return image_tokens, []
+        return image_tokens, [policy.model.embed_proprio(self.state_input(obs.state))]
+
+    def state_input(self, state: np.ndarray | None) -> torch.Tensor:
+        """Proprioception [P] in robot units -> the proprio projector's input [1, P] (q01/q99-normalised
+        with the session's dataset statistics when they have ``proprio`` entries)."""
+        dim = self.policy.config.proprio_dim
+        if state is None:
+            raise ValueError(f"this policy has a proprio projector: the observation needs `state` [{dim}]")
+        raw = state
+        state = np.asarray(state, dtype=np.float64).reshape(-1)
+        if state.shape != (dim,):
+            raise ValueError(f"observation `state` has shape {np.shape(raw)}; this policy expects [{dim}]")
+        if self.proprio_stats is not None:
+            state = self.proprio_stats.normalize(state)
+        return torch.as_tensor(state, dtype=self.policy.dtype, device=self.policy.device)[None]  # [1, P]
+
+    def _next_token(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden state [1, dim] -> greedy token [1, 1]. Restricted decoding computes only the
+        action rows of ``lm_head`` (the same numbers as the full head's rows, 125x less work)."""
+        lm_head = self.policy.model.language_model.lm_head
+        if not self.policy.restrict_to_action_tokens:
+            return lm_head(hidden).argmax(-1, keepdim=True)
+        first, last = self.actions.first_id, self.actions.last_id
+        return F.linear(hidden, lm_head.weight[first : last + 1]).argmax(-1, keepdim=True) + first
+
+    def _decode(self, embeds: torch.Tensor, timings: dict) -> torch.Tensor:
+        """Forward ``embeds`` [1, T, dim], then decode the action tokens -> ids [1, action_dim]."""
+        policy = self.policy
+        decoder = policy.model.language_model.model
+        start = time.perf_counter()
+        tok = self._next_token(decoder(inputs_embeds=embeds, cache=self.cache)[:, -1])
+        synchronize(policy.device)
+        timings["prefill"] += (time.perf_counter() - start) * 1e3
+        start = time.perf_counter()
+        tokens = [tok]
+        for _ in range(self.action_dim - 1):
+            tok = self._next_token(decoder(tok, cache=self.cache)[:, -1])
+            tokens.append(tok)
+        ids = torch.cat(tokens, dim=1)  # [1, action_dim]
+        synchronize(policy.device)
+        timings["decode"] = (time.perf_counter() - start) * 1e3
+        return ids
+
+    def _finish(self, ids: torch.Tensor, timings: dict, start: float) -> StepResult:
+        self.last_tokens = ids.cpu().numpy()
+        actions = self.actions.decode(self.last_tokens)  # [1, action_dim]
+        timings["total"] = (time.perf_counter() - start) * 1e3
+        return StepResult(actions=actions, timings=timings, kv=self.cache.stats())
+
+    def _vision(self, obs: Observation, timings: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        start = time.perf_counter()
+        out = self._observation_tokens(obs)
+        synchronize(self.policy.device)
+        timings["vision"] = (time.perf_counter() - start) * 1e3
+        return out
+
+    def _step_single(self, obs: Observation) -> StepResult:
+        start = time.perf_counter()
+        timings = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}
+        image_tokens, proprio = self._vision(obs, timings)
+        self.cache.reset()
+        embeds = self.policy.model.embed_forward(self.layout, images=[image_tokens], proprio=proprio)
+        return self._finish(self._decode(embeds, timings), timings, start)
+
+    def _step_history(self, obs: Observation) -> StepResult:
+        start = time.perf_counter()
+        timings = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}
+        model = self.policy.model
+        image_tokens, proprio = self._vision(obs, timings)
+        if not self._pinned:
+            t0 = time.perf_counter()
+            prompt = model.embed_forward(history_prompt(self.prompt), images=[])
+            model.language_model.model(inputs_embeds=prompt, cache=self.cache, pin=True)
+            self._pinned = True
+            timings["prefill"] += (time.perf_counter() - t0) * 1e3
+        frame = history_frame(self.prompt, step=0, prev_token=self._prev_token, has_proprio=bool(proprio))
+        embeds = model.embed_forward(frame, images=[image_tokens], proprio=proprio)
+        result = self._finish(self._decode(embeds, timings), timings, start)
+        self._prev_token = int(self.last_tokens[0, -1])
+        return result
+
+
+# ---- family loader (vla_runtime.models registers it with the runtime API) ------------------------
+
+
+def load_openvla_policy(
+    path: str | Path,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    kv: KVConfig | None = None,
+    adapter: str | Path | None = None,
+    unnorm_key: str | None = None,
+    restrict_to_action_tokens: bool = True,
+) -> OpenVLAPolicy:
+    """Load an OpenVLA checkpoint directory as a policy (``load_policy``'s OpenVLA branch).
+
+    device: ``None`` = CUDA if available else CPU; ``"meta"`` = structure only, no weights read.
+    dtype: ``None`` = bfloat16 on CUDA, float32 on CPU. adapter: a fine-tuning output directory
+    (adapters arrive with the fine-tuning work; only ``None`` is accepted so far).
+    """
+    if adapter is not None:
+        raise ValueError(f"adapter {adapter}: this build loads merged checkpoints only (adapter=None)")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    checkpoint = load_openvla(path, device=dev, dtype=dt)
+    return OpenVLAPolicy(
+        checkpoint, device=dev, dtype=dt, kv=kv, unnorm_key=unnorm_key, restrict_to_action_tokens=restrict_to_action_tokens
+    )
