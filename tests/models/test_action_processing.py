@@ -1,4 +1,4 @@
-"""Un-normalisation masks, CogACT's adaptive ensemble and HybridVLA's AR tokens / collaborative ensemble."""
+"""Post-processing with un-normalisation masks, CogACT's adaptive ensemble, HybridVLA's AR tokens and ensemble."""
 
 import math
 
@@ -8,8 +8,9 @@ import pytest
 from vla_runtime.models.cogact.configuration_cogact import AdaptiveEnsembleConfig
 from vla_runtime.models.cogact.processing_cogact import AdaptiveEnsembler, ensemble_weights
 from vla_runtime.models.hybridvla.configuration_hybridvla import CollaborativeEnsembleConfig
-from vla_runtime.models.hybridvla.processing_hybridvla import ARActionCodec, ar_is_confident, collaborative_ensemble
-from vla_runtime.models.normalization import BoundsStats, postprocess_actions, resolve_unnorm_key
+from vla_runtime.models.action_postprocess import postprocess_actions
+from vla_runtime.models.hybridvla.processing_hybridvla import ar_action_tokenizer, ar_is_confident, collaborative_ensemble
+from vla_runtime.models.openvla.processing_openvla import ActionStats
 
 BRIDGE = {  # bridge_orig action statistics (OpenVLA's dataset_statistics.json)
     "q01": [-0.028727, -0.041703, -0.026094, -0.080921, -0.092887, -0.207183, 0.0],
@@ -18,41 +19,22 @@ BRIDGE = {  # bridge_orig action statistics (OpenVLA's dataset_statistics.json)
 }
 
 
-def test_unnormalize_uses_q01_q99_on_masked_dims_only():
-    stats = BoundsStats.from_dict(BRIDGE, where="bridge_orig.action")
-    out = stats.unnormalize(np.array([[-1.0] * 7, [1.0] * 7, [0.0] * 7]))
+def test_postprocess_unnormalises_masked_dims_and_keeps_the_gripper_binary():
+    stats = ActionStats.from_dict(BRIDGE, what="bridge_orig action")
+    raw = np.array([[-1.0] * 6 + [0.2], [1.0] * 6 + [0.9], [0.0] * 6 + [0.5], [2.0, -3.0, 0, 0, 0, 0, 0.49]])
+    out = postprocess_actions(raw, stats)
     np.testing.assert_allclose(out[0, :6], BRIDGE["q01"][:6])
     np.testing.assert_allclose(out[1, :6], BRIDGE["q99"][:6])
     np.testing.assert_allclose(out[2, :6], (np.array(BRIDGE["q01"]) + np.array(BRIDGE["q99"]))[:6] / 2)
-    np.testing.assert_array_equal(out[:, 6], [-1.0, 1.0, 0.0])  # mask False: passes through untouched
-
-
-def test_missing_mask_means_all_dims_and_normalize_inverts():
-    stats = BoundsStats.from_dict({"q01": [0.0, -2.0], "q99": [4.0, 2.0]}, where="proprio")
-    assert stats.mask.tolist() == [True, True]
-    x = np.array([1.0, 0.5])
-    np.testing.assert_allclose(stats.unnormalize(stats.normalize(x)), x, atol=1e-7)
-    np.testing.assert_array_equal(stats.normalize(np.array([100.0, -100.0])), [1.0, -1.0])  # clipped
-    with pytest.raises(KeyError, match="proprio has no 'q99'"):
-        BoundsStats.from_dict({"q01": [0.0]}, where="proprio")
-
-
-def test_postprocess_clips_binarises_gripper_and_unnormalises():
-    stats = BoundsStats.from_dict(BRIDGE, where="bridge_orig.action")
-    raw = np.array([[2.0, -3.0, 0.0, 0.0, 0.0, 0.0, 0.49], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5]])
-    out = postprocess_actions(raw, stats)
-    assert out[0, 0] == pytest.approx(BRIDGE["q99"][0]) and out[0, 1] == pytest.approx(BRIDGE["q01"][1])
-    assert out[:, 6].tolist() == [0.0, 1.0]  # upstream: 0 if x < 0.5 else 1
+    assert out[3, 0] == pytest.approx(BRIDGE["q99"][0]) and out[3, 1] == pytest.approx(BRIDGE["q01"][1])  # clipped first
+    assert out[:, 6].tolist() == [0.0, 1.0, 1.0, 0.0]  # mask False: binarised (0 if x < 0.5 else 1), not scaled
     with pytest.raises(ValueError, match="6 dims; the statistics have 7"):
         postprocess_actions(raw[:, :6], stats)
 
 
-def test_unnorm_key_resolution_errors_name_the_keys():
-    assert resolve_unnorm_key({"bridge_orig": {}}, None) == "bridge_orig"
-    with pytest.raises(ValueError, match=r"pass `unnorm_key`, one of \['bridge_orig', 'fractal'\]"):
-        resolve_unnorm_key({"bridge_orig": {}, "fractal": {}}, None)
-    with pytest.raises(KeyError, match="'rlbench' is not in the dataset statistics"):
-        resolve_unnorm_key({"bridge_orig": {}}, "rlbench")
+def test_missing_mask_scales_every_dim():
+    stats = ActionStats.from_dict({"q01": [0.0, -2.0, 0.0], "q99": [4.0, 2.0, 10.0]}, what="action")
+    np.testing.assert_allclose(postprocess_actions(np.array([0.0, 0.0, 0.7]), stats), [2.0, 0.0, 10.0])  # gripper too
 
 
 def test_adaptive_ensemble_weights_on_a_hand_made_example():
@@ -90,26 +72,26 @@ def test_ensemble_rebinarises_gripper_with_half_closed():
     assert ens(c1)[6] == 0.0
 
 
-CODEC = ARActionCodec()
+CODEC = ar_action_tokenizer()
 
 
 def test_ar_token_bin_golden_values_and_round_trip():
-    assert CODEC.token_range == (31744, 31999)
-    assert CODEC.decode(np.array([31999]))[0] == pytest.approx(-1 + 1 / 255)
-    assert CODEC.decode(np.array([31872]))[0] == pytest.approx(0.0, abs=1e-12)
+    assert (CODEC.first_id, CODEC.last_id) == (31744, 31999)
+    assert CODEC.normalized(np.array([31999]))[0] == pytest.approx(-1 + 1 / 255)
+    assert CODEC.normalized(np.array([31872]))[0] == pytest.approx(0.0, abs=1e-12)
     ids = np.arange(31745, 32000)
-    np.testing.assert_array_equal(CODEC.encode(CODEC.decode(ids)), ids)
-    assert CODEC.decode(np.array([31744]))[0] == CODEC.decode(np.array([31745]))[0]  # bins 256 and 255 share a centre
+    np.testing.assert_array_equal(CODEC.encode(CODEC.normalized(ids)), ids)
+    assert CODEC.normalized(np.array([31744]))[0] == CODEC.normalized(np.array([31745]))[0]  # bins 256, 255 share a centre
     a = np.random.default_rng(0).uniform(-1, 1, (50, 7))
-    assert np.abs(CODEC.decode(CODEC.encode(a)) - a).max() <= 1 / 255 + 1e-12  # within half a bin width (2/255)
+    assert np.abs(CODEC.normalized(CODEC.encode(a)) - a).max() <= 1 / 255 + 1e-12  # within half a bin (2/255)
 
 
 def test_need_to_sub_shifts_the_token_range():
-    shifted = ARActionCodec(need_to_sub=7)
-    assert shifted.token_range == (31737, 31992)
+    shifted = ar_action_tokenizer(need_to_sub=7)
+    assert (shifted.first_id, shifted.last_id) == (31737, 31992)
     a = np.array([0.3, -0.7])
     np.testing.assert_array_equal(shifted.encode(a), CODEC.encode(a) - 7)
-    np.testing.assert_allclose(shifted.decode(shifted.encode(a)), CODEC.decode(CODEC.encode(a)))
+    np.testing.assert_allclose(shifted.normalized(shifted.encode(a)), CODEC.normalized(CODEC.encode(a)))
 
 
 def test_collaborative_ensemble_code_rule_vs_paper_rule():

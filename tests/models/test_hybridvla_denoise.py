@@ -5,7 +5,7 @@ import torch
 
 from vla_runtime.kv import FullCache
 from vla_runtime.models.diffusion import DiffusionConfig, GaussianDiffusion
-from vla_runtime.models.hybridvla.configuration_hybridvla import EMPTY_TOKEN_ID, EOD_TOKEN_ID, DiffusionHeadConfig
+from vla_runtime.models.hybridvla.configuration_hybridvla import EOD_TOKEN_ID, DiffusionHeadConfig
 from vla_runtime.models.hybridvla.modeling_hybridvla import (
     DiffusionHead,
     decode_ar_actions,
@@ -68,9 +68,9 @@ def test_ar_decode_matches_one_full_forward():
     cache = FullCache(LLM_CFG, capacity=128)
     lm.model(inputs_embeds=prefix, cache=cache)
     noise, t = torch.randn(1, 1, 7), torch.tensor([37])
-    ids, conf = decode_ar_actions(lm, head, cache, noise=noise, t=t, n_tokens=7)
+    ids, conf = decode_ar_actions(lm, head, cache, noise=noise, t=t, tail_ids=(EOD_TOKEN_ID, 29871), n_tokens=7)
     assert ids.shape == conf.shape == (1, 7)
-    tail = lm.model.embed_tokens(torch.tensor([[EOD_TOKEN_ID, EMPTY_TOKEN_ID]]))
+    tail = lm.model.embed_tokens(torch.tensor([[EOD_TOKEN_ID, 29871]]))
     with torch.no_grad():
         full = torch.cat([prefix, head.embed_step(noise, t), tail, lm.model.embed_tokens(ids[:, :-1])], dim=1)
         logits = lm(inputs_embeds=full, cache=FullCache(LLM_CFG, capacity=128))[:, -7:]

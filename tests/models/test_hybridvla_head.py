@@ -43,13 +43,14 @@ def test_checkpoint_layout_round_trip_and_missing_module_error():
     assert sorted(modules) == sorted(DIFFUSION_MODULES)
     assert sorted(modules["final_layer"]) == ["mlp.fc1.bias", "mlp.fc1.weight", "mlp.fc2.bias", "mlp.fc2.weight", "norm_final.weight"]
     assert modules["proprio_embedder"]["mlp.fc1.weight"].shape == (64, 7)
-    loaded = DiffusionHead.from_state_dicts(modules, future_window=2)
+    loaded = DiffusionHead(DiffusionHead.config_from_state_dicts(modules, future_window=2))
     assert loaded.cfg == CFG
+    loaded.load_module_state_dicts(modules)
     for name, sd in loaded.module_state_dicts().items():
         for key, value in sd.items():
             assert torch.equal(value, modules[name][key]), (name, key)
     with pytest.raises(KeyError, match=r"lacks diffusion module\(s\) \['t_embedder'\]"):
-        DiffusionHead.from_state_dicts({k: v for k, v in modules.items() if k != "t_embedder"}, future_window=0)
+        DiffusionHead.config_from_state_dicts({k: v for k, v in modules.items() if k != "t_embedder"}, future_window=0)
 
 
 def test_step_tokens_are_timestep_first_then_one_token_per_action():

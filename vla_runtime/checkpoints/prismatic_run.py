@@ -6,6 +6,8 @@
 
 ``.pt`` files are read with ``torch.load(weights_only=True)`` (tensors and plain containers only, no
 arbitrary unpickling) and memory-mapped, so listing modules costs no reading of weights.
+
+Imports nothing from ``vla_runtime.models`` (family detection uses it); the VLM is built in ``prismatic_vlm``.
 """
 
 from __future__ import annotations
@@ -130,3 +132,20 @@ def save_run(
     state = {name: {k: v.detach().contiguous().cpu() for k, v in sd.items()} for name, sd in modules.items()}
     torch.save({"model": state}, ckpt)
     return ckpt
+
+
+def run_config_has(path: Path, keys: tuple[str, ...], module: str) -> bool:
+    """Family detection: a run directory whose ``config.json`` has one of ``keys`` or, failing that,
+    whose checkpoint holds ``module`` (read from the memory-mapped ``.pt``, no weights)."""
+    if not is_run_dir(path):
+        return False
+    try:
+        config = _read_json(path / CONFIG_FILE)
+    except ValueError:
+        return False
+    if any(k in config for k in keys):
+        return True
+    try:
+        return module in load_checkpoint_modules(find_checkpoint(path))
+    except (ValueError, KeyError, FileNotFoundError, RuntimeError):
+        return False

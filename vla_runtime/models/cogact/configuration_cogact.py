@@ -8,10 +8,13 @@ head count from the S/B/L table (or from an explicit value for other sizes).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
+from ...checkpoints.prismatic_run import run_config_has
 from ..diffusion import DiffusionConfig
+from ..openvla.configuration_openvla import OpenVLAConfig
 
 # name -> (depth, hidden, heads), as upstream's DiT_S / DiT_B / DiT_L
 DIT_SIZES: dict[str, tuple[int, int, int]] = {"DiT-S": (6, 384, 4), "DiT-B": (12, 768, 12), "DiT-L": (24, 1024, 16)}
@@ -128,3 +131,62 @@ class CogACTSamplingConfig:
     def __post_init__(self) -> None:
         if self.cfg_scale < 1.0:
             raise ValueError(f"`cfg_scale` must be >= 1.0 (1.0 = no guidance), got {self.cfg_scale}")
+
+
+@dataclass(frozen=True)
+class CogACTConfig:
+    """A CogACT run: the Prismatic VLM, the DiT action model and how actions are sampled.
+
+    Args:
+        vlm: the Prismatic VLM (vision towers, projector, LLaMA-2) with the run's dataset statistics.
+        action_model: the DiT's geometry (``token_size`` must equal the LLM width).
+        sampling: DDIM steps, CFG scale, adaptive ensemble.
+    """
+
+    vlm: OpenVLAConfig
+    action_model: DiTConfig
+    sampling: CogACTSamplingConfig = field(default_factory=CogACTSamplingConfig)
+
+    def __post_init__(self) -> None:
+        if self.action_model.token_size != self.vlm.llm.dim:
+            raise ValueError(
+                f"the DiT's condition width {self.action_model.token_size} differs from the LLM width {self.vlm.llm.dim}"
+            )
+        horizon = self.sampling.ensemble.horizon
+        if horizon is not None and horizon > self.action_model.chunk:
+            raise ValueError(f"ensemble horizon {horizon} exceeds the action chunk ({self.action_model.chunk})")
+
+    @property
+    def norm_stats(self) -> dict:
+        return self.vlm.norm_stats
+
+
+def dit_config_from_run(config: dict, action_state: dict[str, torch.Tensor]) -> DiTConfig:
+    """The DiT of a run: sizes from the ``action_model`` tensors, checked against ``config.json``.
+
+    ``action_model_type`` (DiT-S/B/L) gives the head count and must agree with the shapes (upstream fails
+    late with a state-dict error when the caller passes the wrong size); other sizes need our extra key
+    ``action_model_num_heads``.
+    """
+    model_type = config.get("action_model_type")
+    heads = config.get("action_model_num_heads") or (DIT_SIZES[model_type][2] if model_type in DIT_SIZES else None)
+    cfg = DiTConfig.from_state_dict(action_state, heads=heads)
+    if model_type in DIT_SIZES and (cfg.depth, cfg.hidden) != DIT_SIZES[model_type][:2]:
+        raise ValueError(
+            f"config.json says action_model_type {model_type!r} (depth, width {DIT_SIZES[model_type][:2]}), "
+            f"but the checkpoint's DiT has depth {cfg.depth}, width {cfg.hidden}"
+        )
+    past = config.get("past_action_window_size", 0)
+    if past:
+        raise ValueError(f"past_action_window_size is {past}; CogACT only supports 0 (upstream asserts the same)")
+    future = config.get("future_action_window_size")
+    if future is not None and future != cfg.future_window:
+        raise ValueError(
+            f"config.json future_action_window_size is {future}, but the DiT's positional table holds {cfg.future_window}"
+        )
+    return cfg
+
+
+def detect_cogact(path: Path) -> bool:
+    """A CogACT run directory: ``config.json`` with ``action_model_type``, or an ``action_model`` in the checkpoint."""
+    return run_config_has(Path(path), ("action_model_type",), "action_model")

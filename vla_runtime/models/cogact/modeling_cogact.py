@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..diffusion import DiffusionConfig, GaussianDiffusion, Mlp, TimestepEmbedder
+from ..openvla.modeling_openvla import OpenVLA
 from .configuration_cogact import DiTConfig
 
 
@@ -180,14 +181,32 @@ class ActionModel(nn.Module):
     def sample(
         self, cognition: torch.Tensor, *, cfg_scale: float = 1.5, generator: torch.Generator | None = None
     ) -> torch.Tensor:
-        """DDIM (eta = 0) from N(0, I) noise drawn with ``generator``; CFG when ``cfg_scale > 1``.
+        """DDIM (eta = 0) from N(0, I) noise drawn with ``generator`` (a CPU generator); CFG when ``cfg_scale > 1``.
 
         cognition: [B, 1, token_size] (cast to the DiT's dtype). Returns normalised actions [B, chunk, action_dim].
         """
         dtype = self.net.x_embedder.linear.weight.dtype
         z = cognition.to(dtype)
         shape = (z.shape[0], self.cfg.chunk, self.cfg.action_dim)
-        noise = torch.randn(shape, generator=generator, device=z.device, dtype=torch.float32).to(dtype)
+        noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(z.device, dtype)  # CPU draw: same on every device
         if cfg_scale > 1.0:
             return self.diffusion.ddim_sample(lambda x, t: self.net.forward_with_cfg(x, t, z, cfg_scale), noise)
         return self.diffusion.ddim_sample(lambda x, t: self.net(x, t, z), noise)
+
+
+class CogACT(nn.Module):
+    """The whole model: ``vlm`` (the shared Prismatic VLM) and ``action_model`` (the DiT, float32).
+
+    The cognition feature is the final (post-norm) hidden state at the last prompt position, which holds
+    the appended EOS; it is the DiT's condition. One prefill, no decoding, no ``lm_head``.
+    """
+
+    def __init__(self, vlm: OpenVLA, action_model: ActionModel) -> None:
+        super().__init__()
+        self.vlm = vlm
+        self.action_model = action_model
+
+    @staticmethod
+    def cognition(hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, T, dim] final hidden states of a prompt ending in EOS -> [B, 1, dim] (float32)."""
+        return hidden[:, -1:].float()

@@ -11,12 +11,13 @@ from collections import deque
 
 import numpy as np
 
-from ..normalization import binarize_gripper, gripper_dims
+from ..action_postprocess import binarize_gripper, gripper_dims
 from .configuration_cogact import AdaptiveEnsembleConfig
 
-EMPTY_TOKEN_ID = 29871
-COGNITION_TOKEN_ID = 2  # EOS
-COGNITION_SUFFIX: tuple[int, ...] = (EMPTY_TOKEN_ID, COGNITION_TOKEN_ID)
+
+def cognition_suffix(empty_id: int, eos_id: int) -> tuple[int, ...]:
+    """What CogACT appends after ``\nOut:``: the empty token (29871) and EOS (2), the cognition token."""
+    return (empty_id, eos_id)
 
 
 def ensemble_weights(candidates: np.ndarray, alpha: float) -> np.ndarray:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from ...checkpoints.prismatic_run import run_config_has
 from ..diffusion import DiffusionConfig
+from ..openvla.configuration_openvla import OpenVLAConfig
 
-EMPTY_TOKEN_ID = 29871  # the lone SentencePiece space after "Out:"
 BOD_TOKEN_ID = 32001  # <BOD>: diffusion tokens follow
 EOD_TOKEN_ID = 32002  # <EOD>: the autoregressive action tokens follow
 TEXT_VOCAB_SIZE = 32000  # LLaMA-2's vocabulary before <PAD>/<BOD>/<EOD>
@@ -77,15 +79,12 @@ class HybridVLASamplingConfig:
         mode: ``diff+ar`` (both branches + collaborative ensemble), ``diff`` or ``ar``; see ``PREDICT_MODES``.
         diffusion: the process and DDIM step count (4 -> t in {75, 50, 25, 0}).
         ensemble: the collaborative ensemble rule.
-        reuse_prefix: denoise on the cached prefix (append ``[t, x]``, roll back) instead of re-running the
-            whole sequence every DDIM step.
         need_to_sub: action token ids are ``TEXT_VOCAB_SIZE - need_to_sub - bin``; must match training.
     """
 
     mode: str = "diff+ar"
     diffusion: DiffusionConfig = field(default_factory=lambda: DiffusionConfig(sample_steps=4))
     ensemble: CollaborativeEnsembleConfig = field(default_factory=CollaborativeEnsembleConfig)
-    reuse_prefix: bool = True
     need_to_sub: int = 0
 
     def __post_init__(self) -> None:
@@ -98,3 +97,34 @@ class HybridVLASamplingConfig:
     def branches(self) -> tuple[bool, bool]:
         """(run diffusion, run autoregressive)."""
         return PREDICT_MODES[self.mode]
+
+
+@dataclass(frozen=True)
+class HybridVLAConfig:
+    """A HybridVLA run: the Prismatic VLM, the diffusion modules' geometry and how actions are produced.
+
+    Args:
+        vlm: the Prismatic VLM with the run's dataset statistics (``rlbench`` upstream).
+        head: the diffusion modules (``dim`` must equal the LLM width).
+        sampling: mode, DDIM steps, ensemble rule, prefix reuse, ``need_to_sub``.
+    """
+
+    vlm: OpenVLAConfig
+    head: DiffusionHeadConfig
+    sampling: HybridVLASamplingConfig = field(default_factory=HybridVLASamplingConfig)
+
+    def __post_init__(self) -> None:
+        if self.head.dim != self.vlm.llm.dim:
+            raise ValueError(f"the diffusion modules' width {self.head.dim} differs from the LLM width {self.vlm.llm.dim}")
+        for name, token in (("<BOD>", BOD_TOKEN_ID), ("<EOD>", EOD_TOKEN_ID)):
+            if token >= self.vlm.llm.vocab_size:
+                raise ValueError(f"{name} id {token} is outside the LLM's {self.vlm.llm.vocab_size} embedding rows")
+
+    @property
+    def norm_stats(self) -> dict:
+        return self.vlm.norm_stats
+
+
+def detect_hybridvla(path: Path) -> bool:
+    """A HybridVLA run directory: ``config.json`` with ``use_diff``/``need_to_sub``, or diffusion modules in the checkpoint."""
+    return run_config_has(Path(path), ("use_diff", "need_to_sub"), "x_embedder")

@@ -20,7 +20,8 @@ import torch.nn as nn
 from ...kv.base import KVCache
 from ..diffusion import GaussianDiffusion, Mlp, TimestepEmbedder
 from ..llama import LlamaForCausalLM, RMSNorm
-from .configuration_hybridvla import EMPTY_TOKEN_ID, EOD_TOKEN_ID, DiffusionHeadConfig
+from ..openvla.modeling_openvla import OpenVLA
+from .configuration_hybridvla import DiffusionHeadConfig
 
 DIFFUSION_MODULES = ("proprio_embedder", "x_embedder", "t_embedder", "final_layer")
 
@@ -76,9 +77,9 @@ class DiffusionHead(nn.Module):
         nn.init.zeros_(self.final_layer.mlp.fc2.weight)
         nn.init.zeros_(self.final_layer.mlp.fc2.bias)
 
-    @classmethod
-    def from_state_dicts(cls, modules: dict[str, dict[str, torch.Tensor]], *, future_window: int) -> "DiffusionHead":
-        """Build from the checkpoint's per-module state dicts; sizes come from the tensors.
+    @staticmethod
+    def config_from_state_dicts(modules: dict[str, dict[str, torch.Tensor]], *, future_window: int) -> DiffusionHeadConfig:
+        """Sizes from the checkpoint's per-module state dicts (``KeyError`` naming a missing module).
 
         ``future_window`` cannot be read from the weights (there is no positional table): take it from config.json.
         """
@@ -89,10 +90,15 @@ class DiffusionHead(nn.Module):
         if key not in modules["proprio_embedder"]:
             raise KeyError(f"proprio_embedder has no {key!r}; keys: {sorted(modules['proprio_embedder'])}")
         dim, action_dim = modules["proprio_embedder"][key].shape
-        head = cls(DiffusionHeadConfig(dim=int(dim), action_dim=int(action_dim), future_window=future_window))
+        return DiffusionHeadConfig(dim=int(dim), action_dim=int(action_dim), future_window=future_window)
+
+    def load_module_state_dicts(
+        self, modules: dict[str, dict[str, torch.Tensor]], *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
+        """Load every module strictly from the checkpoint layout, placing tensors on ``device`` in ``dtype``."""
         for name in DIFFUSION_MODULES:
-            getattr(head, name).load_state_dict(modules[name], strict=True)
-        return head
+            state = {k: v.to(device=device, dtype=dtype) for k, v in modules[name].items()}
+            getattr(self, name).load_state_dict(state, strict=True, assign=True)
 
     def module_state_dicts(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per-module state dicts in the checkpoint layout."""
@@ -165,16 +171,18 @@ def decode_ar_actions(
     *,
     noise: torch.Tensor,
     t: torch.Tensor,
+    tail_ids: tuple[int, ...],
     n_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The autoregressive branch on the cached prefix: append ``[t, x_noise] <EOD> 29871`` and greedily decode
-    ``n_tokens`` tokens over the full vocabulary, as upstream (conditioned on a random-noise diffusion slot at a
-    random t, which matches its training distribution). The cache keeps what was appended; roll back to drop it.
+    """The autoregressive branch on the cached prefix: append ``[t, x_noise] + tail_ids`` (``<EOD>, 29871``)
+    and greedily decode ``n_tokens`` tokens over the full vocabulary, as upstream (conditioned on a random-noise
+    diffusion slot at a random t, which matches its training distribution). The cache keeps what was appended;
+    roll back to drop it.
 
     noise: [B, chunk, A]; t: [B]. Returns ids [B, n_tokens] and confidences [B, n_tokens] (max softmax probability).
     """
     b = noise.shape[0]
-    tail = torch.tensor([EOD_TOKEN_ID, EMPTY_TOKEN_ID], device=noise.device).expand(b, 2)
+    tail = torch.tensor(tail_ids, device=noise.device).expand(b, len(tail_ids))
     dtype = lm.lm_head.weight.dtype
     embeds = torch.cat([head.embed_step(noise, t).to(dtype), lm.model.embed_tokens(tail)], dim=1)
     logits = lm(inputs_embeds=embeds, cache=cache, last_only=True)[:, -1]  # [B, V] float32
@@ -187,3 +195,17 @@ def decode_ar_actions(
         if i + 1 < n_tokens:
             logits = lm(tok[:, None], cache=cache, last_only=True)[:, -1]
     return torch.stack(ids, dim=1), torch.stack(conf, dim=1)
+
+
+class HybridVLA(nn.Module):
+    """The whole model: ``vlm`` (the shared Prismatic VLM; its ``lm_head`` decodes the AR tokens) and
+    ``head`` (the four diffusion modules)."""
+
+    def __init__(self, vlm: OpenVLA, head: DiffusionHead) -> None:
+        super().__init__()
+        self.vlm = vlm
+        self.head = head
+
+    @property
+    def lm(self) -> LlamaForCausalLM:
+        return self.vlm.language_model

@@ -1,53 +1,22 @@
-"""HybridVLA processing: AR action tokens <-> normalised actions, and the collaborative ensemble. No ``nn.Module``.
+"""HybridVLA processing: AR action tokens and the collaborative ensemble. No ``nn.Module``.
 
-Action tokens are OpenVLA's 256-bin scheme shifted by ``need_to_sub``:
-``id = (32000 - need_to_sub) - digitize(clip(a, -1, 1), linspace(-1, 1, 256))``; decoding maps
-``d = (32000 - need_to_sub) - id`` to bin centre ``clip(d - 1, 0, 254)``.
+Action tokens are OpenVLA's 256-bin scheme (``processing_openvla.ActionTokenizer``) shifted by
+``need_to_sub``: the tokenizer's vocabulary end is ``32000 - need_to_sub``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from ..normalization import binarize_gripper, gripper_dims
+from ..action_postprocess import binarize_gripper, gripper_dims
+from ..openvla.processing_openvla import ActionTokenizer
 from .configuration_hybridvla import TEXT_VOCAB_SIZE, CollaborativeEnsembleConfig
 
-N_BINS = 256
 
-
-@dataclass(frozen=True)
-class ARActionCodec:
-    """Normalised actions in [-1, 1] <-> action token ids.
-
-    Args:
-        need_to_sub: shift of the id range below the text vocabulary (0 -> ids 31744..31999).
-        n_bins: bin edges over [-1, 1] (255 centres).
-    """
-
-    need_to_sub: int = 0
-    n_bins: int = N_BINS
-
-    @property
-    def vocab_end(self) -> int:
-        return TEXT_VOCAB_SIZE - self.need_to_sub
-
-    @property
-    def token_range(self) -> tuple[int, int]:
-        """Inclusive [lowest, highest] id an action can take."""
-        return self.vocab_end - self.n_bins, self.vocab_end - 1
-
-    def encode(self, actions: np.ndarray) -> np.ndarray:
-        """actions: [..., D] normalised -> int64 ids [..., D]."""
-        bins = np.linspace(-1.0, 1.0, self.n_bins)
-        return (self.vocab_end - np.digitize(np.clip(actions, -1.0, 1.0), bins)).astype(np.int64)
-
-    def decode(self, ids: np.ndarray) -> np.ndarray:
-        """ids: [..., D] -> float64 bin centres [..., D] in [-1, 1]."""
-        bins = np.linspace(-1.0, 1.0, self.n_bins)
-        centres = (bins[:-1] + bins[1:]) / 2.0
-        return centres[np.clip(self.vocab_end - np.asarray(ids, dtype=np.int64) - 1, 0, self.n_bins - 2)]
+def ar_action_tokenizer(need_to_sub: int = 0, n_bins: int = 256) -> ActionTokenizer:
+    """HybridVLA's ``ActionTokenizer(tokenizer, need_to_sub)``: ids ``32000 - need_to_sub - bin``.
+    Use ``.normalized(ids)`` (bins -> [-1, 1]); un-normalisation goes through ``postprocess_actions``."""
+    return ActionTokenizer(n_bins, TEXT_VOCAB_SIZE - need_to_sub)
 
 
 def ar_is_confident(confidences: np.ndarray, cfg: CollaborativeEnsembleConfig) -> bool:

@@ -1,0 +1,256 @@
+"""``HybridVLAPolicy`` (family ``hybridvla``) and its ``EpisodeSession``.
+
+Each step prefills the shared prefix once (``prismatic_session`` layout ending in ``29871, <BOD>,
+proprio``). Both branches then run on that cached prefix and roll their tokens back:
+
+- diffusion: DDIM (4 steps: t = 75, 50, 25, 0), each step appending ``[t, x_0 .. x_fut]`` to the cache
+  and reading eps at the x positions (``denoise_on_cache``): no step re-runs the prefix;
+- autoregressive: ``[t, x_noise] <EOD> 29871`` then 7 greedy action tokens with their confidences.
+
+Upstream prefills twice (once per branch) and, without its KV trick, once per DDIM step.
+``StepResult.actions`` is the diffusion chunk ``[future_window + 1, 7]`` (one row upstream) whose first
+action is replaced by the collaborative ensemble in ``diff+ar`` mode; ``[1, 7]`` in ``ar`` mode. The
+session keeps the AR tokens, their confidences and whether the AR action was used
+(``last_tokens``, ``last_confidences``, ``last_used_ar``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...api import Observation, Policy
+from ...checkpoints.prismatic_vlm import PrismaticCheckpoint, load_prismatic
+from ...config import SessionConfig
+from ...device import resolve_device, resolve_dtype, synchronize
+from ...kv import KVConfig
+from ..action_postprocess import postprocess_actions
+from ..diffusion import DiffusionConfig, GaussianDiffusion
+from ..openvla.processing_openvla import ActionStats, PromptIds, resolve_unnorm_key
+from ..prismatic_session import PrismaticSession
+from .configuration_hybridvla import (
+    BOD_TOKEN_ID,
+    EOD_TOKEN_ID,
+    CollaborativeEnsembleConfig,
+    HybridVLAConfig,
+    HybridVLASamplingConfig,
+)
+from .modeling_hybridvla import DiffusionHead, HybridVLA, decode_ar_actions, denoise_on_cache
+from .processing_hybridvla import ar_action_tokenizer, collaborative_ensemble
+
+log = logging.getLogger(__name__)
+
+
+class HybridVLAPolicy(Policy):
+    """A loaded HybridVLA run: the VLM with the diffusion modules, tokenizer, image transform, statistics.
+
+    Args:
+        checkpoint: the run with its VLM loaded. config: sizes and sampling. model: the weights.
+        device, dtype: where the weights live. kv: default cache for sessions. unnorm_key: default dataset key.
+    """
+
+    name = "hybridvla"
+    config_class = HybridVLAConfig
+
+    def __init__(
+        self,
+        checkpoint: PrismaticCheckpoint,
+        config: HybridVLAConfig,
+        model: HybridVLA,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv: KVConfig | None = None,
+        unnorm_key: str | None = None,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.config = config
+        self.model = model
+        self.vlm = model.vlm
+        self.tokenizer = checkpoint.tokenizer
+        self.image_processor = checkpoint.image_processor
+        self.device, self.dtype = device, dtype
+        self.kv = kv or KVConfig()
+        self.kv_gate: torch.nn.Module | None = None  # the chunk gate for KVConfig(mode="chunked"), contract 3
+        self.diffusion = GaussianDiffusion(config.sampling.diffusion)
+        self.ar_tokens = ar_action_tokenizer(config.sampling.need_to_sub)
+        if unnorm_key is not None:
+            resolve_unnorm_key(self.norm_stats, unnorm_key)
+        self.unnorm_key = unnorm_key
+
+    @property
+    def norm_stats(self) -> dict:
+        return self.config.norm_stats
+
+    @property
+    def action_dim(self) -> int:
+        return self.config.head.action_dim
+
+    @property
+    def chunk_size(self) -> int:
+        return 1 if self.config.sampling.mode == "ar" else self.config.head.chunk
+
+    def new_session(self, instruction: str, config: SessionConfig | None = None) -> "HybridVLASession":
+        config = config or SessionConfig(kv=self.kv, unnorm_key=self.unnorm_key)
+        if config.unnorm_key is None and self.unnorm_key is not None:
+            config = replace(config, unnorm_key=self.unnorm_key)
+        return HybridVLASession(self, instruction, config)
+
+    def info(self) -> dict:
+        def count(module: torch.nn.Module) -> int:
+            return sum(p.numel() for p in module.parameters())
+
+        vlm, head, sampling = self.config.vlm, self.config.head, self.config.sampling
+        return {
+            "family": self.name,
+            "path": str(self.checkpoint.run.path),
+            "checkpoint": self.checkpoint.run.checkpoint.name,
+            "base_vlm": self.checkpoint.run.config.get("vla", {}).get("base_vlm"),
+            "vision_backbone_id": vlm.vision.backbone_id,
+            "image_tokens": vlm.vision.num_patches,
+            "llm": {"dim": vlm.llm.dim, "layers": vlm.llm.n_layers, "heads": vlm.llm.n_heads, "vocab_size": vlm.llm.vocab_size},
+            "diffusion": {"action_dim": head.action_dim, "future_window": head.future_window,
+                          "ddim_steps": sampling.diffusion.sample_steps},  # fmt: skip
+            "mode": sampling.mode,
+            "ensemble": {"rule": sampling.ensemble.rule, "threshold": sampling.ensemble.resolved_threshold},
+            "ar_token_range": [self.ar_tokens.first_id, self.ar_tokens.last_id],
+            "parameters": {"total": count(self.model), "vlm": count(self.vlm), "diffusion_modules": count(self.model.head)},
+            "datasets": sorted(self.norm_stats),
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+
+class HybridVLASession(PrismaticSession):
+    """One episode: the cache, the noise generator, and the last AR tokens / confidences."""
+
+    uses_proprio = True
+
+    def __init__(self, policy: HybridVLAPolicy, instruction: str, config: SessionConfig) -> None:
+        super().__init__(policy, instruction, config)
+        dim = policy.action_dim
+        if self.action_stats.dim != dim:
+            raise ValueError(f"statistics {self.unnorm_key!r} have {self.action_stats.dim} action dims; the model has {dim}")
+        proprio = policy.norm_stats[self.unnorm_key].get("proprio")
+        if proprio is None:
+            raise KeyError(f"dataset statistics {self.unnorm_key!r} have no 'proprio' entry; HybridVLA normalises the robot state with it")
+        self.proprio_stats = ActionStats.from_dict(proprio, what=f"{self.unnorm_key} proprio")
+        if self.proprio_stats.dim != dim:
+            raise ValueError(f"proprio statistics have {self.proprio_stats.dim} dims; the proprio embedder takes {dim}")
+        self.last_tokens: np.ndarray | None = None  # [1, action_dim] AR ids
+        self.last_confidences: np.ndarray | None = None  # [action_dim] max-softmax per AR token
+        self.last_used_ar: bool | None = None
+
+    def _suffix(self, prompt: PromptIds) -> tuple[int, ...]:
+        return (prompt.empty, BOD_TOKEN_ID)
+
+    @property
+    def head_tokens(self) -> int:
+        chunk, dim = self.policy.config.head.chunk, self.policy.action_dim
+        return max(1 + chunk, 1 + chunk + 2 + dim - 1)  # diffusion step; AR: [t, x] <EOD> 29871 + fed tokens
+
+    def _reset_head(self) -> None:
+        self.last_tokens = self.last_confidences = self.last_used_ar = None
+
+    def _proprio_tokens(self, obs: Observation) -> list[torch.Tensor]:
+        dim = self.policy.action_dim
+        if obs.state is None:
+            raise ValueError(
+                f"HybridVLA needs the robot state: Observation.state = [{dim}] ([x, y, z, roll, pitch, yaw, gripper], "
+                "upstream's cur_robot_state)"
+            )
+        state = np.asarray(obs.state, dtype=np.float64).reshape(-1)
+        if state.shape != (dim,):
+            raise ValueError(f"observation `state` has shape {np.shape(obs.state)}; HybridVLA expects [{dim}]")
+        normed = torch.as_tensor(self.proprio_stats.normalize(state), dtype=self.policy.dtype, device=self.policy.device)
+        return [self.policy.model.head.embed_proprio(normed[None])]
+
+    def _noise(self) -> torch.Tensor:
+        head = self.policy.model.head.cfg
+        noise = torch.randn((1, head.chunk, head.action_dim), generator=self.generator)
+        return noise.to(self.policy.device, self.policy.dtype)
+
+    def _act(self, hidden: torch.Tensor, obs: Observation, timings: dict) -> np.ndarray:
+        policy = self.policy
+        model, sampling = policy.model, policy.config.sampling
+        run_diff, run_ar = sampling.branches
+        diff = ar = None
+        if run_diff:
+            start = time.perf_counter()
+            normalized = denoise_on_cache(model.lm, model.head, self.cache, policy.diffusion, self._noise())
+            synchronize(policy.device)
+            timings["denoise"] = (time.perf_counter() - start) * 1e3
+            diff = postprocess_actions(normalized[0].float().cpu().numpy(), self.action_stats)  # [chunk, A]
+        if run_ar:
+            start = time.perf_counter()
+            t = torch.randint(0, policy.diffusion.num_timesteps, (1,), generator=self.generator).to(policy.device)
+            mark = self.cache.mark()
+            ids, conf = decode_ar_actions(
+                model.lm, model.head, self.cache, noise=self._noise(), t=t,
+                tail_ids=(EOD_TOKEN_ID, self.prompt.empty), n_tokens=policy.action_dim,
+            )  # fmt: skip
+            self.cache.rollback(mark)
+            synchronize(policy.device)
+            timings["decode"] = (time.perf_counter() - start) * 1e3
+            self.last_tokens = ids.cpu().numpy()
+            self.last_confidences = conf[0].float().cpu().numpy()
+            ar = postprocess_actions(policy.ar_tokens.normalized(self.last_tokens[0]), self.action_stats)  # [A]
+        if diff is None:
+            self.last_used_ar = True
+            return ar[None]
+        if ar is not None:
+            diff[0], self.last_used_ar = collaborative_ensemble(diff[0], ar, self.last_confidences, sampling.ensemble)
+        return diff
+
+
+def load_hybridvla_policy(
+    path: str | Path,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    kv: KVConfig | None = None,
+    adapter: str | Path | None = None,
+    unnorm_key: str | None = None,
+    checkpoint: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    mode: str = "diff+ar",
+    ddim_steps: int = 4,
+    ensemble_rule: str = "code",
+    ensemble_threshold: float | None = None,
+    need_to_sub: int | None = None,
+) -> HybridVLAPolicy:
+    """Load a HybridVLA run directory (``load_policy``'s HybridVLA branch).
+
+    mode: ``diff+ar`` (default), ``diff`` or ``ar``. ddim_steps: 4 -> t in {75, 50, 25, 0}.
+    ensemble_rule: ``code`` (sum of the first 6 AR confidences > 5.8, what upstream's sim.py runs) or
+    ``paper`` (mean > 0.96); ensemble_threshold overrides the rule's default. need_to_sub: shift of the
+    action token ids; default config.json's ``need_to_sub`` (the value training used), else 0.
+    ``future_action_window_size`` cannot be read from the weights: it comes from config.json (default 0).
+    """
+    if adapter is not None:
+        raise ValueError(f"adapter {adapter}: HybridVLA runs load full checkpoints only (adapter=None)")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    ckpt = load_prismatic(path, checkpoint=checkpoint, tokenizer=tokenizer, device=dev, dtype=dt)
+    run_config = ckpt.run.config
+    if need_to_sub is None:
+        need_to_sub = int(run_config.get("need_to_sub", 0))
+        log.info("action token ids: 32000 - %d - bin (need_to_sub from %s)", need_to_sub, "config.json" if "need_to_sub" in run_config else "the default")
+    sampling = HybridVLASamplingConfig(
+        mode=mode,
+        diffusion=DiffusionConfig(sample_steps=ddim_steps),
+        ensemble=CollaborativeEnsembleConfig(rule=ensemble_rule, threshold=ensemble_threshold),
+        need_to_sub=need_to_sub,
+    )
+    future_window = int(run_config.get("future_action_window_size", 0))
+    with torch.device("meta"):
+        head = DiffusionHead(DiffusionHead.config_from_state_dicts(ckpt.modules, future_window=future_window))
+    if dev.type != "meta":
+        head.load_module_state_dicts(ckpt.modules, device=dev, dtype=dt)
+    config = HybridVLAConfig(vlm=ckpt.config, head=head.cfg, sampling=sampling)
+    return HybridVLAPolicy(ckpt, config, HybridVLA(ckpt.vlm, head.eval()), device=dev, dtype=dt, kv=kv, unnorm_key=unnorm_key)

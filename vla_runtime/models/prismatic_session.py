@@ -1,0 +1,157 @@
+"""Episodes over the shared Prismatic VLM for the diffusion families (CogACT, HybridVLA).
+
+OpenVLA decodes action tokens; these families end the prompt with a family ``suffix`` and hand the
+LLM's output to their own action head. The token layout in both history modes (one view):
+
+- ``single``: ``[BOS] + image + ids(prompt) + ids("\\nOut:") + suffix (+ proprio)`` in one forward on a
+  fresh cache (upstream's sequence).
+- ``history``: ``[BOS] + ids(prompt)`` once per episode, pinned; then per control step
+  ``image + ids("\\nOut:") + suffix (+ proprio)``.
+
+CogACT's suffix is ``[29871, 2]`` (EOS is the cognition token); HybridVLA's is ``[29871, <BOD>]`` then
+its proprio token. Whatever a head appends after the prefix (HybridVLA's diffusion and AR tokens) it
+rolls back, so the history holds observations and prompts only; the cache decides how much of it stays.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from ..api import PRIMARY_CAMERA, EpisodeSession, Observation, StepResult
+from ..config import SessionConfig
+from ..device import synchronize
+from ..kv import KVConfig, make_cache
+from .openvla.processing_openvla import (
+    ActionStats,
+    Forward,
+    PromptIds,
+    Segment,
+    SegmentKind,
+    center_crop,
+    history_prompt,
+    resolve_unnorm_key,
+)
+
+
+def frame_layout(prompt: PromptIds, *, history: bool, suffix: tuple[int, ...], proprio: bool) -> Forward:
+    """A control step's forward: the whole single-mode sequence, or the history-mode frame (see module doc)."""
+    tail = (Segment(SegmentKind.PROPRIO),) if proprio else ()
+    out = Segment(SegmentKind.TEXT, (*prompt.out, *suffix))
+    if history:
+        return Forward((Segment(SegmentKind.IMAGE), out, *tail))
+    head = (Segment(SegmentKind.TEXT, (prompt.bos,)), Segment(SegmentKind.IMAGE))
+    return Forward((*head, Segment(SegmentKind.TEXT, (*prompt.instruction, *prompt.out, *suffix)), *tail))
+
+
+class PrismaticSession(EpisodeSession):
+    """One episode of a diffusion-family policy: prompt, cache, noise generator, head state.
+
+    Subclasses give the prompt ``_suffix`` and ``uses_proprio``, say how many tokens their head appends after
+    the prefix (``head_tokens``, for cache sizing), and implement ``_act`` (prefix hidden states -> actions).
+    The policy provides ``vlm`` (``OpenVLA`` modules), ``tokenizer``, ``image_processor``,
+    ``norm_stats``, ``device``, ``dtype`` and ``kv_gate``.
+    """
+
+    uses_proprio: bool = False
+
+    def __init__(self, policy, instruction: str, config: SessionConfig) -> None:
+        super().__init__(instruction, config)
+        self.policy = policy
+        self.unnorm_key = resolve_unnorm_key(policy.norm_stats, config.unnorm_key)
+        stats = policy.norm_stats[self.unnorm_key]
+        if "action" not in stats:
+            raise KeyError(f"dataset statistics {self.unnorm_key!r} have no 'action' entry (keys: {sorted(stats)})")
+        self.action_stats = ActionStats.from_dict(stats["action"], what=f"{self.unnorm_key} action")
+        self.history = config.history == "history"
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self._build(instruction)
+
+    @abc.abstractmethod
+    def _suffix(self, prompt: PromptIds) -> tuple[int, ...]:
+        """Ids appended after ``\nOut:``."""
+
+    @property
+    @abc.abstractmethod
+    def head_tokens(self) -> int:
+        """Most tokens the head appends after a step's prefix (rolled back before the next step)."""
+
+    @abc.abstractmethod
+    def _act(self, hidden: torch.Tensor, obs: Observation, timings: dict) -> np.ndarray:
+        """hidden: [1, T, dim] final hidden states of the step's prefix forward -> actions [horizon, action_dim]."""
+
+    def _reset_head(self) -> None:
+        """Forget per-episode head state (ensembles)."""
+
+    # ---- episode state ---------------------------------------------------------------------------
+
+    def _build(self, instruction: str) -> None:
+        policy = self.policy
+        self.instruction = instruction
+        self.prompt = policy.tokenizer.prompt(instruction)
+        self.frame = frame_layout(self.prompt, history=self.history, suffix=self._suffix(self.prompt), proprio=self.uses_proprio)
+        step_tokens = self.frame.length(policy.vlm.cfg.vision.num_patches) + self.head_tokens
+        kv: KVConfig = self.config.kv
+        if self.history:
+            kv = replace(kv, window=kv.window or step_tokens)
+        else:
+            kv = replace(kv, capacity=kv.capacity or step_tokens, window=kv.window or step_tokens)
+        self.kv_config = kv
+        extra = {"gate": policy.kv_gate} if kv.mode == "chunked" else {}
+        self.cache = make_cache(kv, policy.vlm.cfg.llm, batch=1, device=policy.device, dtype=policy.dtype, **extra)
+        self._pinned = False
+
+    def reset(self, instruction: str | None = None) -> None:
+        if instruction is not None and instruction != self.instruction:
+            self._build(instruction)
+        else:
+            self.cache.reset()
+            self._pinned = False
+        self.generator.manual_seed(self.config.seed)
+        self._reset_head()
+
+    # ---- one control step ------------------------------------------------------------------------
+
+    def _image_tokens(self, obs: Observation) -> torch.Tensor:
+        """The primary camera's image tokens [1, N, dim]."""
+        policy = self.policy
+        if PRIMARY_CAMERA not in obs.images:
+            raise ValueError(f"observation has no {PRIMARY_CAMERA!r} image; cameras given: {sorted(obs.images)}")
+        image = obs.images[PRIMARY_CAMERA]
+        if self.config.center_crop:
+            image = center_crop(image, size=policy.image_processor.size)
+        pixels = policy.image_processor(image)[None].to(policy.device, policy.dtype)  # [1, C, S, S]
+        return policy.vlm.embed_image(pixels)
+
+    def _proprio_tokens(self, obs: Observation) -> list[torch.Tensor]:
+        """[1, 1, dim] per proprio segment (none by default)."""
+        return []
+
+    @torch.inference_mode()
+    def step(self, obs: Observation) -> StepResult:
+        policy = self.policy
+        device = policy.device
+        start = time.perf_counter()
+        image_tokens = self._image_tokens(obs)
+        proprio = self._proprio_tokens(obs)
+        synchronize(device)
+        timings = {"vision": (time.perf_counter() - start) * 1e3}
+        t0 = time.perf_counter()
+        decoder = policy.vlm.language_model.model
+        if self.history and not self._pinned:
+            prompt = policy.vlm.embed_forward(history_prompt(self.prompt), images=[])
+            decoder(inputs_embeds=prompt, cache=self.cache, pin=True)
+            self._pinned = True
+        elif not self.history:
+            self.cache.reset()
+        embeds = policy.vlm.embed_forward(self.frame, images=[image_tokens], proprio=proprio)
+        hidden = decoder(inputs_embeds=embeds, cache=self.cache)  # [1, T, dim], final-normed
+        synchronize(device)
+        timings["prefill"] = (time.perf_counter() - t0) * 1e3
+        actions = self._act(hidden, obs, timings)
+        timings["total"] = (time.perf_counter() - start) * 1e3
+        return StepResult(actions=actions, timings=timings, kv=self.cache.stats())
