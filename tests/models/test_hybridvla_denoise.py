@@ -29,13 +29,17 @@ def build(future_window: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("future_window", [0, 3, 15])
-def test_prefix_reuse_equals_reprefill(future_window):
+@pytest.mark.parametrize("fused", [False, True], ids=["prefilled", "fused-first-step"])
+def test_prefix_reuse_equals_reprefill(future_window, fused):
     lm, head, prefix = build(future_window)
     diffusion = GaussianDiffusion(DiffusionConfig(sample_steps=4))
     noise = torch.randn(1, future_window + 1, 7, generator=torch.Generator().manual_seed(1))
     cache = FullCache(LLM_CFG, capacity=128)
-    lm.model(inputs_embeds=prefix, cache=cache)
-    reused = denoise_on_cache(lm, head, cache, diffusion, noise)
+    if fused:  # the prefix goes in with the first step's [t, x]
+        reused = denoise_on_cache(lm, head, cache, diffusion, noise, prefix=prefix)
+    else:
+        lm.model(inputs_embeds=prefix, cache=cache)
+        reused = denoise_on_cache(lm, head, cache, diffusion, noise)
     assert cache.mark() == prefix.shape[1]  # every step's [t, x] was rolled back, the prefix stayed
     reference = denoise_by_reprefill(lm, head, FullCache(LLM_CFG, capacity=128), diffusion, noise, prefix)
     torch.testing.assert_close(reused, reference, atol=1e-5, rtol=1e-4)

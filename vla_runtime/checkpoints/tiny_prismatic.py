@@ -22,6 +22,7 @@ from ..models.cogact.configuration_cogact import DiTConfig
 from ..models.cogact.modeling_cogact import ActionModel
 from ..models.hybridvla.configuration_hybridvla import DiffusionHeadConfig
 from ..models.hybridvla.modeling_hybridvla import DiffusionHead
+from ..models.llama import LlamaConfig
 from ..models.openvla.configuration_openvla import OpenVLAConfig
 from ..models.openvla.modeling_openvla import OpenVLA
 from .llama_tokenizer import build_llama_tokenizer, save_llama_tokenizer
@@ -61,8 +62,10 @@ def _size_keys(cfg: OpenVLAConfig) -> dict:
     }
 
 
-def _tiny_vlm(seed: int, image_size: int, norm_stats: dict) -> tuple[OpenVLAConfig, OpenVLA, torch.Generator]:
-    cfg = tiny_openvla_config(image_size=image_size, norm_stats=norm_stats)
+def _tiny_vlm(
+    seed: int, image_size: int, norm_stats: dict, llm: LlamaConfig | None
+) -> tuple[OpenVLAConfig, OpenVLA, torch.Generator]:
+    cfg = tiny_openvla_config(image_size=image_size, llm=llm, norm_stats=norm_stats)
     generator = torch.Generator().manual_seed(seed)
     model = OpenVLA(cfg)
     randomize_(model, generator)
@@ -79,11 +82,17 @@ def _write(out: Path, *, config: dict, norm_stats: dict, modules: dict, dtype: t
 
 
 def make_tiny_cogact(
-    out: str | Path, *, seed: int = 0, image_size: int = 56, dtype: torch.dtype = torch.float32
+    out: str | Path,
+    *,
+    seed: int = 0,
+    image_size: int = 56,
+    dtype: torch.dtype = torch.float32,
+    llm: LlamaConfig | None = None,
 ) -> Path:
-    """A tiny random CogACT run (DiT ``tiny``: width 32, depth 2, 2 heads; chunk 16 x 7)."""
+    """A tiny random CogACT run (DiT ``tiny``: width 32, depth 2, 2 heads; chunk 16 x 7).
+    ``llm``: another decoder geometry than ``LLAMA_CONFIGS["tiny"]`` (benchmarks)."""
     norm_stats = tiny_norm_stats()
-    cfg, vlm, generator = _tiny_vlm(seed, image_size, norm_stats)
+    cfg, vlm, generator = _tiny_vlm(seed, image_size, norm_stats, llm)
     dit = DiTConfig.from_name("tiny", token_size=cfg.llm.dim)
     action_model = ActionModel(dit)
     randomize_(action_model, generator)
@@ -112,10 +121,11 @@ def make_tiny_hybridvla(
     future_window: int = 0,
     need_to_sub: int = 0,
     dtype: torch.dtype = torch.float32,
+    llm: LlamaConfig | None = None,
 ) -> Path:
-    """A tiny random HybridVLA run (diffusion modules at the tiny LLM's width, ``use_diff`` on)."""
+    """A tiny random HybridVLA run (diffusion modules at the LLM's width, ``use_diff`` on)."""
     norm_stats = hybridvla_norm_stats()
-    cfg, vlm, generator = _tiny_vlm(seed, image_size, norm_stats)
+    cfg, vlm, generator = _tiny_vlm(seed, image_size, norm_stats, llm)
     head = DiffusionHead(DiffusionHeadConfig(dim=cfg.llm.dim, future_window=future_window))
     randomize_(head, generator)
     config = _train_config(

@@ -52,7 +52,7 @@ class PrismaticSession(EpisodeSession):
     """One episode of a diffusion-family policy: prompt, cache, noise generator, head state.
 
     Subclasses give the prompt ``_suffix`` and ``uses_proprio``, say how many tokens their head appends after
-    the prefix (``head_tokens``, for cache sizing), and implement ``_act`` (prefix hidden states -> actions).
+    the prefix (``head_tokens``, for cache sizing), and implement ``_act`` (the step's prefix -> actions).
     The policy provides ``vlm`` (``OpenVLA`` modules), ``tokenizer``, ``image_processor``,
     ``norm_stats``, ``device``, ``dtype`` and ``kv_gate``.
     """
@@ -81,8 +81,17 @@ class PrismaticSession(EpisodeSession):
         """Most tokens the head appends after a step's prefix (rolled back before the next step)."""
 
     @abc.abstractmethod
-    def _act(self, hidden: torch.Tensor, obs: Observation, timings: dict) -> np.ndarray:
-        """hidden: [1, T, dim] final hidden states of the step's prefix forward -> actions [horizon, action_dim]."""
+    def _act(self, embeds: torch.Tensor, obs: Observation, timings: dict) -> np.ndarray:
+        """embeds: [1, T, dim] the step's prefix, not yet in the cache -> actions [horizon, action_dim].
+        ``_prefill`` runs it as one forward; a head may instead fuse it with its first forward."""
+
+    def _prefill(self, embeds: torch.Tensor, timings: dict) -> torch.Tensor:
+        """One forward of the step's prefix into the cache -> final (post-norm) hidden states [1, T, dim]."""
+        start = time.perf_counter()
+        hidden = self.policy.vlm.language_model.model(inputs_embeds=embeds, cache=self.cache)
+        synchronize(self.policy.device)
+        timings["prefill"] = timings.get("prefill", 0.0) + (time.perf_counter() - start) * 1e3
+        return hidden
 
     def _reset_head(self) -> None:
         """Forget per-episode head state (ensembles)."""
@@ -134,24 +143,20 @@ class PrismaticSession(EpisodeSession):
     @torch.inference_mode()
     def step(self, obs: Observation) -> StepResult:
         policy = self.policy
-        device = policy.device
         start = time.perf_counter()
         image_tokens = self._image_tokens(obs)
         proprio = self._proprio_tokens(obs)
-        synchronize(device)
+        synchronize(policy.device)
         timings = {"vision": (time.perf_counter() - start) * 1e3}
-        t0 = time.perf_counter()
-        decoder = policy.vlm.language_model.model
         if self.history and not self._pinned:
+            t0 = time.perf_counter()
             prompt = policy.vlm.embed_forward(history_prompt(self.prompt), images=[])
-            decoder(inputs_embeds=prompt, cache=self.cache, pin=True)
+            policy.vlm.language_model.model(inputs_embeds=prompt, cache=self.cache, pin=True)
             self._pinned = True
+            timings["prefill"] = (time.perf_counter() - t0) * 1e3
         elif not self.history:
             self.cache.reset()
         embeds = policy.vlm.embed_forward(self.frame, images=[image_tokens], proprio=proprio)
-        hidden = decoder(inputs_embeds=embeds, cache=self.cache)  # [1, T, dim], final-normed
-        synchronize(device)
-        timings["prefill"] = (time.perf_counter() - t0) * 1e3
-        actions = self._act(hidden, obs, timings)
+        actions = self._act(embeds, obs, timings)
         timings["total"] = (time.perf_counter() - start) * 1e3
         return StepResult(actions=actions, timings=timings, kv=self.cache.stats())

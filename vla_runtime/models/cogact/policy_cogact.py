@@ -131,8 +131,9 @@ class CogACTSession(PrismaticSession):
         if self.ensembler is not None:
             self.ensembler.reset()
 
-    def _act(self, hidden: torch.Tensor, obs: Observation, timings: dict) -> np.ndarray:
+    def _act(self, embeds: torch.Tensor, obs: Observation, timings: dict) -> np.ndarray:
         policy = self.policy
+        hidden = self._prefill(embeds, timings)
         start = time.perf_counter()
         normalized = policy.model.action_model.sample(
             CogACT.cognition(hidden), cfg_scale=policy.config.sampling.cfg_scale, generator=self.generator

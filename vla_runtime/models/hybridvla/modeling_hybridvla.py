@@ -119,21 +119,35 @@ class DiffusionHead(nn.Module):
 
 @torch.no_grad()
 def denoise_on_cache(
-    lm: LlamaForCausalLM, head: DiffusionHead, cache: KVCache, diffusion: GaussianDiffusion, noise: torch.Tensor
+    lm: LlamaForCausalLM,
+    head: DiffusionHead,
+    cache: KVCache,
+    diffusion: GaussianDiffusion,
+    noise: torch.Tensor,
+    *,
+    prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """DDIM inside the LLM, reusing the prefix KV: the cache already holds the prefix (up to the proprio token).
+    """DDIM inside the LLM, reusing the prefix KV.
 
-    Each step appends ``[t, x_0 .. x_fut]`` (``1 + chunk`` tokens), reads eps at the x positions, then rolls
-    the cache back to the prefix, so no step re-runs the prefix and the trim is ``1 + chunk`` tokens for any
-    ``future_window`` (upstream hard-codes 2, right only for ``future_window = 0``).
-    noise: [B, chunk, A]. Returns normalised actions [B, chunk, A].
+    Each step appends ``[t, x_0 .. x_fut]`` (``1 + chunk`` tokens) after the prefix, reads eps at the x
+    positions and rolls those tokens back, so no step re-runs the prefix and the trim is ``1 + chunk`` for
+    any ``future_window`` (upstream hard-codes 2, right only for ``future_window = 0``).
+    prefix: [B, P, dim] embeddings not yet in the cache; the first step runs them together with its own
+    tokens in one forward (upstream's structure: one full forward, then short ones) and they stay cached.
+    ``None``: the cache already holds the prefix. noise: [B, chunk, A]. Returns normalised actions [B, chunk, A].
     """
-    mark = cache.mark()
+    pending = prefix
 
     def eps_fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        h = lm.model(inputs_embeds=head.embed_step(x, t).to(lm.lm_head.weight.dtype), cache=cache)
-        cache.rollback(mark)
-        return head.eps(h[:, 1:].to(head.final_layer.norm_final.weight.dtype))
+        nonlocal pending
+        mark = cache.mark()  # a fresh mark per step: caches defer compression while one is open
+        tokens = head.embed_step(x, t).to(lm.lm_head.weight.dtype)
+        keep = 0
+        if pending is not None:
+            tokens, keep, pending = torch.cat([pending, tokens], dim=1), pending.shape[1], None
+        h = lm.model(inputs_embeds=tokens, cache=cache)
+        cache.rollback(mark + keep)
+        return head.eps(h[:, -x.shape[1] :].to(head.final_layer.norm_final.weight.dtype))
 
     return diffusion.ddim_sample(eps_fn, noise)
 
@@ -152,9 +166,9 @@ def denoise_by_reprefill(
 
     prefix: [B, P, dim] embeddings; the cache's content at call time stays. Returns [B, chunk, A].
     """
-    mark = cache.mark()
 
     def eps_fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        mark = cache.mark()
         tokens = torch.cat([prefix, head.embed_step(x, t).to(prefix.dtype)], dim=1)
         h = lm.model(inputs_embeds=tokens, cache=cache)
         cache.rollback(mark)

@@ -1,11 +1,13 @@
 """``HybridVLAPolicy`` (family ``hybridvla``) and its ``EpisodeSession``.
 
-Each step prefills the shared prefix once (``prismatic_session`` layout ending in ``29871, <BOD>,
-proprio``). Both branches then run on that cached prefix and roll their tokens back:
+Each step runs the shared prefix (``prismatic_session`` layout ending in ``29871, <BOD>, proprio``)
+through the LLM once. Both branches use that cached prefix and roll their own tokens back:
 
-- diffusion: DDIM (4 steps: t = 75, 50, 25, 0), each step appending ``[t, x_0 .. x_fut]`` to the cache
-  and reading eps at the x positions (``denoise_on_cache``): no step re-runs the prefix;
-- autoregressive: ``[t, x_noise] <EOD> 29871`` then 7 greedy action tokens with their confidences.
+- diffusion: DDIM (4 steps: t = 75, 50, 25, 0). The first step's forward is ``prefix + [t, x_0 .. x_fut]``
+  (so ``timings["denoise"]`` includes the prefix prefill); every later step appends only ``[t, x]`` and
+  reads eps at the x positions (``denoise_on_cache``): no step re-runs the prefix;
+- autoregressive: ``[t, x_noise] <EOD> 29871`` on the same prefix, then 7 greedy action tokens with
+  their confidences.
 
 Upstream prefills twice (once per branch) and, without its KV trick, once per DDIM step.
 ``StepResult.actions`` is the diffusion chunk ``[future_window + 1, 7]`` (one row upstream) whose first
@@ -175,17 +177,19 @@ class HybridVLASession(PrismaticSession):
         noise = torch.randn((1, head.chunk, head.action_dim), generator=self.generator)
         return noise.to(self.policy.device, self.policy.dtype)
 
-    def _act(self, hidden: torch.Tensor, obs: Observation, timings: dict) -> np.ndarray:
+    def _act(self, embeds: torch.Tensor, obs: Observation, timings: dict) -> np.ndarray:
         policy = self.policy
         model, sampling = policy.model, policy.config.sampling
         run_diff, run_ar = sampling.branches
         diff = ar = None
-        if run_diff:
+        if run_diff:  # the prefix goes in with the first DDIM step's tokens and stays cached for the AR branch
             start = time.perf_counter()
-            normalized = denoise_on_cache(model.lm, model.head, self.cache, policy.diffusion, self._noise())
+            normalized = denoise_on_cache(model.lm, model.head, self.cache, policy.diffusion, self._noise(), prefix=embeds)
             synchronize(policy.device)
             timings["denoise"] = (time.perf_counter() - start) * 1e3
             diff = postprocess_actions(normalized[0].float().cpu().numpy(), self.action_stats)  # [chunk, A]
+        else:
+            self._prefill(embeds, timings)
         if run_ar:
             start = time.perf_counter()
             t = torch.randint(0, policy.diffusion.num_timesteps, (1,), generator=self.generator).to(policy.device)
