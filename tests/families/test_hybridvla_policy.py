@@ -115,7 +115,7 @@ def test_state_is_required_and_reaches_the_model(policy, frame):
     image = frame(5)
     with pytest.raises(ValueError, match=r"needs the robot state: Observation.state = \[7\]"):
         session.step(obs(image, None))
-    with pytest.raises(ValueError, match=r"shape \(3,\); HybridVLA expects \[7\]"):
+    with pytest.raises(ValueError, match=r"shape \(3,\); HybridVLA accepts xyz_rpy_gripper \[7\], xyz_quat_gripper \[8\]"):
         session.step(obs(image, np.zeros(3)))
     a = policy.new_session(INSTRUCTION, SessionConfig(seed=0)).step(obs(image, STATE)).actions
     b = policy.new_session(INSTRUCTION, SessionConfig(seed=0)).step(obs(image, STATE + 0.3)).actions
@@ -145,3 +145,27 @@ def test_history_mode_keeps_only_observations_in_every_cache(policy, frame, mode
         seen.append(result.kv.tokens_seen)
     pinned = 1 + len(prompt.instruction)
     assert seen == [pinned + frame_tokens * (t + 1) for t in range(3)]  # branch tokens rolled back each step
+
+
+def test_state_layouts_of_the_simulators_map_to_upstreams(tiny_hybridvla, frame):
+    """RLBench's [xyz, quaternion xyzw, open] and Meta-World's [xyz, opening] reach the model as
+    upstream's [x, y, z, roll, pitch, yaw, gripper]."""
+    from scipy.spatial.transform import Rotation
+
+    image = frame(6)
+    state = np.array([0.2785, -0.0082, 1.4719, -3.1, 0.2423, 3.1, 1.0])  # angles inside scipy's ranges (no 2 pi wrap)
+    quat = Rotation.from_euler("xyz", state[3:6]).as_quat()  # scalar-last, as RLBench's gripper_pose
+    direct = load_policy(tiny_hybridvla).new_session(INSTRUCTION, SessionConfig(seed=0)).step(obs(image, state)).actions
+    rlbench = np.concatenate([state[:3], quat, state[6:]])
+    via_quat = load_policy(tiny_hybridvla).new_session(INSTRUCTION, SessionConfig(seed=0)).step(obs(image, rlbench)).actions
+    np.testing.assert_allclose(via_quat, direct, atol=1e-6)
+    metaworld = np.array([0.0, 0.6, 0.2, 1.0])
+    padded = np.array([0.0, 0.6, 0.2, 0.0, 0.0, 0.0, 1.0])
+    a = load_policy(tiny_hybridvla).new_session(INSTRUCTION, SessionConfig(seed=0)).step(obs(image, metaworld)).actions
+    b = load_policy(tiny_hybridvla).new_session(INSTRUCTION, SessionConfig(seed=0)).step(obs(image, padded)).actions
+    np.testing.assert_array_equal(a, b)
+    forced = load_policy(tiny_hybridvla, state_layout="xyz_quat_gripper").new_session(INSTRUCTION)
+    with pytest.raises(ValueError, match="state layout 'xyz_quat_gripper' has 8 values"):
+        forced.step(obs(image, STATE))
+    with pytest.raises(KeyError, match="unknown state layout 'joints'"):
+        load_policy(tiny_hybridvla, state_layout="joints")

@@ -9,7 +9,12 @@ from vla_runtime.models.cogact.configuration_cogact import AdaptiveEnsembleConfi
 from vla_runtime.models.cogact.processing_cogact import AdaptiveEnsembler, ensemble_weights
 from vla_runtime.models.hybridvla.configuration_hybridvla import CollaborativeEnsembleConfig
 from vla_runtime.models.action_postprocess import postprocess_actions
-from vla_runtime.models.hybridvla.processing_hybridvla import ar_action_tokenizer, ar_is_confident, collaborative_ensemble
+from vla_runtime.models.hybridvla.processing_hybridvla import (
+    ar_action_tokenizer,
+    ar_is_confident,
+    collaborative_ensemble,
+    quat_xyzw_to_euler_xyz,
+)
 from vla_runtime.models.openvla.processing_openvla import ActionStats
 
 BRIDGE = {  # bridge_orig action statistics (OpenVLA's dataset_statistics.json)
@@ -108,3 +113,14 @@ def test_collaborative_ensemble_code_rule_vs_paper_rule():
     assert ar_is_confident(np.full(7, 0.97), CollaborativeEnsembleConfig(rule="paper"))
     with pytest.raises(KeyError, match="code, paper"):
         CollaborativeEnsembleConfig(rule="vote")
+
+
+def test_quaternion_to_extrinsic_xyz_euler_matches_scipy():
+    from scipy.spatial.transform import Rotation
+
+    rng = np.random.default_rng(0)
+    for euler in [*rng.uniform(-3.0, 3.0, (20, 3)) * [1.0, 0.5, 1.0], [-3.1416, 0.2423, 3.1416]]:
+        quat = Rotation.from_euler("xyz", euler).as_quat()  # [x, y, z, w]
+        ours = quat_xyzw_to_euler_xyz(quat)
+        np.testing.assert_allclose(Rotation.from_euler("xyz", ours).as_matrix(), Rotation.from_quat(quat).as_matrix(), atol=1e-9)
+        np.testing.assert_allclose(ours, Rotation.from_quat(quat).as_euler("xyz"), atol=1e-9)

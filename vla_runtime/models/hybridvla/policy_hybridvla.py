@@ -43,7 +43,7 @@ from .configuration_hybridvla import (
     HybridVLASamplingConfig,
 )
 from .modeling_hybridvla import DiffusionHead, HybridVLA, decode_ar_actions, denoise_on_cache
-from .processing_hybridvla import ar_action_tokenizer, collaborative_ensemble
+from .processing_hybridvla import STATE_LAYOUTS, ar_action_tokenizer, collaborative_ensemble, to_proprio
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class HybridVLAPolicy(Policy):
     Args:
         checkpoint: the run with its VLM loaded. config: sizes and sampling. model: the weights.
         device, dtype: where the weights live. kv: default cache for sessions. unnorm_key: default dataset key.
+        state_layout: how ``Observation.state`` is laid out (``STATE_LAYOUTS``); ``None`` = by its length.
     """
 
     name = "hybridvla"
@@ -69,10 +70,14 @@ class HybridVLAPolicy(Policy):
         dtype: torch.dtype,
         kv: KVConfig | None = None,
         unnorm_key: str | None = None,
+        state_layout: str | None = None,
     ) -> None:
+        if state_layout is not None and state_layout not in STATE_LAYOUTS:
+            raise KeyError(f"unknown state layout {state_layout!r}; known: {', '.join(STATE_LAYOUTS)}")
         self.checkpoint = checkpoint
         self.config = config
         self.model = model
+        self.state_layout = state_layout
         self.vlm = model.vlm
         self.tokenizer = checkpoint.tokenizer
         self.image_processor = checkpoint.image_processor
@@ -166,9 +171,12 @@ class HybridVLASession(PrismaticSession):
                 f"HybridVLA needs the robot state: Observation.state = [{dim}] ([x, y, z, roll, pitch, yaw, gripper], "
                 "upstream's cur_robot_state)"
             )
-        state = np.asarray(obs.state, dtype=np.float64).reshape(-1)
-        if state.shape != (dim,):
-            raise ValueError(f"observation `state` has shape {np.shape(obs.state)}; HybridVLA expects [{dim}]")
+        if dim == 7:
+            state = to_proprio(obs.state, self.policy.state_layout)
+        else:
+            state = np.asarray(obs.state, dtype=np.float64).reshape(-1)
+            if state.shape != (dim,):
+                raise ValueError(f"observation `state` has shape {np.shape(obs.state)}; HybridVLA expects [{dim}]")
         normed = torch.as_tensor(self.proprio_stats.normalize(state), dtype=self.policy.dtype, device=self.policy.device)
         return [self.policy.model.head.embed_proprio(normed[None])]
 
@@ -227,6 +235,7 @@ def load_hybridvla_policy(
     ensemble_rule: str = "code",
     ensemble_threshold: float | None = None,
     need_to_sub: int | None = None,
+    state_layout: str | None = None,
 ) -> HybridVLAPolicy:
     """Load a HybridVLA run directory (``load_policy``'s HybridVLA branch).
 
@@ -234,6 +243,9 @@ def load_hybridvla_policy(
     ensemble_rule: ``code`` (sum of the first 6 AR confidences > 5.8, what upstream's sim.py runs) or
     ``paper`` (mean > 0.96); ensemble_threshold overrides the rule's default. need_to_sub: shift of the
     action token ids; default config.json's ``need_to_sub`` (the value training used), else 0.
+    state_layout: the layout of ``Observation.state`` (``processing_hybridvla.STATE_LAYOUTS``: 7 = upstream's
+    x, y, z, roll, pitch, yaw, gripper; 8 = RLBench's position + xyzw quaternion + gripper; 4 = Meta-World's
+    position + gripper); ``None`` = by the state's length.
     ``future_action_window_size`` cannot be read from the weights: it comes from config.json (default 0).
     """
     if adapter is not None:
@@ -257,4 +269,7 @@ def load_hybridvla_policy(
     if dev.type != "meta":
         head.load_module_state_dicts(ckpt.modules, device=dev, dtype=dt)
     config = HybridVLAConfig(vlm=ckpt.config, head=head.cfg, sampling=sampling)
-    return HybridVLAPolicy(ckpt, config, HybridVLA(ckpt.vlm, head.eval()), device=dev, dtype=dt, kv=kv, unnorm_key=unnorm_key)
+    return HybridVLAPolicy(
+        ckpt, config, HybridVLA(ckpt.vlm, head.eval()), device=dev, dtype=dt, kv=kv, unnorm_key=unnorm_key,
+        state_layout=state_layout,
+    )  # fmt: skip
