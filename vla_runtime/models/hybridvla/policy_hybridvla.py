@@ -177,7 +177,8 @@ class HybridVLASession(PrismaticSession):
             state = np.asarray(obs.state, dtype=np.float64).reshape(-1)
             if state.shape != (dim,):
                 raise ValueError(f"observation `state` has shape {np.shape(obs.state)}; HybridVLA expects [{dim}]")
-        normed = torch.as_tensor(self.proprio_stats.normalize(state), dtype=self.policy.dtype, device=self.policy.device)
+        normed = np.clip(self.proprio_stats.normalize(state), -1.0, 1.0)  # upstream clips every dim, masked or not
+        normed = torch.as_tensor(normed, dtype=self.policy.dtype, device=self.policy.device)
         return [self.policy.model.head.embed_proprio(normed[None])]
 
     def _noise(self) -> torch.Tensor:
