@@ -16,6 +16,8 @@ COMMANDS: list[str] = [
     "info",
     "make_tiny",
     "demo",
+    "collect",
+    "eval",
 ]
 
 

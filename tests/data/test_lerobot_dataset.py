@@ -1,0 +1,242 @@
+"""LeRobot v3 writer/reader: exact round trips, valid metadata, v2.1 reading, clear errors."""
+
+import importlib.util
+import json
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from vla_runtime.data import DatasetFeatures, Episode, LeRobotDataset, LeRobotWriter, WriterConfig
+from vla_runtime.data.video import VIDEO_CODECS, VideoWriter
+
+FEATURES = DatasetFeatures(cameras={"front": (24, 32), "wrist": (16, 16)}, state_names=list("abcd"), action_names=list("1234567"))
+
+
+def make_episode(rng, n, task):
+    def frames(h, w):
+        y, x = np.mgrid[0:h, 0:w]
+        smooth = np.stack([(x * 7 + t * 5) % 256 + 0 * y for t in range(n)])
+        noise = rng.integers(0, 256, size=(n, h, w, 3))
+        return np.where(noise[..., :1] > 128, noise, smooth[..., None]).astype(np.uint8)
+
+    return Episode(
+        images={"front": frames(24, 32), "wrist": frames(16, 16)},
+        state=rng.normal(size=(n, 4)).astype(np.float32),
+        action=rng.normal(size=(n, 7)).astype(np.float32),
+        task=task,
+    )
+
+
+@pytest.fixture
+def episodes():
+    rng = np.random.default_rng(0)
+    return [make_episode(rng, 6, "open the drawer"), make_episode(rng, 9, "press the button"), make_episode(rng, 4, "open the drawer")]
+
+
+def write(root, episodes, **kwargs):
+    with LeRobotWriter(root, FEATURES, WriterConfig(fps=10, robot_type="sawyer", **kwargs)) as writer:
+        for ep in episodes:
+            writer.add_episode(ep)
+    return LeRobotDataset(root)
+
+
+def assert_same(read, written):
+    assert read.task == written.task
+    np.testing.assert_array_equal(read.action, written.action)
+    np.testing.assert_array_equal(read.state, written.state)
+    assert set(read.images) == set(written.images)
+    for cam in written.images:
+        np.testing.assert_array_equal(read.images[cam], written.images[cam])
+
+
+@pytest.mark.parametrize("codec", [None, "h264_lossless"])
+def test_round_trip_is_exact(tmp_path, episodes, codec):
+    ds = write(tmp_path / "ds", episodes, video_codec=codec)
+    assert len(ds) == 3 and ds.fps == 10 and ds.cameras == ["front", "wrist"]
+    for i, ep in enumerate(episodes):
+        assert_same(ds.episode(i), ep)
+
+
+def test_metadata_follows_lerobot_v3_layout(tmp_path, episodes):
+    root = tmp_path / "ds"
+    write(root, episodes, video_codec="h264_lossless")
+    info = json.loads((root / "meta/info.json").read_text())
+    assert info["codebase_version"] == "v3.0" and info["fps"] == 10 and info["robot_type"] == "sawyer"
+    assert (info["total_episodes"], info["total_frames"], info["total_tasks"]) == (3, 19, 2)
+    assert info["splits"] == {"train": "0:3"}
+    assert info["data_path"] == "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+    assert info["video_path"] == "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+    feats = info["features"]
+    assert feats["observation.state"] == {"dtype": "float32", "shape": [4], "names": list("abcd")}
+    assert feats["action"]["shape"] == [7]
+    front = feats["observation.images.front"]
+    assert front["dtype"] == "video" and front["shape"] == [24, 32, 3] and front["info"]["video.fps"] == 10
+    for key in ("timestamp", "frame_index", "episode_index", "index", "task_index"):
+        assert feats[key]["shape"] == [1]
+
+    tasks = pd.read_parquet(root / "meta/tasks.parquet")
+    assert list(tasks.index) == ["open the drawer", "press the button"] and list(tasks.task_index) == [0, 1]
+
+    eps = pd.read_parquet(root / "meta/episodes/chunk-000/file-000.parquet")
+    assert list(eps.episode_index) == [0, 1, 2] and list(eps.length) == [6, 9, 4]
+    assert list(eps.dataset_from_index) == [0, 6, 15] and list(eps.dataset_to_index) == [6, 15, 19]
+    assert [list(t) for t in eps.tasks] == [["open the drawer"], ["press the button"], ["open the drawer"]]
+    # episodes sit back to back in one mp4 per camera
+    np.testing.assert_allclose(eps["videos/observation.images.front/from_timestamp"], [0.0, 0.6, 1.5])
+    np.testing.assert_allclose(eps["videos/observation.images.front/to_timestamp"], [0.6, 1.5, 1.9])
+    assert list(eps["stats/action/count"].map(lambda c: c[0])) == [6, 9, 4]
+
+    data = pq.read_table(root / "data/chunk-000/file-000.parquet")
+    assert data.schema.field("observation.state").type == pa.list_(pa.float32(), 4)
+    np.testing.assert_array_equal(data.column("index").to_numpy(), np.arange(19))
+    np.testing.assert_array_equal(data.column("task_index").to_numpy(), [0] * 6 + [1] * 9 + [0] * 4)
+    frame_index = data.column("frame_index").to_numpy()
+    np.testing.assert_array_equal(data.column("timestamp").to_numpy(), (frame_index / 10).astype(np.float32))
+    hf = json.loads(data.schema.metadata[b"huggingface"])["info"]["features"]
+    assert hf["action"] == {"feature": {"dtype": "float32", "_type": "Value"}, "length": 7, "_type": "Sequence"}
+
+
+def test_stats_are_exact_with_quantiles(tmp_path, episodes):
+    ds = write(tmp_path / "ds", episodes)
+    actions = np.concatenate([ep.action for ep in episodes]).astype(np.float64)
+    s = ds.stats["action"]
+    assert s["count"].tolist() == [19]
+    for key, q in {"q01": 0.01, "q10": 0.1, "q50": 0.5, "q90": 0.9, "q99": 0.99}.items():
+        np.testing.assert_allclose(s[key], np.quantile(actions, q, axis=0))
+    np.testing.assert_allclose(s["mean"], actions.mean(0))
+    np.testing.assert_allclose(s["std"], actions.std(0))
+    np.testing.assert_allclose(s["min"], actions.min(0))
+    assert np.all(s["q01"] <= s["q50"]) and np.all(s["q50"] <= s["q99"])
+    img = ds.stats["observation.images.front"]
+    pixels = np.concatenate([ep.images["front"] for ep in episodes]).reshape(-1, 3) / 255.0
+    assert img["mean"].shape == (3, 1, 1) and img["count"].tolist() == [19]
+    np.testing.assert_allclose(img["mean"].ravel(), pixels.mean(0))
+    np.testing.assert_allclose(img["std"].ravel(), pixels.std(0))
+    np.testing.assert_allclose(img["max"].ravel(), pixels.max(0))
+    assert ds.stats["index"]["max"].tolist() == [18]
+
+
+def test_files_roll_over_by_size(tmp_path):
+    rng = np.random.default_rng(1)
+    big = DatasetFeatures(cameras={"cam": (96, 96)}, state_names=None, action_names=["a"])
+    eps = [Episode({"cam": rng.integers(0, 256, (40, 96, 96, 3), dtype=np.uint8)}, None, rng.normal(size=(40, 1)).astype(np.float32), "t")
+           for _ in range(3)]
+    root = tmp_path / "ds"
+    with LeRobotWriter(root, big, WriterConfig(fps=5, data_files_size_in_mb=1)) as writer:
+        for ep in eps:
+            writer.add_episode(ep)
+    files = sorted(p.name for p in (root / "data/chunk-000").iterdir())
+    assert files == ["file-000.parquet", "file-001.parquet", "file-002.parquet"]  # ~1.1 MB of noise per episode
+    ds = LeRobotDataset(root)
+    assert ds.episode(2).state is None
+    for i, ep in enumerate(eps):
+        np.testing.assert_array_equal(ds.episode(i).images["cam"], ep.images["cam"])
+        np.testing.assert_array_equal(ds.episode(i).action, ep.action)
+
+
+def test_reads_lerobot_v21_layout(tmp_path, episodes):
+    """A dataset laid out as LeRobot v2.1 writes it: jsonl metadata, one parquet and one mp4 per episode."""
+    root = tmp_path / "v21"
+    info = {
+        "codebase_version": "v2.1", "robot_type": "sawyer", "fps": 10, "total_episodes": 3, "total_frames": 19,
+        "total_tasks": 2, "total_videos": 3, "total_chunks": 1, "chunks_size": 1000, "splits": {"train": "0:3"},
+        "data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
+        "video_path": "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4",
+        "features": {
+            "observation.images.front": {"dtype": "video", "shape": [24, 32, 3], "names": ["height", "width", "channel"]},
+            "observation.images.wrist": {"dtype": "image", "shape": [16, 16, 3], "names": ["height", "width", "channel"]},
+            "observation.state": {"dtype": "float32", "shape": [4], "names": None},
+            "action": {"dtype": "float32", "shape": [7], "names": None},
+        },
+    }
+    (root / "meta").mkdir(parents=True)
+    (root / "meta/info.json").write_text(json.dumps(info))
+    (root / "meta/tasks.jsonl").write_text('{"task_index": 0, "task": "open the drawer"}\n{"task_index": 1, "task": "press the button"}\n')
+    lines, start = [], 0
+    for i, ep in enumerate(episodes):
+        n = len(ep)
+        lines.append(json.dumps({"episode_index": i, "tasks": [ep.task], "length": n}))
+        import io
+
+        from PIL import Image
+
+        def png(f):
+            buf = io.BytesIO()
+            Image.fromarray(f).save(buf, format="PNG")
+            return {"bytes": buf.getvalue(), "path": None}
+
+        table = pa.table({
+            "observation.images.wrist": [png(f) for f in ep.images["wrist"]],
+            "observation.state": ep.state.tolist(),
+            "action": ep.action.tolist(),
+            "timestamp": (np.arange(n) / 10).astype(np.float32),
+            "frame_index": np.arange(n),
+            "episode_index": np.full(n, i),
+            "index": np.arange(start, start + n),
+            "task_index": np.full(n, 0 if ep.task == "open the drawer" else 1),
+        })
+        table = table.take(np.arange(n)[::-1].copy())  # rows stored out of order: the reader sorts by frame_index
+        path = root / f"data/chunk-000/episode_{i:06d}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, path)
+        video = VideoWriter(root / f"videos/chunk-000/observation.images.front/episode_{i:06d}.mp4", fps=10, height=24, width=32,
+                            codec=VIDEO_CODECS["h264_lossless"])
+        video.write(ep.images["front"])
+        video.close()
+        start += n
+    (root / "meta/episodes.jsonl").write_text("\n".join(lines) + "\n")
+    ds = LeRobotDataset(root)
+    assert ds.stats is None and ds.tasks == ["open the drawer", "press the button"]
+    for i, ep in enumerate(episodes):
+        assert_same(ds.episode(i), ep)
+
+
+def test_errors_name_the_problem(tmp_path, episodes):
+    with pytest.raises(FileNotFoundError, match="meta/info.json does not exist"):
+        LeRobotDataset(tmp_path / "nothing")
+    root = tmp_path / "ds"
+    write(root, episodes[:1])
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        LeRobotWriter(root, FEATURES, WriterConfig(fps=10))
+    info = json.loads((root / "meta/info.json").read_text())
+    (root / "meta/info.json").write_text(json.dumps({**info, "codebase_version": "v1.6"}))
+    with pytest.raises(ValueError, match="codebase_version 'v1.6' is not supported"):
+        LeRobotDataset(root)
+
+    writer = LeRobotWriter(tmp_path / "w", FEATURES, WriterConfig(fps=10))
+    bad = make_episode(np.random.default_rng(0), 3, "t")
+    with pytest.raises(ValueError, match=r"cameras \['front'\] differ from the dataset's \['front', 'wrist'\]"):
+        writer.add_episode(Episode({"front": bad.images["front"]}, bad.state, bad.action, "t"))
+    with pytest.raises(ValueError, match="must be uint8"):
+        writer.add_episode(Episode({**bad.images, "front": bad.images["front"].astype(np.float32)}, bad.state, bad.action, "t"))
+    with pytest.raises(ValueError, match=r"images\['wrist'\] has 2 frames, action has 3"):
+        writer.add_episode(Episode({**bad.images, "wrist": bad.images["wrist"][:2]}, bad.state, bad.action, "t"))
+    with pytest.raises(ValueError, match="action has 6 dims, action_names has 7"):
+        writer.add_episode(Episode(bad.images, bad.state, bad.action[:, :6], "t"))
+    with pytest.raises(ValueError, match="no episodes were written"):
+        writer.close()
+    with pytest.raises(ValueError, match="`fps` must be a positive integer"):
+        WriterConfig(fps=12.5)
+    with pytest.raises(KeyError, match="unknown video codec 'mjpeg'; available: av1, h264, h264_lossless"):
+        WriterConfig(fps=10, video_codec="mjpeg")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lerobot") is None, reason="LeRobot is not installed (it pins another torch)")
+def test_lerobot_loader_reads_our_dataset(tmp_path, episodes):
+    """LeRobot's own LeRobotDataset loads what we write, frame for frame (runs where lerobot is installed)."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset as UpstreamDataset
+
+    write(tmp_path / "ds", episodes)
+    upstream = UpstreamDataset("local/vla-runtime-test", root=tmp_path / "ds")
+    assert len(upstream) == 19 and upstream.meta.total_episodes == 3
+    starts = np.cumsum([0] + [len(ep) for ep in episodes])
+    for i, ep in enumerate(episodes):
+        for t in range(len(ep)):
+            item = upstream[int(starts[i] + t)]
+            assert item["task"] == ep.task and int(item["frame_index"]) == t
+            np.testing.assert_array_equal(item["action"].numpy(), ep.action[t])
+            image = (item["observation.images.front"].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+            np.testing.assert_array_equal(image, ep.images["front"][t])

@@ -1,0 +1,61 @@
+"""Arguments shared by ``collect`` and ``eval``: simulator, tasks, cameras, resolution, step limit."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..sim import METAWORLD_TASKS, MetaWorldConfig, RLBenchConfig
+
+# task groups a user can name instead of listing tasks
+METAWORLD_GROUPS = {
+    "all": METAWORLD_TASKS,
+    "mt10": [
+        "reach-v3", "push-v3", "pick-place-v3", "door-open-v3", "drawer-open-v3",
+        "drawer-close-v3", "button-press-topdown-v3", "peg-insert-side-v3", "window-open-v3", "window-close-v3",
+    ],
+}
+
+
+def add_sim_args(parser: argparse.ArgumentParser, *, sims: tuple[str, ...]) -> None:
+    parser.add_argument("--sim", choices=sims, default=sims[0], help="simulator (default: %(default)s)")
+    parser.add_argument(
+        "--tasks", required=True,
+        help="comma-separated task names (Meta-World: reach-v3,button-press-v3,...; or a group: all, mt10)",
+    )
+    parser.add_argument("--camera", default=None, help="comma-separated camera names, primary first (Meta-World default corner2; RLBench front,wrist)")
+    parser.add_argument("--resolution", default=None, help="image size N or HxW (Meta-World default 224; RLBench 128)")
+    parser.add_argument("--max-steps", type=int, default=None, help="step limit per episode (Meta-World default and maximum 500)")
+    parser.add_argument("--seed", type=int, default=0, help="first seed; episode i uses seed+i (Meta-World: seed %% 50 picks the scene variation)")
+
+
+def parse_tasks(text: str, sim: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError("--tasks is empty")
+    if sim == "metaworld" and len(items) == 1 and items[0].lower() in METAWORLD_GROUPS:
+        return list(METAWORLD_GROUPS[items[0].lower()])
+    return items
+
+
+def parse_resolution(text: str) -> tuple[int, int]:
+    try:
+        parts = [int(p) for p in text.lower().split("x")]
+    except ValueError as e:
+        raise ValueError(f"--resolution {text!r}: expected N or HxW, e.g. 224 or 128x160") from e
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2:
+        raise ValueError(f"--resolution {text!r}: expected N or HxW, e.g. 224 or 128x160")
+    return parts[0], parts[1]
+
+
+def sim_config(args: argparse.Namespace) -> MetaWorldConfig | RLBenchConfig:
+    """The simulator config from the command line (unset options keep the config's defaults)."""
+    kwargs = {}
+    if args.camera is not None:
+        kwargs["cameras"] = tuple(c.strip() for c in args.camera.split(",") if c.strip())
+    if args.resolution is not None:
+        kwargs["resolution"] = parse_resolution(args.resolution)
+    if args.max_steps is not None:
+        kwargs["max_steps"] = args.max_steps
+    return MetaWorldConfig(**kwargs) if args.sim == "metaworld" else RLBenchConfig(**kwargs)

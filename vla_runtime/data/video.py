@@ -1,0 +1,110 @@
+"""MP4 encode/decode with PyAV for LeRobot ``video`` features.
+
+A ``VideoWriter`` appends the frames of many episodes to one mp4 (LeRobot v3 concatenates episodes;
+an episode is the time range [from_timestamp, to_timestamp) in the file). Frame k has pts k with
+time base 1/fps, so frame times are exact multiples of 1/fps.
+
+Codecs (``VIDEO_CODECS``): ``h264`` is what players and LeRobot's tools expect (yuv420p, lossy:
+colours are subsampled, so frames do NOT read back bit-identically); ``h264_lossless`` (libx264rgb,
+qp 0, RGB planes) reads back bit-identically but files are several times larger and many players
+cannot show it; ``av1`` is LeRobot's default (libsvtav1, yuv420p, lossy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class VideoCodec:
+    """An encoder with its pixel format and options (``lossless``: frames read back bit-identically)."""
+
+    encoder: str
+    pix_fmt: str
+    options: dict = field(default_factory=dict)
+    lossless: bool = False
+
+
+VIDEO_CODECS: dict[str, VideoCodec] = {
+    "h264": VideoCodec("libx264", "yuv420p", {"crf": "18", "g": "2"}),
+    "h264_lossless": VideoCodec("libx264rgb", "rgb24", {"qp": "0", "g": "2"}, lossless=True),
+    "av1": VideoCodec("libsvtav1", "yuv420p", {"crf": "30", "g": "2"}),
+}
+
+
+def get_codec(name: str) -> VideoCodec:
+    if name not in VIDEO_CODECS:
+        raise KeyError(f"unknown video codec {name!r}; available: {', '.join(sorted(VIDEO_CODECS))}")
+    return VIDEO_CODECS[name]
+
+
+class VideoWriter:
+    """Appends uint8 [H, W, 3] frames to one mp4; ``frames_written / fps`` is the next episode's start."""
+
+    def __init__(self, path: Path, *, fps: int, height: int, width: int, codec: VideoCodec) -> None:
+        import av
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.fps = fps
+        self.codec = codec
+        self.frames_written = 0
+        self._container = av.open(str(path), mode="w")
+        self._stream = self._container.add_stream(codec.encoder, rate=fps)
+        self._stream.width, self._stream.height = width, height
+        self._stream.pix_fmt = codec.pix_fmt
+        self._stream.time_base = Fraction(1, fps)
+        self._stream.codec_context.time_base = Fraction(1, fps)
+        self._stream.options = dict(codec.options)
+
+    def write(self, frames: np.ndarray) -> None:
+        """frames: uint8 [T, H, W, 3]."""
+        import av
+
+        for frame in frames:
+            vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
+            vf.pts = self.frames_written
+            vf.time_base = Fraction(1, self.fps)
+            self._container.mux(self._stream.encode(vf))
+            self.frames_written += 1
+
+    def size_mb(self) -> float:
+        return self.path.stat().st_size / 2**20 if self.path.exists() else 0.0
+
+    def close(self) -> None:
+        if self._container is not None:
+            self._container.mux(self._stream.encode())
+            self._container.close()
+            self._container = None
+
+
+def read_frames(path: Path, from_timestamp: float, n_frames: int, fps: int) -> np.ndarray:
+    """The ``n_frames`` frames from ``from_timestamp`` seconds on -> uint8 [n, H, W, 3].
+
+    Frames are matched to slots by their presentation time (nearest multiple of 1/fps), so a
+    file whose time base is not 1/fps (re-muxed, other writers) still reads correctly.
+    """
+    import av
+
+    if not path.is_file():
+        raise FileNotFoundError(f"video file {path} does not exist")
+    first = round(from_timestamp * fps)
+    out: list[np.ndarray | None] = [None] * n_frames
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        if first > 0:
+            container.seek(int(from_timestamp / stream.time_base), stream=stream, backward=True, any_frame=False)
+        for frame in container.decode(stream):
+            slot = round(float(frame.pts * stream.time_base) * fps) - first
+            if slot >= n_frames:
+                break
+            if slot >= 0:
+                out[slot] = frame.to_ndarray(format="rgb24")
+    missing = [i for i, f in enumerate(out) if f is None]
+    if missing:
+        raise ValueError(f"{path}: no frame at {len(missing)} of {n_frames} timestamps from {from_timestamp:.4f}s (first missing: frame {missing[0]})")
+    return np.stack(out)

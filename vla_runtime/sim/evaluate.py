@@ -1,0 +1,209 @@
+"""Closed-loop evaluation of a policy in a simulator, through the runtime API only.
+
+Per episode: ``env.reset(task, seed)`` -> ``policy.new_session(instruction, SessionConfig)`` ->
+``ActionQueue(session, execution_horizon)`` -> one ``queue.next(obs)`` and one ``env.step`` per
+control step until success or the step limit. Timing covers the policy side only (``queue.next``),
+not the simulator, so the control rate is what the policy could sustain on a robot.
+
+``workers > 1`` runs episodes in spawned processes; each loads the policy and the simulator once
+(process-pool initializer) and then takes episodes one by one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..api import ActionQueue, Policy
+from ..config import SessionConfig
+from .actions import check_policy_action_dim
+from .base import SimEnv
+
+log = logging.getLogger(__name__)
+
+PolicyFactory = Callable[[], Policy]
+EnvFactory = Callable[[], SimEnv]
+
+
+@dataclass
+class EvalConfig:
+    """What ``evaluate`` runs.
+
+    Args:
+        tasks: task names of the simulator.
+        episodes: episodes per task; episode i of a task uses seed ``seed + i``.
+        seed: first seed.
+        session: the runtime session config (KV mode, history mode, execution horizon).
+        workers: parallel processes (1 = in this process).
+        out: directory for videos (first episode of each task); ``None`` = no videos.
+    """
+
+    tasks: list[str]
+    episodes: int
+    seed: int = 0
+    session: SessionConfig = field(default_factory=SessionConfig)
+    workers: int = 1
+    out: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            raise ValueError("`tasks` is empty; name at least one task")
+        if self.episodes < 1:
+            raise ValueError(f"`episodes` must be >= 1, got {self.episodes}")
+        if self.workers < 1:
+            raise ValueError(f"`workers` must be >= 1, got {self.workers}")
+        if self.out is not None:
+            self.out = Path(self.out)
+
+
+@dataclass
+class EpisodeResult:
+    """One episode's outcome and timings (milliseconds)."""
+
+    task: str
+    seed: int
+    success: bool
+    steps: int
+    policy_s: float
+    env_s: float
+    step_ms: list[float]
+    inference_ms: list[float]
+    kv_bytes_max: int
+    kv_final: dict
+    error: str | None = None
+    video: str | None = None
+
+
+def run_episode(
+    env: SimEnv, policy: Policy, task: str, seed: int, session_config: SessionConfig, *, video_path: Path | None = None
+) -> EpisodeResult:
+    """Run one closed-loop episode; ``video_path`` records the primary camera to an mp4 (or gif)."""
+    obs = env.reset(task, seed)
+    session = policy.new_session(obs.instruction, session_config)
+    queue = ActionQueue(session, horizon=session_config.execution_horizon)
+    frames = [next(iter(obs.images.values()))] if video_path is not None else None
+    step_ms, inference_ms = [], []
+    kv_max, kv_final = 0, {}
+    policy_s = env_s = 0.0
+    success, done, steps, error = False, False, 0, None
+    while not done:
+        t0 = time.perf_counter()
+        action, result = queue.next(obs.to_policy())
+        t1 = time.perf_counter()
+        policy_s += t1 - t0
+        step_ms.append((t1 - t0) * 1e3)
+        if result is not None:
+            inference_ms.append((t1 - t0) * 1e3)
+            kv_max = max(kv_max, int(result.kv.bytes))
+            kv_final = result.kv.as_dict()
+        try:
+            obs, done, success, info = env.step(action)
+        except ValueError as e:  # an action the simulator cannot take (wrong shape, NaN): a failed episode, not a crash
+            log.warning("%s seed %d: episode ended at step %d: %s", task, seed, steps + 1, e)
+            error, success = str(e), False
+            break
+        env_s += time.perf_counter() - t1
+        steps = info.step
+        error = info.extra.get("error", error)
+        if frames is not None:
+            frames.append(next(iter(obs.images.values())))
+    video = None
+    if frames is not None:
+        from .media import write_preview
+
+        video = str(write_preview(video_path, np.stack(frames), fps=env.fps))
+    return EpisodeResult(task, seed, success, steps, policy_s, env_s, step_ms, inference_ms, kv_max, kv_final, error, video)
+
+
+# -- worker processes --------------------------------------------------------------------------
+_worker: dict = {}  # per worker process: the factories, then the policy and simulator built from them
+
+
+def _init_worker(policy_factory: PolicyFactory, env_factory: EnvFactory, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    _worker["factories"] = (policy_factory, env_factory)
+
+
+def _worker_episode(task: str, seed: int, session_config: SessionConfig, video_path: Path | None) -> EpisodeResult:
+    # built on the first episode rather than in the initializer: an error here (bad checkpoint, unmappable
+    # action space) reaches the caller as itself instead of as a broken process pool
+    if "policy" not in _worker:
+        policy_factory, env_factory = _worker["factories"]
+        policy, env = policy_factory(), env_factory()
+        try:
+            check_policy_action_dim(policy.action_dim, env.name)
+        except ValueError:
+            env.close()
+            raise
+        _worker["policy"], _worker["env"] = policy, env
+    return run_episode(_worker["env"], _worker["policy"], task, seed, session_config, video_path=video_path)
+
+
+def _episode_jobs(config: EvalConfig) -> list[tuple[str, int, Path | None]]:
+    jobs = []
+    for task in config.tasks:
+        for i in range(config.episodes):
+            video = config.out / "videos" / f"{task}.mp4" if (config.out is not None and i == 0) else None
+            jobs.append((task, config.seed + i, video))
+    return jobs
+
+
+def evaluate(
+    policy_factory: PolicyFactory, env_factory: EnvFactory, config: EvalConfig, *, progress: bool = True
+) -> list[EpisodeResult]:
+    """Run every (task, seed) episode; results in job order (task-major, then seed)."""
+    from tqdm.auto import tqdm
+
+    jobs = _episode_jobs(config)
+    results: list[EpisodeResult | None] = [None] * len(jobs)
+    bar = tqdm(total=len(jobs), desc="eval", unit="ep", disable=not progress)
+    successes = 0
+    if config.workers == 1:
+        policy, env = policy_factory(), env_factory()
+        try:
+            check_policy_action_dim(policy.action_dim, env.name)
+            for i, (task, seed, video) in enumerate(jobs):
+                results[i] = run_episode(env, policy, task, seed, config.session, video_path=video)
+                successes += results[i].success
+                bar.update(1)
+                bar.set_postfix(success=f"{successes}/{i + 1}")
+        finally:
+            env.close()
+            bar.close()
+        return results
+    threads = 1  # one intra-op thread per worker: N workers share the cores
+    with ProcessPoolExecutor(
+        max_workers=config.workers,
+        mp_context=get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(policy_factory, env_factory, threads),
+    ) as pool:
+        futures = {pool.submit(_worker_episode, task, seed, config.session, video): i for i, (task, seed, video) in enumerate(jobs)}
+        try:
+            for n, future in enumerate(as_completed(futures), 1):
+                results[futures[future]] = future.result()
+                successes += results[futures[future]].success
+                bar.update(1)
+                bar.set_postfix(success=f"{successes}/{n}")
+        finally:
+            bar.close()
+    return results
+
+
+def episode_record(result: EpisodeResult) -> dict:
+    """JSON-ready episode record (latency lists summarised)."""
+    record = asdict(result)
+    for key in ("step_ms", "inference_ms"):
+        values = record.pop(key)
+        record[f"{key}_p50"] = float(np.percentile(values, 50)) if values else None
+        record[f"{key}_p95"] = float(np.percentile(values, 95)) if values else None
+    return record

@@ -1,0 +1,209 @@
+"""Meta-World (MuJoCo) backend: the embedded default simulator.
+
+Each task runs in gymnasium's ``Meta-World/MT1`` env; MuJoCo renders headless (``gl.py`` picks EGL
+or OSMesa). ``seed`` selects one of MT1's 50 object/goal variations of a task (``seed % 50``), so
+seeds ``s .. s+49`` are 50 distinct scenes and the same seed always gives the same scene.
+
+Observation: the configured cameras (rotated 180 degrees by default: Meta-World's cameras render
+upside down, LeRobot's Meta-World env flips them the same way) and the proprio state
+``[hand_x, hand_y, hand_z, gripper_opening]`` = the first 4 entries of Meta-World's 39-D observation
+(hand position in metres, finger distance normalised to [0, 1], 1 = open). Object and goal
+positions stay private; only the scripted expert (``expert_action``) reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .actions import MetaWorldActions
+from .base import SimEnv, SimObservation, StepInfo, check_task
+from .gl import import_triton_before_gl, select_gl_backend
+from .metaworld_tasks import METAWORLD_INSTRUCTIONS, METAWORLD_TASKS
+
+log = logging.getLogger(__name__)
+
+METAWORLD_CAMERAS = ("corner", "corner2", "corner3", "corner4", "topview", "behindGripper", "gripperPOV")
+METAWORLD_MAX_STEPS = 500  # SawyerXYZEnv.max_path_length: stepping past it raises inside Meta-World
+METAWORLD_FPS = 80  # frame_skip 5 x timestep 2.5 ms = 12.5 ms per step
+STATE_NAMES = ["hand_x", "hand_y", "hand_z", "gripper_opening"]
+
+
+@dataclass
+class MetaWorldConfig:
+    """How the Meta-World backend renders and ends episodes.
+
+    Args:
+        cameras: camera names, primary first; ``()`` renders nothing (state-only episodes).
+        resolution: (height, width) of every camera image.
+        max_steps: step limit per episode (at most Meta-World's 500).
+        stop_on_success: end the episode at the first successful step.
+        fast_render: no shadows, reflections or multisampling (about 8x faster software rendering;
+            images look flatter than Meta-World's defaults).
+        flip_images: rotate images 180 degrees so the scene is upright.
+        benchmark_seed: seed MT1 uses to generate each task's 50 variations.
+        actions: the 7-D -> 4-D action mapping.
+    """
+
+    cameras: tuple[str, ...] = ("corner2",)
+    resolution: tuple[int, int] = (224, 224)
+    max_steps: int = METAWORLD_MAX_STEPS
+    stop_on_success: bool = True
+    fast_render: bool = True
+    flip_images: bool = True
+    benchmark_seed: int = 0
+    actions: MetaWorldActions = field(default_factory=MetaWorldActions)
+
+    def __post_init__(self) -> None:
+        self.cameras = tuple(self.cameras)
+        self.resolution = tuple(int(v) for v in self.resolution)
+        bad = [c for c in self.cameras if c not in METAWORLD_CAMERAS]
+        if bad:
+            raise ValueError(f"unknown Meta-World camera(s) {bad}; valid cameras: {', '.join(METAWORLD_CAMERAS)}")
+        if len(set(self.cameras)) != len(self.cameras):
+            raise ValueError(f"`cameras` lists a camera twice: {list(self.cameras)}")
+        if len(self.resolution) != 2 or min(self.resolution) < 1:
+            raise ValueError(f"`resolution` must be (height, width) with both >= 1, got {self.resolution}")
+        if not 1 <= self.max_steps <= METAWORLD_MAX_STEPS:
+            raise ValueError(f"`max_steps` must be in [1, {METAWORLD_MAX_STEPS}], got {self.max_steps}")
+
+
+@dataclass
+class _TaskSim:
+    """The gymnasium env, its MT1 variations, renderer and expert for one task."""
+
+    task: str
+    env: Any
+    variations: list
+    renderer: Any
+    expert: Any
+
+
+class MetaWorldEnv(SimEnv):
+    """Meta-World behind the ``SimEnv`` protocol (one task's MuJoCo model alive at a time)."""
+
+    name = "metaworld"
+    fps = METAWORLD_FPS
+
+    def __init__(self, config: MetaWorldConfig | None = None) -> None:
+        self.config = config or MetaWorldConfig()
+        self.gl_backend = select_gl_backend()
+        import_triton_before_gl()
+        self._sim: _TaskSim | None = None
+        self._raw_obs: np.ndarray | None = None
+        self._steps = 0
+        self._done = True
+
+    # -- protocol -------------------------------------------------------------------------------
+    @property
+    def tasks(self) -> list[str]:
+        return list(METAWORLD_TASKS)
+
+    @property
+    def cameras(self) -> list[str]:
+        return list(self.config.cameras)
+
+    @property
+    def state_names(self) -> list[str]:
+        return list(STATE_NAMES)
+
+    @property
+    def max_steps(self) -> int:
+        return self.config.max_steps
+
+    def instruction(self, task: str) -> str:
+        check_task(task, METAWORLD_TASKS, "Meta-World")
+        return METAWORLD_INSTRUCTIONS[task]
+
+    def reset(self, task: str, seed: int) -> SimObservation:
+        check_task(task, METAWORLD_TASKS, "Meta-World")
+        sim = self._task_sim(task)
+        sim.env.unwrapped.set_task(sim.variations[seed % len(sim.variations)])
+        self._raw_obs, _ = sim.env.reset(seed=seed)
+        self._steps = 0
+        self._done = False
+        return self._observe()
+
+    def step(self, action: np.ndarray) -> tuple[SimObservation, bool, bool, StepInfo]:
+        if self._done or self._sim is None:
+            raise RuntimeError("the episode is over (success or step limit) or never started; call reset(task, seed)")
+        native = self.config.actions.to_native(action)
+        self._raw_obs, _, _, _, info = self._sim.env.step(native)
+        self._steps += 1
+        success = bool(info["success"])
+        truncated = self._steps >= self.config.max_steps
+        self._done = truncated or (success and self.config.stop_on_success)
+        extra = {k: float(v) for k, v in info.items() if np.isscalar(v)}
+        return self._observe(), self._done, success, StepInfo(self._steps, truncated, native, extra)
+
+    def close(self) -> None:
+        if self._sim is not None:
+            if self._sim.renderer is not None:
+                self._sim.renderer.close()
+            self._sim.env.close()
+            self._sim = None
+        self._done = True
+
+    # -- Meta-World specifics -------------------------------------------------------------------
+    def expert_action(self) -> np.ndarray:
+        """Meta-World's scripted expert for the current task and state, as a 7-D policy action [7]."""
+        if self._sim is None or self._raw_obs is None:
+            raise RuntimeError("call reset(task, seed) before asking the expert")
+        native = self._sim.expert.get_action(self._raw_obs)
+        return self.config.actions.from_native(native)
+
+    def _task_sim(self, task: str) -> _TaskSim:
+        if self._sim is not None and self._sim.task == task:
+            return self._sim
+        self.close()
+        import gymnasium as gym
+        import metaworld  # noqa: F401  (registers Meta-World/MT1)
+        import mujoco
+        from metaworld.policies import ENV_POLICY_MAP
+
+        env = gym.make("Meta-World/MT1", env_name=task, seed=self.config.benchmark_seed, disable_env_checker=True)
+        # variations are chosen by seed in reset(), not sampled by the wrapper
+        env.get_wrapper_attr("toggle_sample_tasks_on_reset")(False)
+        model = env.unwrapped.model
+        names = [mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_CAMERA, i) for i in range(model.ncam)]
+        missing = [c for c in self.config.cameras if c not in names]
+        if missing:
+            env.close()
+            raise ValueError(f"task {task!r} has no camera(s) {missing}; its cameras: {', '.join(names)}")
+        renderer = None
+        if self.config.cameras:
+            if self.config.fast_render:
+                model.vis.quality.offsamples = 0
+            height, width = self.config.resolution
+            model.vis.global_.offheight = max(model.vis.global_.offheight, height)
+            model.vis.global_.offwidth = max(model.vis.global_.offwidth, width)
+            renderer = mujoco.Renderer(model, height, width)
+        variations = list(env.get_wrapper_attr("tasks"))
+        self._sim = _TaskSim(task, env, variations, renderer, ENV_POLICY_MAP[task]())
+        return self._sim
+
+    def render(self) -> dict[str, np.ndarray]:
+        """The configured cameras at the current state: camera -> uint8 [H, W, 3] (``{}`` without cameras)."""
+        sim = self._sim
+        if sim is None:
+            raise RuntimeError("call reset(task, seed) before rendering")
+        images = {}
+        if sim.renderer is not None:
+            import mujoco
+
+            for camera in self.config.cameras:
+                sim.renderer.update_scene(sim.env.unwrapped.data, camera=camera)
+                if self.config.fast_render:
+                    sim.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = False
+                    sim.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = False
+                image = sim.renderer.render()
+                images[camera] = np.ascontiguousarray(image[::-1, ::-1]) if self.config.flip_images else image
+        return images
+
+    def _observe(self) -> SimObservation:
+        state = self._raw_obs[: len(STATE_NAMES)].astype(np.float32)
+        t = self._steps / self.fps
+        return SimObservation(images=self.render(), state=state, instruction=METAWORLD_INSTRUCTIONS[self._sim.task], t=t)
