@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 STAMP="$VENV/.vla-runtime-setup"
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh ros2_ws/src/vla_runtime_ros/setup.py | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
     exit 0
@@ -45,6 +45,8 @@ pip_install() {  # quiet unless it fails; then show pip's output (minus the loca
 }
 pip_install torch==2.14.1 torchvision==0.29.1
 pip_install -e ".[sim,ros,dev]"
+# the ROS 2 package (ament_python; colcon builds it on a robot): nodes importable as vla_runtime_ros
+pip_install --no-deps -e ros2_ws/src/vla_runtime_ros
 "$VENV/bin/python" -c "import vla_runtime, torch" >/dev/null
 echo "$want" > "$STAMP"
 echo "setup: done"

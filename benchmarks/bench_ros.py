@@ -1,0 +1,247 @@
+"""ROS overhead of the policy node, and its behaviour under a steady camera stream.
+
+Questions:
+1. How much latency does ROS add? Image publish -> action receipt over Fast DDS (node in a
+   subprocess, lock-step: one frame, wait for its action), minus the step time (frame decode +
+   ``session.step``) the node measured during the same run. Measured at two control rates: actions
+   go out on control ticks, so part of the overhead is waiting for the tick (at most one period).
+   ``session.step`` in this process on the same checkpoint and frames is printed for reference.
+2. Does anything grow under a 30 Hz camera for 60 s (default 5 Hz control)? The node's reported
+   queue length, frame-to-action latency early vs late, and its resident memory.
+
+usage: python benchmarks/bench_ros.py [--checkpoint DIR] [--stream-seconds 60] [--out results/bench_ros]
+Without --checkpoint it makes a tiny random OpenVLA checkpoint (``vla-runtime make-tiny``) when the
+OpenVLA family is available, else it uses the ROS tests' deterministic test policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_DIR = REPO / "ros2_ws" / "src" / "vla_runtime_ros" / "test"
+sys.path.insert(0, str(TEST_DIR))  # the ROS test harness: node subprocesses, waiting on conditions
+
+import vla_runtime_ros  # noqa: E402,F401  (first: library path of the pip ROS wheels)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", type=Path, help="policy checkpoint (default: a tiny one made here)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch threads, here and in the node")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=30, help="lock-step frames per control rate")
+    p.add_argument("--rates", type=float, nargs="+", default=[100.0, 10.0], help="control rates for the latency runs")
+    p.add_argument("--size", type=int, nargs=2, default=[480, 640], metavar=("H", "W"), help="camera frame size")
+    p.add_argument("--stream-seconds", type=float, default=60.0)
+    p.add_argument("--stream-hz", type=float, default=30.0)
+    p.add_argument("--stream-control-hz", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=REPO / "results" / "bench_ros")
+    return p.parse_args(argv)
+
+
+def make_checkpoint(root: Path) -> tuple[Path, list[str]]:
+    """(checkpoint, policy_modules): a tiny OpenVLA when the family exists, else the test policy."""
+    import vla_runtime.models  # noqa: F401  (registers the families)
+    from vla_runtime import api, cli
+
+    if "openvla" in api.FAMILIES:
+        out = root / "tiny-openvla"
+        if cli.main(["make-tiny", "--family", "openvla", str(out)]) != 0:
+            raise RuntimeError("vla-runtime make-tiny failed")
+        return out, []
+    from ros_test_policy import write_checkpoint
+
+    return write_checkpoint(root / "ros-test-policy"), ["ros_test_policy"]
+
+
+def frames(n: int, size: tuple[int, int], seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=(*size, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def step_times_ms(checkpoint: Path, modules: list[str], images: list[np.ndarray], args) -> list[float]:
+    """``session.step`` wall time in this process (the model cost the ROS path also pays)."""
+    import importlib
+
+    import torch
+    from vla_runtime.api import Observation, load_policy
+
+    torch.set_num_threads(args.threads)
+    for module in modules:
+        importlib.import_module(module)
+    session = load_policy(checkpoint, device=args.device).new_session("pick up the cup")
+    times = []
+    for i, image in enumerate(images):
+        start = time.perf_counter()
+        session.step(Observation(images={"primary": image}))
+        if i >= args.warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def start_node(harness, checkpoint, modules, tmp: Path, name: str, rate: float, args):
+    from ros_harness import Diagnostics, NodeProcess
+
+    params = dict(checkpoint=str(checkpoint), policy_modules=modules, device=args.device, control_rate_hz=rate,
+                  torch_threads=args.threads, diagnostics_rate_hz=2.0, max_image_age_s=2.0,
+                  default_instruction="pick up the cup")
+    proc = NodeProcess("policy_node", params, tmp, name="vla_policy", namespace=f"/{name}")
+    diag = Diagnostics(harness, f"/{name}/vla_policy")
+    diag.wait(lambda s, v: v["state"] == "active" and v["episode"] == "1", timeout=120, what=f"the node\n{proc.output()}")
+    return proc, diag
+
+
+def latency_run(harness, checkpoint, modules, tmp, rate, images, args) -> dict:
+    from rclpy.qos import qos_profile_sensor_data
+    from ros_harness import wait_for
+    from sensor_msgs.msg import Image
+    from std_msgs.msg import Float32MultiArray
+    from vla_runtime_ros import conversions
+
+    name = f"lat{int(rate)}"
+    proc, diag = start_node(harness, checkpoint, modules, tmp, name, rate, args)
+    actions = harness.subscribe(Float32MultiArray, f"/{name}/vla_policy/action", publishers=1)
+    pub = harness.publisher(Image, f"/{name}/image_raw", qos_profile_sensor_data)
+    msgs = [conversions.array_to_image_msg(image) for image in images]
+    latencies = []
+    try:
+        for i, msg in enumerate(msgs):
+            count = len(actions)
+            sent = time.monotonic()
+            pub.publish(msg)
+            wait_for(lambda count=count: len(actions) > count, 30, f"the action for frame {i}")
+            if i >= args.warmup:
+                latencies.append((actions.items[count].t - sent) * 1e3)
+        values = diag.latest()
+    finally:
+        proc.interrupt()
+        proc.close()
+    return {"control_rate_hz": rate, "latency_ms": latencies, "node_step_ms_p50": float(values["step_ms_p50"])}
+
+
+def stream_run(harness, checkpoint, modules, tmp, args) -> dict:
+    from rclpy.qos import qos_profile_sensor_data
+    from ros_harness import camera_clock
+    from sensor_msgs.msg import Image
+    from std_msgs.msg import Float32MultiArray
+    from vla_runtime_ros import conversions
+
+    proc, diag = start_node(harness, checkpoint, modules, tmp, "stream", args.stream_control_hz, args)
+    actions = harness.subscribe(Float32MultiArray, "/stream/vla_policy/action", publishers=1)
+    pub = harness.publisher(Image, "/stream/image_raw", qos_profile_sensor_data)
+    msgs = [conversions.array_to_image_msg(image) for image in frames(8, tuple(args.size), args.seed + 1)]
+    n = int(args.stream_seconds * args.stream_hz)
+    samples = []  # (t, queue_len, latency p50, rss)
+    start = time.monotonic()
+    mark = len(diag.statuses)
+    try:
+        for i in camera_clock(args.stream_hz, n):
+            pub.publish(msgs[i % len(msgs)])
+            for status in diag.statuses[mark:]:
+                v = {kv.key: kv.value for kv in status.values}
+                samples.append((time.monotonic() - start, int(v["queue_len"]), float(v["latency_ms_p50"]), rss_mb(proc.proc.pid)))
+            mark = len(diag.statuses)
+        elapsed = time.monotonic() - start
+        received = len(actions)
+        final = diag.latest()
+    finally:
+        proc.interrupt()
+        proc.close()
+    t = np.array([s[0] for s in samples])
+    early, late = t < t[-1] * 0.25, t > t[-1] * 0.75
+    return {
+        "seconds": elapsed,
+        "frames_sent": n,
+        "frames_received": int(final["frames_received"]),
+        "frames_dropped": int(final["frames_dropped"]),
+        "frames_stale": int(final["frames_stale"]),
+        "actions_received": received,
+        "action_rate_hz": received / elapsed,
+        "queue_len_max": max(s[1] for s in samples),
+        "latency_p50_early_ms": float(np.median([s[2] for s, e in zip(samples, early) if e])),
+        "latency_p50_late_ms": float(np.median([s[2] for s, e in zip(samples, late) if e])),
+        "rss_mb_early": float(np.median([s[3] for s, e in zip(samples, early) if e])),
+        "rss_mb_late": float(np.median([s[3] for s, e in zip(samples, late) if e])),
+        "bad_inputs": int(final["bad_inputs"]),
+        "inference_errors": int(final["inference_errors"]),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ["ROS_DOMAIN_ID"] = str(1 + os.getpid() % 230)  # a DDS domain of its own, this machine only
+    os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+    # VGA frames are 0.9 MB: the shipped shared-memory profile carries them best effort (see its comment)
+    os.environ.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", str(REPO / "ros2_ws/src/vla_runtime_ros/config/fastdds_large_frames.xml"))
+    from ros_harness import Harness
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_ros_"))
+    checkpoint, modules = (args.checkpoint, []) if args.checkpoint else make_checkpoint(tmp)
+    images = frames(args.warmup + args.repeats, tuple(args.size), args.seed)
+    step = step_times_ms(checkpoint, modules, images, args)
+    step_p50 = float(np.median(step))
+
+    harness = Harness("bench_ros")
+    try:
+        runs = [latency_run(harness, checkpoint, modules, tmp, rate, images, args) for rate in args.rates]
+        stream = stream_run(harness, checkpoint, modules, tmp, args)
+    finally:
+        harness.close()
+
+    print(f"checkpoint {checkpoint}  frames {args.size[1]}x{args.size[0]} rgb8  threads {args.threads}")
+    print(f"reference: session.step in this process, median {step_p50:.2f} ms (p10 {np.percentile(step, 10):.2f}, "
+          f"p90 {np.percentile(step, 90):.2f})")
+    print("control Hz | publish->action median ms | p10 | p90 | node step p50 ms | ROS overhead ms | tick period ms")
+    results = {"session_step_ms": {"times_ms": step, "median_ms": step_p50}}
+    for run in runs:
+        lat = run["latency_ms"]
+        median = float(np.median(lat))
+        overhead = median - run["node_step_ms_p50"]
+        print(f"{run['control_rate_hz']:10.1f} | {median:25.2f} | {np.percentile(lat, 10):5.2f} | {np.percentile(lat, 90):6.2f} | "
+              f"{run['node_step_ms_p50']:16.2f} | {overhead:15.2f} | {1e3 / run['control_rate_hz']:.1f}")
+        results[f"latency_at_{run['control_rate_hz']:g}hz"] = {
+            "times_ms": lat, "median_ms": median, "overhead_ms": overhead, "node_step_ms_p50": run["node_step_ms_p50"],
+        }
+    print(f"stream {args.stream_hz:g} Hz camera, {args.stream_control_hz:g} Hz control, {stream['seconds']:.0f} s: "
+          f"{stream['frames_received']}/{stream['frames_sent']} frames received, {stream['frames_dropped']} replaced before use "
+          f"(newest-frame policy), {stream['frames_stale']} stale; {stream['actions_received']} actions = "
+          f"{stream['action_rate_hz']:.2f} Hz; queue max {stream['queue_len_max']}; frame->action latency p50 "
+          f"{stream['latency_p50_early_ms']:.1f} ms early vs {stream['latency_p50_late_ms']:.1f} ms late; node RSS "
+          f"{stream['rss_mb_early']:.0f} MB early vs {stream['rss_mb_late']:.0f} MB late; "
+          f"errors {stream['bad_inputs'] + stream['inference_errors']}")
+    results["stream"] = stream
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": args.device,
+           "threads": args.threads, "machine": platform.processor() or platform.machine(), "git_sha": sha}
+    report = {"env": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "results": results}
+    Path(f"{args.out}.json").write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Start the VLA policy node (lifecycle; configures and activates itself unless autostart:=false).
+
+    ros2 launch vla_runtime_ros vla_policy.launch.py checkpoint:=/models/openvla-7b \
+        params_file:=$(ros2 pkg prefix vla_runtime_ros)/share/vla_runtime_ros/config/openvla.yaml \
+        namespace:=arm image_topic:=/camera/color/image_raw
+
+Without a launch system: python -m vla_runtime_ros.policy_node --ros-args --params-file FILE -p checkpoint:=DIR
+"""
+
+from launch import LaunchDescription
+from launch.actions import DeclareLaunchArgument
+from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
+from launch_ros.actions import Node
+from launch_ros.parameter_descriptions import ParameterValue
+from launch_ros.substitutions import FindPackageShare
+
+
+def generate_launch_description():
+    return LaunchDescription([
+        DeclareLaunchArgument("checkpoint", description="checkpoint directory (OpenVLA HF dir, CogACT/HybridVLA run dir)"),
+        DeclareLaunchArgument(
+            "params_file",
+            default_value=PathJoinSubstitution([FindPackageShare("vla_runtime_ros"), "config", "openvla.yaml"]),
+            description="node parameters (config/openvla.yaml, cogact.yaml, hybridvla.yaml)",
+        ),
+        DeclareLaunchArgument("namespace", default_value="", description="namespace of the node and its topics"),
+        DeclareLaunchArgument("device", default_value="auto", description="auto, cpu or cuda[:N]"),
+        DeclareLaunchArgument("autostart", default_value="true", description="configure and activate at start-up"),
+        DeclareLaunchArgument("dry_run", default_value="false", description="compute actions, publish none"),
+        DeclareLaunchArgument("image_topic", default_value="image_raw", description="camera topic (sensor_msgs/Image)"),
+        Node(
+            package="vla_runtime_ros",
+            executable="policy_node",
+            name="vla_policy",
+            namespace=LaunchConfiguration("namespace"),
+            parameters=[
+                LaunchConfiguration("params_file"),
+                {
+                    "checkpoint": LaunchConfiguration("checkpoint"),
+                    "device": LaunchConfiguration("device"),
+                    "autostart": ParameterValue(LaunchConfiguration("autostart"), value_type=bool),
+                    "dry_run": ParameterValue(LaunchConfiguration("dry_run"), value_type=bool),
+                },
+            ],
+            remappings=[("image_raw", LaunchConfiguration("image_topic"))],
+            output="screen",
+            emulate_tty=True,
+        ),
+    ])

@@ -1,0 +1,152 @@
+"""Configure-time validation, driven in-process with ``trigger_configure()``: every bad parameter
+leaves the node unconfigured with a message naming the parameter; a good one walks every transition."""
+
+import contextlib
+
+import numpy as np
+import pytest
+
+pytest.importorskip("rclpy")
+
+from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
+from rclpy.qos import qos_profile_sensor_data  # noqa: E402
+from ros_harness import Diagnostics, solid_image  # noqa: E402
+from sensor_msgs.msg import Image  # noqa: E402
+from std_msgs.msg import Float32MultiArray, String  # noqa: E402
+from vla_runtime_ros import conversions  # noqa: E402
+from vla_runtime_ros.policy_node import INSTRUCTION_QOS  # noqa: E402
+
+from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+from vla_runtime_ros.policy_node import PolicyNode  # noqa: E402
+
+pytestmark = pytest.mark.ros
+
+SUCCESS, FAILURE = TransitionCallbackReturn.SUCCESS, TransitionCallbackReturn.FAILURE
+
+
+def make_node(harness, ckpt, **overrides):
+    params = {"checkpoint": str(ckpt), "policy_modules": ["ros_test_policy"]}
+    params.update(overrides)
+    return PolicyNode(
+        "vla_policy_config_test", context=harness.context, namespace="/cfg",
+        parameter_overrides=[Parameter(k, value=v) for k, v in params.items()],
+    )
+
+
+@contextlib.contextmanager
+def running(harness, ckpt, **overrides):
+    """An active in-process node spun by the harness executor, with its /diagnostics statuses."""
+    node = make_node(harness, ckpt, diagnostics_rate_hz=20.0, control_rate_hz=20.0, **overrides)
+    diag = Diagnostics(harness, "/cfg/vla_policy_config_test")
+    try:
+        assert node.trigger_configure() == SUCCESS
+        assert node.trigger_activate() == SUCCESS
+        harness.executor.add_node(node)
+        yield node, diag
+    finally:
+        harness.executor.remove_node(node)
+        node.destroy_node()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"checkpoint": ""}, "parameter `checkpoint` is empty"),
+        ({"history": "everything"}, "`history` is 'everything'; expected one of single, history"),
+        ({"control_rate_hz": 0.0}, "parameter `control_rate_hz` must be > 0, got 0.0"),
+        ({"control_rate_hz": "fast"}, "parameter `control_rate_hz` is 'fast' (str); expected float"),
+        ({"image_transport": "h264"}, "`image_transport` is 'h264'; expected one of raw, compressed"),
+        ({"image_reliability": "sometimes"}, "`image_reliability` is 'sometimes'; expected one of best_effort, reliable"),
+        ({"device": "tpu"}, "parameter `device` is 'tpu'"),
+        ({"kv.mode": "paged"}, "`mode` is 'paged'; expected one of full, sink_window, chunked"),
+        ({"action_low": [-1.0] * 3, "action_high": [1.0] * 3}, "have 3 values; the policy's actions have 7"),
+        ({"action_low": [-1.0] * 7}, "`action_low` has 7 values and `action_high` 0"),
+        ({"action_low": [1.0] * 7, "action_high": [-1.0] * 7}, "`action_low` > `action_high` at dimensions [0, 1, 2, 3, 4, 5, 6]"),
+        ({"policy_modules": ["no_such_policy_module"]}, "No module named 'no_such_policy_module'"),
+    ],
+)
+def test_bad_parameters_fail_configure_naming_the_parameter(harness, policy_checkpoints, capfd, overrides, message):
+    node = make_node(harness, policy_checkpoints["single"], **overrides)  # overrides may replace the checkpoint
+    try:
+        assert node.trigger_configure() == FAILURE
+    finally:
+        node.destroy_node()
+    assert message in capfd.readouterr().err
+
+
+def test_twist_output_needs_six_dimensional_actions(harness, tmp_path, capfd):
+    from ros_test_policy import write_checkpoint
+
+    node = make_node(harness, write_checkpoint(tmp_path / "four", action_dim=4), publish_twist=True)
+    try:
+        assert node.trigger_configure() == FAILURE
+    finally:
+        node.destroy_node()
+    assert "publish_twist needs actions of >= 6 values" in capfd.readouterr().err
+
+
+def test_every_transition_succeeds_in_process(harness, policy_checkpoints):
+    node = make_node(harness, policy_checkpoints["chunk"], default_instruction="stack the blocks", **{"kv.mode": "full"})
+    try:
+        assert node.trigger_configure() == SUCCESS
+        assert node._policy is not None and node._policy.chunk_size == 4
+        assert node.trigger_activate() == SUCCESS
+        assert node.trigger_deactivate() == SUCCESS
+        assert node.trigger_activate() == SUCCESS
+        assert node.trigger_deactivate() == SUCCESS
+        assert node.trigger_cleanup() == SUCCESS
+        assert node._policy is None and node._worker is None
+        assert node.trigger_configure() == SUCCESS
+        assert node.trigger_shutdown() == SUCCESS
+    finally:
+        node.destroy_node()
+
+
+def test_a_best_effort_camera_against_a_reliable_subscription_is_reported(harness, policy_checkpoints):
+    with running(harness, policy_checkpoints["single"], image_reliability="reliable") as (node, diag):
+        camera = harness.node.create_publisher(Image, "/cfg/image_raw", qos_profile_sensor_data)
+        try:
+            status, values = diag.wait(lambda s, v: s.level == DiagnosticStatus.ERROR, what="an ERROR about the camera's QoS")
+        finally:
+            harness.node.destroy_publisher(camera)
+    assert "QoS is incompatible with this subscription (RELIABILITY)" in status.message
+    assert values["setup_errors"] == "1" and values["bad_inputs"] == "0"
+
+
+@pytest.mark.parametrize(
+    "fault, message",
+    [("raise", "inference failed: RuntimeError: test policy fault: CUDA out of memory"), ("nan", "non-finite actions")],
+)
+def test_a_failing_policy_is_reported_and_publishes_nothing(harness, tmp_path, fault, message):
+    from ros_test_policy import write_checkpoint
+
+    with running(harness, write_checkpoint(tmp_path / fault, fault=fault), default_instruction="stack the blocks") as (node, diag):
+        actions = harness.subscribe(Float32MultiArray, "/cfg/vla_policy_config_test/action")
+        camera = harness.publisher(Image, "/cfg/image_raw", qos_profile_sensor_data)
+        for seed in range(3):  # every frame fails the same way; the node keeps going
+            camera.publish(conversions.array_to_image_msg(solid_image(seed)))
+            status, values = diag.wait(lambda s, v, n=seed + 1: v["inference_errors"] == str(n), what=f"error {seed + 1}")
+            assert status.level == DiagnosticStatus.ERROR and message in status.message
+        diag.wait(lambda s, v: True, after=len(diag.statuses) + 2, what="more status messages")
+        assert len(actions) == 0 and values["bad_inputs"] == "0"
+
+
+def test_an_instruction_older_than_its_max_age_withholds_actions(harness, policy_checkpoints):
+    with running(harness, policy_checkpoints["single"], max_instruction_age_s=0.3) as (node, diag):
+        actions = harness.subscribe(Float32MultiArray, "/cfg/vla_policy_config_test/action")
+        camera = harness.publisher(Image, "/cfg/image_raw", qos_profile_sensor_data)
+        instructions = harness.publisher(String, "/cfg/instruction", INSTRUCTION_QOS)
+        instructions.publish(String(data="stack the blocks"))
+        camera.publish(conversions.array_to_image_msg(solid_image(1)))
+        actions.wait(1, 10, "an action while the instruction is fresh")
+        status, _ = diag.wait(lambda s, v: "instruction is" in s.message, what="the instruction going stale")
+        assert status.level == DiagnosticStatus.WARN and "(max_instruction_age_s 0.3)" in status.message
+        count = len(actions)
+        camera.publish(conversions.array_to_image_msg(solid_image(2)))
+        diag.wait(lambda s, v: True, after=len(diag.statuses) + 3, what="more status messages")
+        assert len(actions) == count
+        instructions.publish(String(data="stack the blocks"))  # refreshed: acting again, same episode
+        camera.publish(conversions.array_to_image_msg(solid_image(3)))
+        actions.wait(count + 1, 10, "an action after the refresh")
+        assert np.all(np.isfinite(conversions.msg_to_actions(actions.since(count)[0])))

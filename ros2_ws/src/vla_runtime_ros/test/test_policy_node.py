@@ -1,0 +1,298 @@
+"""The policy node over real rclpy + Fast DDS with a tiny random OpenVLA checkpoint, in a subprocess
+started the way a user starts it: ``python -m vla_runtime_ros.policy_node --ros-args --params-file ...``.
+
+The node runs OpenVLA in history mode (one KV cache per episode). Values are checked against the
+runtime API in this process: the first step of a fresh episode on the same frame must give the
+action the node published (the node is reset before each such check). One node serves the whole
+module (starting one costs seconds); tests run in file order and the last one stops it with SIGINT.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("rclpy")
+
+from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
+from geometry_msgs.msg import TwistStamped  # noqa: E402
+from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue  # noqa: E402
+from rcl_interfaces.srv import SetParameters  # noqa: E402
+from rclpy.qos import qos_profile_sensor_data  # noqa: E402
+from ros_harness import Diagnostics, NodeProcess, camera_clock, raw_image_msg, solid_image, string_cdr, wait_for  # noqa: E402
+import torch  # noqa: E402
+from sensor_msgs.msg import Image, JointState  # noqa: E402
+from std_msgs.msg import Float32, Float32MultiArray, String  # noqa: E402
+from std_srvs.srv import Trigger  # noqa: E402
+from vla_runtime.api import Observation, load_policy  # noqa: E402
+from vla_runtime.config import SessionConfig  # noqa: E402
+from vla_runtime_ros import conversions  # noqa: E402
+from vla_runtime_ros.policy_node import INSTRUCTION_QOS  # noqa: E402
+
+pytestmark = pytest.mark.ros
+
+NS = "/pn"
+NODE = f"{NS}/vla_policy"
+RATE_HZ = 5.0
+JOINTS = ["j0", "j1", "j2"]
+STATE = np.array([0.1, 0.2, 0.3])
+LOW, HIGH = -0.5, 0.5
+MAX_PIXELS = 640 * 480
+INSTRUCTION = "pick up the cup"
+ERROR = DiagnosticStatus.ERROR
+
+
+class Reference:
+    """The same checkpoint through the runtime API in this process: what a fresh episode's first step gives."""
+
+    def __init__(self, checkpoint):
+        self.policy = load_policy(checkpoint, device="cpu")
+
+    def first_step(self, image: np.ndarray, instruction: str = INSTRUCTION):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the node (torch_threads: 1): identical float32 arithmetic
+        try:
+            session = self.policy.new_session(instruction, SessionConfig(history="history"))
+            result = session.step(Observation(images={"primary": image}, state=STATE.astype(np.float32)))
+        finally:
+            torch.set_num_threads(threads)
+        return np.clip(result.actions[0], LOW, HIGH).astype(np.float32), result.kv
+
+
+class Rig:
+    """The node process and the harness endpoints talking to it."""
+
+    def __init__(self, harness, tmp, checkpoint):
+        self.harness = harness
+        self.reference = Reference(checkpoint)
+        self.diag = Diagnostics(harness, NODE)
+        self.actions = harness.subscribe(Float32MultiArray, f"{NODE}/action")
+        self.twists = harness.subscribe(TwistStamped, f"{NODE}/twist")
+        self.grippers = harness.subscribe(Float32, f"{NODE}/gripper")
+        params = dict(
+            checkpoint=str(checkpoint), device="cpu", torch_threads=1, history="history",
+            control_rate_hz=RATE_HZ, diagnostics_rate_hz=10.0, max_image_age_s=1.0, max_image_pixels=MAX_PIXELS,
+            use_joint_state=True, joint_names=JOINTS, publish_twist=True,
+            action_low=[LOW] * 7, action_high=[HIGH] * 7,
+        )
+        self.proc = NodeProcess("policy_node", params, tmp, name="vla_policy", namespace=NS)
+        self.diag.wait(lambda s, v: v.get("state") == "active", timeout=120, what=f"{NODE} active\n{self.proc.output()}")
+        self.images = harness.publisher(Image, f"{NS}/image_raw", qos_profile_sensor_data)
+        self.joints = harness.publisher(JointState, f"{NS}/joint_states", qos_profile_sensor_data)
+        self.instructions = harness.publisher(String, f"{NS}/instruction", INSTRUCTION_QOS)
+
+    def send_state(self, state: np.ndarray = STATE) -> None:
+        self.joints.publish(JointState(name=JOINTS, position=[float(v) for v in state]))
+
+    def reset(self) -> int:
+        """Start a new episode; returns its number once the node applied it."""
+        response = self.harness.call(Trigger, f"{NODE}/reset", Trigger.Request())
+        assert response.success, response.message
+        return int(response.message.split()[1])
+
+    def act(self, msg: Image, want: np.ndarray, timeout: float = 20.0) -> np.ndarray:
+        """Publish one frame and wait for the action computed from it."""
+        start = len(self.actions)
+        self.images.publish(msg)
+
+        def arrived():
+            for action in self.actions.since(start):
+                values = conversions.msg_to_actions(action)
+                if np.allclose(values, want, atol=1e-5):
+                    return (values,)
+            return None
+
+        got = lambda: [conversions.msg_to_actions(a).tolist() for a in self.actions.since(start)]  # noqa: E731
+        return wait_for(arrived, timeout, f"the action {want.tolist()} (got {got()})")[0]
+
+    def first_step(self, msg: Image, image: np.ndarray) -> np.ndarray:
+        """Reset, send ``msg`` (which shows ``image``), expect the reference's first action for ``image``."""
+        self.reset()
+        return self.act(msg, self.reference.first_step(image)[0])
+
+    def values(self) -> dict[str, str]:
+        return self.diag.latest()
+
+
+@pytest.fixture(scope="module")
+def rig(harness, tmp_path_factory, openvla_checkpoint):
+    rig = Rig(harness, tmp_path_factory.mktemp("policy_node"), openvla_checkpoint)
+    rig.instructions.publish(String(data=INSTRUCTION))
+    rig.send_state()
+    rig.diag.wait(lambda s, v: v["episode"] == "1", what="episode 1")
+    yield rig
+    rig.proc.close()
+
+
+def test_actions_arrive_with_the_right_shape_near_the_control_rate(rig):
+    image = solid_image(1)
+    msg = conversions.array_to_image_msg(image)
+    rig.reset()
+    start = len(rig.actions)
+    for _ in camera_clock(30.0, 90):  # a 30 Hz camera for 3 s
+        rig.images.publish(msg)
+    received = rig.actions.items[start:]
+    assert len(received) >= 8, rig.proc.output()
+    for r in received:
+        assert [(d.label, d.size) for d in r.msg.layout.dim] == [("action", 7)]
+        action = conversions.msg_to_actions(r.msg)
+        assert np.all(np.isfinite(action)) and np.all(action >= LOW) and np.all(action <= HIGH)
+    # the episode's first action is the runtime API's first step on this frame (later ones see the history)
+    np.testing.assert_allclose(conversions.msg_to_actions(received[0].msg), rig.reference.first_step(image)[0], atol=1e-5)
+    times = [r.t for r in received[1:]]  # the first one includes the stream's start-up
+    rate = (len(times) - 1) / (times[-1] - times[0])
+    assert 0.6 * RATE_HZ < rate < 1.15 * RATE_HZ, f"{rate:.2f} Hz for a {RATE_HZ} Hz control rate"
+    values = rig.values()
+    assert 0.5 * RATE_HZ < float(values["action_rate_hz"]) < 1.2 * RATE_HZ
+    assert int(values["frames_received"]) >= 80 and int(values["frames_dropped"]) > 0  # 30 Hz in, 5 Hz used
+    assert float(values["step_ms_p95"]) >= float(values["step_ms_p50"]) > 0
+    assert float(values["latency_ms_p50"]) >= float(values["step_ms_p50"])
+    # each twist carries an action as a velocity (delta x control rate), the gripper its last value
+    actions = [conversions.msg_to_actions(m) for m in rig.actions.since(start)]
+    twists = [t.twist for t in rig.twists.wait(len(actions), 5, "twists")[-len(actions):]]
+    grippers = [g.data for g in rig.grippers.wait(len(actions), 5, "gripper commands")[-len(actions):]]
+    for action, twist, gripper in zip(actions, twists, grippers):
+        assert (twist.linear.x, twist.linear.z, twist.angular.y) == pytest.approx(tuple(action[[0, 2, 4]] * RATE_HZ), abs=1e-4)
+        assert gripper == pytest.approx(action[6])
+
+
+@pytest.mark.parametrize(
+    "encoding, make",
+    [
+        ("bgr8", lambda img: raw_image_msg(img[..., ::-1].copy(), "bgr8", pad=5)),
+        ("rgba8", lambda img: raw_image_msg(np.dstack([img, np.zeros(img.shape[:2], np.uint8)]), "rgba8", pad=4)),
+        ("bgra8", lambda img: raw_image_msg(np.dstack([img[..., ::-1], np.zeros(img.shape[:2], np.uint8)]), "bgra8")),
+        ("rgb16-big-endian", lambda img: raw_image_msg(img.astype(np.uint16) << 8, "rgb16", bigendian=True, pad=2)),
+    ],
+)
+def test_every_encoding_reaches_the_policy_as_rgb(rig, encoding, make):
+    image = solid_image(sum(map(ord, encoding)))
+    rig.first_step(make(image), image)
+
+
+def test_vga_frames_cross_processes_best_effort_with_the_shipped_fast_dds_profile(rig):
+    """0.9 MB best-effort frames are lost between processes with Fast DDS defaults (see fastdds_large_frames.xml)."""
+    image = np.repeat(np.repeat(solid_image(8), 10, axis=0), 10, axis=1)  # [480, 640, 3]
+    rig.first_step(conversions.array_to_image_msg(image), image)
+
+
+def test_mono_frames_become_grey_rgb(rig):
+    grey = solid_image(7)[..., 0]
+    rig.first_step(raw_image_msg(grey[..., None].copy(), "mono8", pad=3), np.repeat(grey[..., None], 3, axis=2))
+
+
+def test_history_kv_grows_and_reset_starts_a_new_episode(rig):
+    image = solid_image(20)
+    _, first_kv = rig.reference.first_step(image)
+    episode = rig.reset()
+    rig.act(conversions.array_to_image_msg(image), rig.reference.first_step(image)[0])
+    for seed in range(21, 24):  # three more steps of the same episode
+        start = len(rig.actions)
+        rig.images.publish(conversions.array_to_image_msg(solid_image(seed)))
+        rig.actions.wait(start + 1, 20, "an action")
+    _, before = rig.diag.wait(lambda s, v: v["steps"] != "0" and int(v["kv_tokens_seen"]) > first_kv.tokens_seen * 2,
+                              after=len(rig.diag.statuses), what="the episode's KV growing")
+    assert before["episode"] == str(episode)
+    assert int(before["kv_bytes"]) > first_kv.bytes * 2  # the whole episode is held (history mode, full cache)
+
+    assert rig.reset() == episode + 1
+    mark = len(rig.diag.statuses)
+    rig.act(conversions.array_to_image_msg(image), rig.reference.first_step(image)[0])  # same as a fresh episode
+    _, after = rig.diag.wait(lambda s, v: v["episode"] == str(episode + 1) and v["kv_tokens_seen"] != "0", after=mark,
+                             what="a step of the new episode")
+    assert (int(after["kv_tokens_seen"]), int(after["kv_bytes"])) == (first_kv.tokens_seen, first_kv.bytes)  # dropped
+
+
+def test_a_different_instruction_starts_a_new_episode_and_the_same_one_does_not(rig):
+    episode = int(rig.values()["episode"])
+    rig.instructions.publish(String(data=INSTRUCTION))  # the current one again: same episode
+    rig.instructions.publish(String(data="close the drawer"))
+    rig.diag.wait(lambda s, v: v["episode"] == str(episode + 1), what="the next episode")
+    image = solid_image(31)
+    mark = len(rig.diag.statuses)
+    rig.act(conversions.array_to_image_msg(image), rig.reference.first_step(image, "close the drawer")[0])
+    _, values = rig.diag.wait(lambda s, v: v["kv_tokens_seen"] != "0", after=mark, what="the step's KV")
+    assert values["episode"] == str(episode + 1)  # not + 2: repeating the current instruction changed nothing
+    rig.instructions.publish(String(data=INSTRUCTION))
+    rig.diag.wait(lambda s, v: v["episode"] == str(episode + 2), what="back to the first instruction")
+
+
+def _image(seed, **fields):
+    msg = conversions.array_to_image_msg(solid_image(seed))
+    for key, value in fields.items():
+        setattr(msg, key, value)
+    return msg
+
+
+BAD_INPUTS = {
+    "wrong-encoding": ("images", lambda: _image(40, encoding="yuv422"), "unsupported image encoding 'yuv422'"),
+    "step-mismatch": ("images", lambda: _image(41, step=64 * 3 - 1), "step 191 is smaller than one row"),
+    "size-mismatch": ("images", lambda: _image(42, data=bytes(48 * 64 * 3 - 10)), "image data has 9206 bytes; expected step x height"),
+    "empty-data": ("images", lambda: _image(43, data=b""), "image data is empty"),
+    "zero-size": ("images", lambda: _image(44, width=0, height=0, step=0, data=b""), "image is 0x0"),
+    "huge-image": ("images", lambda: conversions.array_to_image_msg(np.zeros((600, 800, 3), np.uint8)), "800x600 = 480000 pixels"),
+    "huge-header": ("images", lambda: _image(45, width=100_000, height=100_000), "the limit (max_image_pixels) is 307200"),
+    "empty-instruction": ("instructions", lambda: String(data="   "), "instruction is empty"),
+    "non-utf8-instruction": ("instructions", lambda: string_cdr(b"\xff\xfe open \xc3"), "not valid UTF-8"),
+    "nan-joint-state": ("joints", lambda: JointState(name=JOINTS, position=[0.1, math.nan, 0.3]), "non-finite positions for ['j1']"),
+    "missing-joint": ("joints", lambda: JointState(name=["j0", "j2"], position=[0.1, 0.3]), "lacks joints ['j1']"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_reported_counted_and_never_acted_on(rig, case):
+    topic, make, message = BAD_INPUTS[case]
+    before = rig.values()
+    after_diag, after_actions = len(rig.diag.statuses), len(rig.actions)
+
+    getattr(rig, topic).publish(make())
+
+    status, values = rig.diag.wait(
+        lambda s, v: s.level == ERROR and int(v["bad_inputs"]) == int(before["bad_inputs"]) + 1,
+        after=after_diag, what=f"an ERROR status for {case}",
+    )
+    assert message in status.message and message in values["last_error"]
+    assert values["episode"] == before["episode"]  # a bad instruction starts no episode
+    if topic == "joints":  # the state is unknown now: frames must not be acted on until a valid one arrives
+        rig.images.publish(conversions.array_to_image_msg(solid_image(46)))
+        rig.diag.wait(lambda s, v: "joint state invalid" in s.message and int(v["frames_received"]) > int(values["frames_received"]),
+                      what="a WARN naming the invalid joint state")
+    rig.diag.wait(lambda s, v: True, after=len(rig.diag.statuses) + 1, what="two more status messages")
+    assert len(rig.actions) == after_actions, f"an action was published after {case}"
+    if topic == "joints":
+        rig.send_state()
+    assert rig.proc.alive()
+    image = solid_image(47)
+    rig.first_step(conversions.array_to_image_msg(image), image)  # still running, still right
+
+
+def _set_parameter(rig, name, value: ParameterValue):
+    request = SetParameters.Request(parameters=[Parameter(name=name, value=value)])
+    return rig.harness.call(SetParameters, f"{NODE}/set_parameters", request).results[0]
+
+
+def test_dry_run_can_be_switched_at_run_time_and_publishes_nothing(rig):
+    result = _set_parameter(rig, "dry_run", ParameterValue(type=ParameterType.PARAMETER_BOOL, bool_value=True))
+    assert result.successful, result.reason
+    before = rig.values()
+    start = len(rig.actions)
+    rig.images.publish(conversions.array_to_image_msg(solid_image(50)))
+    rig.diag.wait(lambda s, v: int(v["actions_suppressed"]) == int(before["actions_suppressed"]) + 1, what="a suppressed action")
+    rig.diag.wait(lambda s, v: True, after=len(rig.diag.statuses) + 1, what="two more status messages")
+    assert len(rig.actions) == start
+    result = _set_parameter(rig, "dry_run", ParameterValue(type=ParameterType.PARAMETER_BOOL, bool_value=False))
+    assert result.successful
+    image = solid_image(51)
+    rig.first_step(conversions.array_to_image_msg(image), image)
+
+
+def test_configure_time_parameters_are_refused_while_configured(rig):
+    result = _set_parameter(rig, "control_rate_hz", ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=50.0))
+    assert not result.successful and "read at configure" in result.reason
+
+
+def test_sigint_exits_cleanly_within_a_few_seconds(rig):
+    code, seconds = rig.proc.interrupt(timeout=10)
+    assert code == 0, rig.proc.output()
+    assert seconds < 5
+    assert "Traceback" not in rig.proc.output()

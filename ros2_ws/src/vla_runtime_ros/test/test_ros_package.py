@@ -1,0 +1,217 @@
+"""The ament_python package checked statically (no ROS launch system here): package.xml, setup.py,
+launch files, parameter YAMLs and the README agree with the code."""
+
+import ast
+import importlib.metadata
+import importlib.util
+import sys
+import types
+import xml.etree.ElementTree as ET
+from glob import glob
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("rclpy")
+
+from vla_runtime_ros.params import PolicyNodeConfig, SimNodeConfig, config_from_params, param_specs  # noqa: E402
+
+PACKAGE = Path(__file__).resolve().parents[1]
+REPO = PACKAGE.parents[2]
+SOURCES = sorted((PACKAGE / "vla_runtime_ros").glob("*.py"))
+NODE_CONFIGS = {"policy_node": PolicyNodeConfig, "sim_node": SimNodeConfig}
+CONFIG_FILES = {"sim.yaml": SimNodeConfig}  # every other config/*.yaml configures the policy node
+
+
+def package_xml() -> ET.Element:
+    return ET.parse(PACKAGE / "package.xml").getroot()
+
+
+def setup_call() -> dict:
+    """The keyword arguments of setup(...) in setup.py, evaluated where they are literals or globs."""
+    tree = ast.parse((PACKAGE / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    scope = {"glob": lambda pattern: glob(str(PACKAGE / pattern)), "sorted": sorted, "package_name": "vla_runtime_ros",
+             "find_packages": lambda **kw: ["vla_runtime_ros"]}
+    return {kw.arg: eval(compile(ast.Expression(kw.value), "setup.py", "eval"), scope) for kw in call.keywords}  # noqa: S307
+
+
+def test_package_xml_is_format_3_ament_python_named_like_the_directory():
+    root = package_xml()
+    assert root.get("format") == "3"
+    assert root.findtext("name") == PACKAGE.name == "vla_runtime_ros"
+    assert root.find("export/build_type").text == "ament_python"
+    assert root.findtext("buildtool_depend") == "ament_python"
+    assert root.find("maintainer").get("email") and root.findtext("license")
+
+
+def test_package_xml_declares_every_ros_package_the_code_imports():
+    """Imports whose PyPI distribution is a ROS wheel (ros-<pkg>) must be exec_depends of package.xml."""
+    distributions = importlib.metadata.packages_distributions()
+    imported = set()
+    for source in SOURCES:
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    ros = {m for m in imported if any(d.startswith("ros-") for d in distributions.get(m, []))}
+    assert {"rclpy", "sensor_msgs", "std_srvs", "diagnostic_msgs"} <= ros  # the scan sees the ROS imports
+    depends = {e.text for e in package_xml().findall("exec_depend")}
+    assert ros - depends == set(), f"add to package.xml <exec_depend>: {sorted(ros - depends)}"
+    assert {"launch", "launch_ros"} <= depends  # used by launch/*.launch.py
+
+
+def test_setup_py_installs_launch_config_and_the_resource_marker():
+    kwargs = setup_call()
+    assert kwargs["name"] == "vla_runtime_ros"
+    data = {target: [Path(f).name for f in files] for target, files in kwargs["data_files"]}
+    assert data["share/ament_index/resource_index/packages"] == ["vla_runtime_ros"]
+    assert (PACKAGE / "resource" / "vla_runtime_ros").is_file()
+    assert data["share/vla_runtime_ros"] == ["package.xml"]
+    assert sorted(data["share/vla_runtime_ros/launch"]) == sorted(p.name for p in (REPO / "launch").glob("*.launch.py"))
+    assert len(data["share/vla_runtime_ros/launch"]) >= 2  # launch/ in the package is the repository's launch/
+    assert sorted(data["share/vla_runtime_ros/config"]) == sorted(p.name for p in (PACKAGE / "config").iterdir())
+    assert "fastdds_large_frames.xml" in data["share/vla_runtime_ros/config"]
+    cfg = (PACKAGE / "setup.cfg").read_text()
+    assert "script_dir=$base/lib/vla_runtime_ros" in cfg and "install_scripts=$base/lib/vla_runtime_ros" in cfg
+
+
+def test_entry_points_name_main_functions_that_exist():
+    entries = dict(e.split(" = ") for e in setup_call()["entry_points"]["console_scripts"])
+    assert set(entries) == set(NODE_CONFIGS)
+    for target in entries.values():
+        module, function = target.split(":")
+        tree = ast.parse((PACKAGE / (module.replace(".", "/") + ".py")).read_text())
+        assert function in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, target
+
+
+# ---------------------------------------------------------------------------------------- launch
+class Recorded:
+    """Stands in for a launch / launch_ros class: records its arguments (the real launch is not on PyPI)."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+
+def launch_shim() -> dict[str, types.ModuleType]:
+    names = {
+        "launch": ["LaunchDescription"],
+        "launch.actions": ["DeclareLaunchArgument", "IncludeLaunchDescription", "GroupAction", "SetEnvironmentVariable"],
+        "launch.substitutions": ["LaunchConfiguration", "PathJoinSubstitution", "TextSubstitution"],
+        "launch_ros.actions": ["Node", "LifecycleNode", "PushRosNamespace"],
+        "launch_ros.substitutions": ["FindPackageShare"],
+        "launch_ros.parameter_descriptions": ["ParameterValue"],
+    }
+    modules = {"launch_ros": types.ModuleType("launch_ros")}
+    for module, classes in names.items():
+        mod = modules.setdefault(module, types.ModuleType(module))
+        for cls in classes:
+            setattr(mod, cls, type(cls, (Recorded,), {}))
+    return modules
+
+
+def load_launch(path: Path, monkeypatch):
+    for name, module in launch_shim().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    spec = importlib.util.spec_from_file_location(path.stem.replace(".", "_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.generate_launch_description()
+
+
+def configurations(value) -> set[str]:
+    """Names of every LaunchConfiguration inside ``value``."""
+    if type(value).__name__ == "LaunchConfiguration":
+        return {value.args[0]}
+    if isinstance(value, Recorded):
+        return configurations(list(value.args) + list(value.kwargs.values()))
+    if isinstance(value, (list, tuple)):
+        return set().union(*(configurations(v) for v in value)) if value else set()
+    if isinstance(value, dict):
+        return configurations(list(value.values()))
+    return set()
+
+
+LAUNCH_FILES = sorted((REPO / "launch").glob("*.launch.py"))
+
+
+@pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
+def test_launch_file_arguments_map_to_things_that_exist(path, monkeypatch):
+    description = load_launch(path, monkeypatch)
+    actions = description.args[0]
+    declared = {a.args[0]: a for a in actions if type(a).__name__ == "DeclareLaunchArgument"}
+    nodes = [a for a in actions if type(a).__name__ == "Node"]
+    assert {"checkpoint", "params_file", "namespace"} <= set(declared)
+    assert nodes and all(a.kwargs.get("description") for a in declared.values())
+
+    used = set()
+    for node in nodes:
+        assert node.kwargs["package"] == "vla_runtime_ros"
+        config = NODE_CONFIGS[node.kwargs["executable"]]
+        names = {spec.name for spec in param_specs(config)}
+        used |= configurations(node.kwargs.get("namespace"))
+        used |= configurations(node.kwargs.get("remappings", []))
+        for entry in node.kwargs["parameters"]:
+            if isinstance(entry, dict):  # each key is a parameter the node declares
+                assert set(entry) <= names, f"{path.name}: {sorted(set(entry) - names)} are not parameters of {config.__name__}"
+            used |= configurations(entry)
+    assert used <= set(declared), f"{path.name} uses undeclared arguments {sorted(used - set(declared))}"
+    assert set(declared) <= used, f"{path.name} declares unused arguments {sorted(set(declared) - used)}"
+
+    # default parameter files exist in config/ (FindPackageShare -> share/vla_runtime_ros = this package)
+    for name, argument in declared.items():
+        default = argument.kwargs.get("default_value")
+        if type(default).__name__ == "PathJoinSubstitution":
+            parts = default.args[0]
+            assert type(parts[0]).__name__ == "FindPackageShare" and parts[0].args[0] == "vla_runtime_ros"
+            assert (PACKAGE / Path(*parts[1:])).is_file(), f"{name} defaults to a missing file {parts[1:]}"
+
+
+# ---------------------------------------------------------------------------------------- params YAML
+def flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "config").glob("*.yaml")), ids=lambda p: p.name)
+def test_parameter_files_name_only_declared_parameters_with_valid_values(path):
+    config = CONFIG_FILES.get(path.name, PolicyNodeConfig)
+    data = yaml.safe_load(path.read_text())
+    assert list(data) == ["/**"] and list(data["/**"]) == ["ros__parameters"]
+    values = flatten(data["/**"]["ros__parameters"])
+    names = {spec.name for spec in param_specs(config)}
+    assert set(values) <= names, f"{path.name}: unknown parameters {sorted(set(values) - names)}"
+    if config is PolicyNodeConfig:
+        values.setdefault("checkpoint", "/some/checkpoint")
+    config_from_params(config, values)  # types and values validate
+
+
+def test_param_specs_cover_every_kv_config_field():
+    from vla_runtime.kv.config import KVConfig
+    import dataclasses
+
+    names = {spec.name for spec in param_specs(PolicyNodeConfig)}
+    assert {f"kv.{f.name}" for f in dataclasses.fields(KVConfig)} <= names
+
+
+def test_optional_sizes_use_zero_for_unset():
+    cfg = config_from_params(PolicyNodeConfig, {"checkpoint": "x", "kv.max_chunks": 0, "kv.window": 32, "execution_horizon": 0})
+    assert cfg.kv.max_chunks is None and cfg.kv.window == 32 and cfg.session_config().execution_horizon is None
+    cfg = config_from_params(PolicyNodeConfig, {"checkpoint": "x", "control_rate_hz": 10})  # an int for a float
+    assert cfg.control_rate_hz == 10.0 and isinstance(cfg.control_rate_hz, float)
+    with pytest.raises(ValueError, match=r"parameter `action_low\[1\]` is 'a' \(str\); expected float"):
+        config_from_params(PolicyNodeConfig, {"checkpoint": "x", "action_low": [1.0, "a"]})
+
+
+def test_readme_documents_every_policy_parameter():
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## ROS 2 node"):]
+    missing = [spec.name for spec in param_specs(PolicyNodeConfig) if not spec.name.startswith("kv.") and f"`{spec.name}`" not in section]
+    assert not missing, f"README's ROS 2 section lacks {missing}"

@@ -1,0 +1,258 @@
+"""Node parameters as dataclasses: one source of truth for declaration, YAML files and validation.
+
+Each node's configuration is a dataclass whose fields are its ROS parameters (nested dataclasses
+become dotted names: ``kv.mode``). ``param_specs`` lists them for ``declare_parameter`` and for the
+static tests that check launch files and parameter YAMLs; ``config_from_params`` turns the values a
+node received back into the validated dataclass. ROS parameters have no ``None``: an optional
+integer is ``0`` for "unset", an optional string is ``""``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from rcl_interfaces.msg import ParameterDescriptor, ParameterType
+from vla_runtime.config import SessionConfig
+from vla_runtime.kv.config import KVConfig
+
+T = TypeVar("T")
+
+IMAGE_TRANSPORTS = ("raw", "compressed")
+IMAGE_RELIABILITIES = ("best_effort", "reliable")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _help(text: str, **kwargs: Any) -> Any:
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class PolicyNodeConfig:
+    """Parameters of ``vla_policy_node`` (see the README's table)."""
+
+    checkpoint: str = _help("checkpoint directory (OpenVLA HF dir, CogACT/HybridVLA run dir)", default="")
+    adapter: str = _help("fine-tuning output directory (LoRA adapter + gates); empty = none", default="")
+    device: str = _help("auto (cuda when available), cpu or cuda[:N]", default="auto")
+    dtype: str = _help("float32 or bfloat16; empty = the device's default", default="")
+    torch_threads: int = _help("torch CPU threads for inference; 0 = torch's default (all cores)", default=0)
+    policy_modules: list[str] = _help(
+        "Python modules imported before loading, for policy families registered outside vla_runtime", default_factory=list
+    )
+    kv: KVConfig = _help("the KV cache (KVConfig fields; 0 = unset for optional sizes)", default_factory=KVConfig)
+    history: str = _help("single (fresh context per step) or history (one cache per episode)", default="single")
+    unnorm_key: str = _help("dataset key of the action statistics; empty = the checkpoint's only one", default="")
+    center_crop: bool = _help("0.9-area centre crop (models trained with image augmentation)", default=False)
+    execution_horizon: int = _help("actions executed from each predicted chunk; 0 = the whole chunk", default=0)
+    seed: int = _help("seed for sampling heads (diffusion noise)", default=0)
+    default_instruction: str = _help("instruction used until one arrives on `instruction`; empty = wait", default="")
+    autostart: bool = _help("configure and activate at start-up (no lifecycle manager needed)", default=True)
+    control_rate_hz: float = _help("rate at which actions are published", default=5.0)
+    max_image_age_s: float = _help("no action when the newest image is older than this", default=0.5)
+    max_instruction_age_s: float = _help("no action when the instruction is older than this; 0 = never expires", default=0.0)
+    max_image_pixels: int = _help("images with more pixels are rejected", default=4096 * 4096)
+    image_transport: str = _help("raw (sensor_msgs/Image on image_raw) or compressed (image_raw/compressed)", default="raw")
+    image_reliability: str = _help(
+        "best_effort (matches every camera) or reliable (needs a reliable publisher; large frames without Fast DDS tuning)",
+        default="best_effort",
+    )
+    use_joint_state: bool = _help("feed sensor_msgs/JointState positions as the proprio state", default=False)
+    joint_names: list[str] = _help("joint order of the state vector; empty = message order", default_factory=list)
+    action_low: list[float] = _help("per-dimension lower bounds; empty = no clipping", default_factory=list)
+    action_high: list[float] = _help("per-dimension upper bounds; empty = no clipping", default_factory=list)
+    dry_run: bool = _help("compute actions but publish nothing on the actuator topics (settable at run time)", default=False)
+    publish_twist: bool = _help("also publish ~/twist (TwistStamped, delta x rate) and ~/gripper (Float32)", default=False)
+    twist_frame_id: str = _help("header.frame_id of ~/twist", default="tool0")
+    diagnostics_rate_hz: float = _help("rate of /diagnostics status messages", default=1.0)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kv, dict):
+            self.kv = KVConfig(**self.kv)
+        if not self.checkpoint:
+            raise ValueError("parameter `checkpoint` is empty; set it to a checkpoint directory (-p checkpoint:=DIR)")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"parameter `device` is {self.device!r}; expected one of {', '.join(DEVICES)} or cuda:N")
+        if self.image_reliability not in IMAGE_RELIABILITIES:
+            raise ValueError(
+                f"parameter `image_reliability` is {self.image_reliability!r}; expected one of {', '.join(IMAGE_RELIABILITIES)}"
+            )
+        if self.image_transport not in IMAGE_TRANSPORTS:
+            raise ValueError(f"parameter `image_transport` is {self.image_transport!r}; expected one of {', '.join(IMAGE_TRANSPORTS)}")
+        for name in ("control_rate_hz", "diagnostics_rate_hz", "max_image_age_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"parameter `{name}` must be > 0, got {getattr(self, name)}")
+        if self.max_instruction_age_s < 0:
+            raise ValueError(f"parameter `max_instruction_age_s` must be >= 0, got {self.max_instruction_age_s}")
+        if self.max_image_pixels < 1:
+            raise ValueError(f"parameter `max_image_pixels` must be >= 1, got {self.max_image_pixels}")
+        if self.torch_threads < 0:
+            raise ValueError(f"parameter `torch_threads` must be >= 0, got {self.torch_threads}")
+        if self.execution_horizon < 0:
+            raise ValueError(f"parameter `execution_horizon` must be >= 0, got {self.execution_horizon}")
+        if len(self.action_low) != len(self.action_high):
+            raise ValueError(
+                f"`action_low` has {len(self.action_low)} values and `action_high` {len(self.action_high)}; give both or neither"
+            )
+        crossed = [i for i, (lo, hi) in enumerate(zip(self.action_low, self.action_high)) if lo > hi]
+        if crossed:
+            raise ValueError(f"`action_low` > `action_high` at dimensions {crossed}")
+        self.session_config()  # history / kv / horizon validation with SessionConfig's own messages
+
+    def session_config(self) -> SessionConfig:
+        return SessionConfig(
+            kv=self.kv,
+            history=self.history,
+            unnorm_key=self.unnorm_key or None,
+            center_crop=self.center_crop,
+            execution_horizon=self.execution_horizon or None,
+            seed=self.seed,
+        )
+
+
+@dataclass
+class SimNodeConfig:
+    """Parameters of ``vla_sim_node``."""
+
+    sim: str = _help("simulator backend of vla_runtime.sim", default="metaworld")
+    task: str = _help("task name, e.g. reach-v3", default="reach-v3")
+    seed: int = _help("seed of the first episode (episode k uses seed + k)", default=0)
+    episodes: int = _help("episodes to run; 0 = until shut down", default=1)
+    max_steps: int = _help("steps per episode before it ends as a failure; 0 = the simulator's limit", default=0)
+    camera_rate_hz: float = _help("rate at which the current camera frame is re-published between actions", default=10.0)
+    camera: str = _help("camera rendered and published on image_raw; empty = the simulator's default", default="")
+    resolution: list[int] = _help("[height, width] of the camera image; empty = the simulator's default", default_factory=list)
+    frame_id: str = _help("header.frame_id of the published images", default="camera")
+    policy_reset_service: str = _help("Trigger service called when an episode starts; empty = none", default="vla_policy/reset")
+
+    def __post_init__(self) -> None:
+        if self.episodes < 0 or self.max_steps < 0:
+            raise ValueError(f"`episodes` ({self.episodes}) and `max_steps` ({self.max_steps}) must be >= 0")
+        if not self.camera_rate_hz > 0:
+            raise ValueError(f"parameter `camera_rate_hz` must be > 0, got {self.camera_rate_hz}")
+        if self.resolution and (len(self.resolution) != 2 or min(self.resolution) < 1):
+            raise ValueError(f"parameter `resolution` must be [height, width] >= 1, got {self.resolution}")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One ROS parameter derived from a dataclass field."""
+
+    name: str  # dotted for nested configs: "kv.mode"
+    kind: type  # bool, int, float, str, or list element type wrapped as list[...]
+    default: Any  # a ROS-representable default (no None)
+    description: str
+    optional: bool  # the dataclass allows None; 0 / "" stands for it
+
+
+def _unwrap(hint: Any) -> tuple[Any, bool]:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return inner, True
+    return hint, False
+
+
+def param_specs(cls: type, prefix: str = "") -> list[ParamSpec]:
+    """Every ROS parameter of dataclass ``cls`` (nested dataclasses flattened with dots)."""
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        hint, optional = _unwrap(hints[f.name])
+        name = prefix + f.name
+        if dataclasses.is_dataclass(hint):
+            specs.extend(param_specs(hint, prefix=name + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if default is None:
+            default = {int: 0, str: "", float: 0.0}[hint]
+        description = f.metadata.get("help", f"{cls.__name__}.{f.name}")
+        if optional:
+            description += " (0 or empty = unset)"
+        specs.append(ParamSpec(name, hint, default, description, optional))
+    return specs
+
+
+def parameter_names(cls: type) -> set[str]:
+    return {spec.name for spec in param_specs(cls)}
+
+
+def config_from_params(cls: type[T], values: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from flat ``{dotted name: value}``; types are checked and coerced.
+
+    Raises ``ValueError`` naming the parameter, the value and the expected type.
+    """
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        hint, optional = _unwrap(hints[f.name])
+        name = prefix + f.name
+        if dataclasses.is_dataclass(hint):
+            kwargs[f.name] = config_from_params(hint, values, prefix=name + ".")
+            continue
+        if name not in values:
+            continue
+        kwargs[f.name] = _coerce(name, values[name], hint, optional)
+    return cls(**kwargs)
+
+
+def _coerce(name: str, value: Any, hint: Any, optional: bool) -> Any:
+    if optional and value in (0, "", None):
+        return None
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"parameter `{name}` is {value!r}; expected a list of {item.__name__}")
+        return [_coerce(f"{name}[{i}]", v, item, False) for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ValueError(f"parameter `{name}` is {value!r} ({type(value).__name__}); expected {hint.__name__}")
+    return value
+
+
+_PARAMETER_TYPES = {
+    bool: ParameterType.PARAMETER_BOOL,
+    int: ParameterType.PARAMETER_INTEGER,
+    float: ParameterType.PARAMETER_DOUBLE,
+    str: ParameterType.PARAMETER_STRING,
+    list[bool]: ParameterType.PARAMETER_BOOL_ARRAY,
+    list[int]: ParameterType.PARAMETER_INTEGER_ARRAY,
+    list[float]: ParameterType.PARAMETER_DOUBLE_ARRAY,
+    list[str]: ParameterType.PARAMETER_STRING_ARRAY,
+}
+
+
+def declare_config(node: Any, cls: type) -> None:
+    """Declare every parameter of dataclass ``cls`` on ``node`` with its default and description.
+
+    Floats accept integers too (``control_rate_hz: 10`` in a YAML file); ``config_from_params``
+    converts them and rejects anything else with a message naming the parameter. Lists with an
+    empty default are declared by type (rclpy cannot infer one from ``[]``) and read back as unset.
+    """
+    from rclpy.parameter import Parameter
+
+    for spec in param_specs(cls):
+        descriptor = ParameterDescriptor(description=spec.description)
+        if spec.kind is float:
+            descriptor.dynamic_typing = True
+            node.declare_parameter(spec.name, spec.default, descriptor)
+        elif spec.default == []:
+            node.declare_parameter(spec.name, Parameter.Type(_PARAMETER_TYPES[spec.kind]), descriptor)
+        else:
+            node.declare_parameter(spec.name, spec.default, descriptor)
+
+
+def read_config(node: Any, cls: type[T]) -> T:
+    """The node's current parameter values as a validated ``cls`` (``ValueError`` when invalid)."""
+    from rclpy.exceptions import ParameterUninitializedException
+
+    values = {}
+    for spec in param_specs(cls):
+        try:
+            values[spec.name] = node.get_parameter(spec.name).value
+        except ParameterUninitializedException:  # an empty list nobody set: keep the default
+            continue
+    return config_from_params(cls, values)

@@ -1,0 +1,614 @@
+"""``vla_policy_node``: a lifecycle node that runs a VLA policy at a fixed control rate.
+
+Interfaces (relative names, remap with ``-r``; ``~`` = the node's own namespace):
+
+====  =======================  ============================  ==================================================
+dir   name                     type                          notes
+====  =======================  ============================  ==================================================
+in    image_raw                sensor_msgs/Image             best effort, depth 1 (``image_transport:=raw``)
+in    image_raw/compressed     sensor_msgs/CompressedImage   best effort, depth 1 (``image_transport:=compressed``)
+in    instruction              std_msgs/String               reliable + transient local; a different text
+                                                             starts a new episode
+in    joint_states             sensor_msgs/JointState        best effort (``use_joint_state:=true``)
+out   ~/action                 std_msgs/Float32MultiArray    one action per control tick, layout ``[action]``
+out   ~/action_chunk           std_msgs/Float32MultiArray    each predicted chunk, layout ``[horizon, action]``
+                                                             (chunk-predicting models only)
+out   ~/twist, ~/gripper       TwistStamped, std_msgs/Float32  ``publish_twist:=true``; twist = delta x rate
+out   /diagnostics             diagnostic_msgs/DiagnosticArray  ``diagnostics_rate_hz``, and at once on errors
+srv   ~/reset                  std_srvs/Trigger              start a new episode with the current instruction
+====  =======================  ============================  ==================================================
+
+Lifecycle: configure loads the policy and creates the interfaces; activate starts a new episode
+and the control timer; deactivate stops the timer (the running step finishes and is dropped);
+cleanup and shutdown release everything, the policy included.
+
+Threads: subscription callbacks only validate message headers and store the newest frame. The
+control timer (the node's default callback group, so it never overlaps a lifecycle transition)
+owns the action queue, the in-flight step and episode changes; it publishes one action per tick
+and, when the queue is empty, hands the newest frame to a one-thread worker that decodes it and
+runs ``ActionQueue.next`` (``session.step``). A frame arriving between ticks wakes the same group
+through a guard condition, so an idle worker starts at once instead of at the next tick; the
+result still goes out on a tick. Diagnostics and the reset service have callback groups of their
+own under a ``MultiThreadedExecutor``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import numpy as np
+import rclpy
+import torch
+from diagnostic_msgs.msg import DiagnosticArray
+from geometry_msgs.msg import TwistStamped
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.event_handler import SubscriptionEventCallbacks
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_policy_name_from_kind
+from sensor_msgs.msg import CompressedImage, Image, JointState
+from std_msgs.msg import Float32, Float32MultiArray, String
+from std_srvs.srv import Trigger
+from vla_runtime.api import PRIMARY_CAMERA, ActionQueue, Observation, Policy, StepResult, load_policy
+from vla_runtime.device import resolve_device
+from vla_runtime.kv.base import KVStats
+
+from . import conversions
+from .params import PolicyNodeConfig, declare_config, read_config
+from .telemetry import PolicyTelemetry
+
+SENSOR_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT, durability=DurabilityPolicy.VOLATILE)
+IMAGE_RELIABILITY = {"best_effort": ReliabilityPolicy.BEST_EFFORT, "reliable": ReliabilityPolicy.RELIABLE}
+INSTRUCTION_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+ACTION_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+RESET_TIMEOUT_S = 30.0
+# parameters that may change while configured; the rest are read by on_configure
+RUNTIME_PARAMETERS = ("dry_run",)
+
+
+@dataclass
+class Frame:
+    """The newest camera message, not decoded yet."""
+
+    msg: Image | CompressedImage
+    received: float  # time.monotonic() at receipt
+    seq: int
+
+
+@dataclass
+class EpisodeRequest:
+    """A new episode asked for by an instruction, the reset service or activation."""
+
+    instruction: str
+    applied: threading.Event = field(default_factory=threading.Event)
+    episode: int = 0  # set when applied
+    error: str = ""
+
+
+@dataclass
+class StepOutcome:
+    """What one worker step produced."""
+
+    episode: int
+    action: np.ndarray  # [action_dim], the action to execute now
+    result: StepResult | None  # None when the action came from the queue
+    observation: Observation
+    step_ms: float
+    frame: Frame
+
+
+class BadInputError(ValueError):
+    """A camera frame that cannot be decoded."""
+
+
+class PolicyNode(LifecycleNode):
+    """Runs ``load_policy(checkpoint)`` sessions behind ROS topics (see the module docstring)."""
+
+    def __init__(self, node_name: str = "vla_policy", **kwargs) -> None:
+        self._cfg: PolicyNodeConfig | None = None
+        self._policy: Policy | None = None
+        self._device: str = ""
+        self._worker: ThreadPoolExecutor | None = None
+        self._session = None  # EpisodeSession; touched only by worker jobs
+        self._queue: ActionQueue | None = None  # touched by the control tick when no job is in flight
+        self._future: Future | None = None
+        self._episode_request: EpisodeRequest | None = None
+        self._last_obs: Observation | None = None
+        self._low: np.ndarray | None = None
+        self._high: np.ndarray | None = None
+        self._control_timer = None
+        self._frame_guard = None  # wakes the control group when a frame arrives between ticks
+        self._diag_timer = None
+        self._action_pub = None
+        self._chunk_pub = None
+        self._twist_pub = None
+        self._gripper_pub = None
+        self._diag_pub = None
+        self._reset_srv = None
+        self._input_subs: list = []
+        super().__init__(node_name, **kwargs)
+        declare_config(self, PolicyNodeConfig)
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+        self._lock = threading.Lock()  # guards everything the callbacks share below
+        self._frame: Frame | None = None
+        self._frame_seq = 0
+        self._used_seq = 0
+        self._instruction: tuple[str, float] | None = None  # (text, monotonic receipt time)
+        self._episode_instruction: str | None = None
+        self._state: np.ndarray | None = None
+        self._state_error = ""
+        self._episode = 0
+        self._active = False
+        self._telemetry = PolicyTelemetry()
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Load the policy and create the interfaces. FAILURE (stay unconfigured) on a bad parameter
+        or checkpoint, with the reason logged."""
+        try:
+            cfg = read_config(self, PolicyNodeConfig)
+            for module in cfg.policy_modules:
+                importlib.import_module(module)
+            device = str(resolve_device(None if cfg.device == "auto" else cfg.device))
+            if cfg.torch_threads:
+                torch.set_num_threads(cfg.torch_threads)
+            options = {"device": device}
+            if cfg.dtype:
+                options["dtype"] = cfg.dtype
+            if cfg.adapter:
+                options["adapter"] = cfg.adapter
+            self.get_logger().info(f"loading {cfg.checkpoint} on {device}")
+            policy = load_policy(cfg.checkpoint, **options)
+            low, high = action_bounds(cfg, policy.action_dim)
+            if cfg.publish_twist and policy.action_dim < 6:
+                raise ValueError(f"publish_twist needs actions of >= 6 values (xyz, rpy); the policy's have {policy.action_dim}")
+        except (ValueError, KeyError, OSError, ImportError, RuntimeError) as e:
+            self.get_logger().error(f"configure failed: {e}")
+            return TransitionCallbackReturn.FAILURE
+        self._cfg, self._policy, self._device, self._low, self._high = cfg, policy, device, low, high
+        with self._lock:
+            self._telemetry = PolicyTelemetry()
+            self._episode = 0
+
+        inputs = MutuallyExclusiveCallbackGroup()
+        image_type, image_topic = (Image, "image_raw") if cfg.image_transport == "raw" else (CompressedImage, "image_raw/compressed")
+        image_qos = QoSProfile(depth=1, reliability=IMAGE_RELIABILITY[cfg.image_reliability], durability=DurabilityPolicy.VOLATILE)
+        self._input_subs.append(
+            self.create_subscription(
+                image_type, image_topic, self._on_image, image_qos, callback_group=inputs,
+                event_callbacks=SubscriptionEventCallbacks(incompatible_qos=self._on_incompatible_image_qos),
+            )
+        )
+        self._input_subs.append(
+            self.create_subscription(String, "instruction", self._on_instruction, INSTRUCTION_QOS, callback_group=inputs)
+        )
+        if cfg.use_joint_state:
+            self._input_subs.append(
+                self.create_subscription(JointState, "joint_states", self._on_joint_state, SENSOR_QOS, callback_group=inputs)
+            )
+        self._action_pub = self.create_lifecycle_publisher(Float32MultiArray, "~/action", ACTION_QOS)
+        if policy.chunk_size > 1:
+            self._chunk_pub = self.create_lifecycle_publisher(Float32MultiArray, "~/action_chunk", ACTION_QOS)
+        if cfg.publish_twist:
+            self._twist_pub = self.create_lifecycle_publisher(TwistStamped, "~/twist", ACTION_QOS)
+            self._gripper_pub = self.create_lifecycle_publisher(Float32, "~/gripper", ACTION_QOS)
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._reset_srv = self.create_service(Trigger, "~/reset", self._on_reset, callback_group=MutuallyExclusiveCallbackGroup())
+        self._diag_timer = self.create_timer(
+            1.0 / cfg.diagnostics_rate_hz, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup()
+        )
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vla_policy_step")
+        self._frame_guard = self.create_guard_condition(self._on_frame_ready)  # default group, like the control timer
+        self.get_logger().info(
+            f"configured: {type(policy).__name__} action_dim={policy.action_dim} chunk={policy.chunk_size} "
+            f"history={cfg.history} kv={cfg.kv.mode} control={cfg.control_rate_hz} Hz dry_run={cfg.dry_run}"
+        )
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Start a new episode (current instruction, else ``default_instruction``) and the control timer."""
+        with self._lock:
+            self._active = True
+            self._used_seq = self._frame_seq  # frames from before activation are not acted on
+            text = self._instruction[0] if self._instruction else self._cfg.default_instruction
+            if text:
+                self._request_episode(text)
+        self._control_timer = self.create_timer(1.0 / self._cfg.control_rate_hz, self._on_control_tick)
+        self.get_logger().info("active")
+        return super().on_activate(state)
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Stop the control timer; the step in flight finishes and its action is dropped."""
+        self._stop_control()
+        self.get_logger().info("inactive")
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Release interfaces, worker and policy."""
+        self._release()
+        return super().on_cleanup(state)
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        return super().on_shutdown(state)
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.get_logger().error(f"error while leaving state {state.label}; releasing everything")
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _stop_control(self) -> None:
+        if self._control_timer is not None:
+            self.destroy_timer(self._control_timer)
+            self._control_timer = None
+        with self._lock:
+            self._active = False
+            if self._episode_request is not None:
+                self._episode_request.error = "node was deactivated"
+                self._episode_request.applied.set()
+                self._episode_request = None
+        if self._future is not None:
+            wait([self._future])
+            self._future = None
+        self._queue = None
+
+    def _release(self) -> None:
+        self._stop_control()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)
+            self._worker = None
+        for sub in self._input_subs:
+            self.destroy_subscription(sub)
+        self._input_subs = []
+        for pub in (self._action_pub, self._chunk_pub, self._twist_pub, self._gripper_pub):
+            if pub is not None:
+                self.destroy_lifecycle_publisher(pub)
+        self._action_pub = self._chunk_pub = self._twist_pub = self._gripper_pub = None
+        if self._diag_timer is not None:
+            self.destroy_timer(self._diag_timer)
+            self._diag_timer = None
+        if self._frame_guard is not None:
+            self.destroy_guard_condition(self._frame_guard)
+            self._frame_guard = None
+        if self._diag_pub is not None:
+            self.destroy_publisher(self._diag_pub)
+            self._diag_pub = None
+        if self._reset_srv is not None:
+            self.destroy_service(self._reset_srv)
+            self._reset_srv = None
+        self._session = self._policy = self._cfg = self._last_obs = None
+        with self._lock:
+            self._episode_instruction = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def destroy_node(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)
+        super().destroy_node()
+
+    # ------------------------------------------------------------------ parameters
+    def _on_set_parameters(self, params) -> SetParametersResult:
+        if self._cfg is None:
+            return SetParametersResult(successful=True)  # read at the next configure
+        fixed = [p.name for p in params if p.name not in RUNTIME_PARAMETERS]
+        if fixed:
+            return SetParametersResult(
+                successful=False, reason=f"{fixed} are read at configure; cleanup, set, configure again"
+            )
+        for p in params:  # only dry_run, typed BOOL by its descriptor
+            self._cfg.dry_run = p.value
+            self.get_logger().warning(f"dry_run = {p.value}")
+        return SetParametersResult(successful=True)
+
+    # ------------------------------------------------------------------ input callbacks (tiny)
+    def _on_image(self, msg: Image | CompressedImage) -> None:
+        now, cfg = time.monotonic(), self._cfg
+        if cfg is None:  # cleanup is destroying this subscription
+            return
+        try:
+            if isinstance(msg, Image):
+                conversions.check_image_msg(msg, max_pixels=cfg.max_image_pixels)
+            elif len(msg.data) == 0:
+                raise ValueError(f"CompressedImage data is empty (format {msg.format!r})")
+        except ValueError as e:
+            self._report_error(f"image rejected: {e}", kind="input")
+            return
+        with self._lock:
+            self._telemetry.frames_received += 1
+            if self._active and self._frame is not None and self._frame.seq > self._used_seq:
+                self._telemetry.frames_dropped += 1
+            self._frame_seq += 1
+            self._frame = Frame(msg, now, self._frame_seq)
+        if self._frame_guard is not None:
+            self._frame_guard.trigger()
+
+    def _on_incompatible_image_qos(self, event) -> None:
+        if self._cfg is None:
+            return
+        policy = qos_policy_name_from_kind(event.last_policy_kind)
+        self._report_error(
+            f"a camera publisher's QoS is incompatible with this subscription ({policy}); its frames never arrive. "
+            f"image_reliability is {self._cfg.image_reliability!r}: use best_effort for best-effort cameras",
+            kind="setup",
+        )
+
+    def _on_instruction(self, msg: String) -> None:
+        try:
+            text = conversions.instruction_text(msg.data)
+        except ValueError as e:
+            self._report_error(f"instruction rejected: {e}", kind="input")
+            return
+        with self._lock:
+            self._instruction = (text, time.monotonic())
+            if text != self._episode_instruction and self._active:
+                self._request_episode(text)
+        self.get_logger().info(f"instruction: {text!r}")
+
+    def _on_joint_state(self, msg: JointState) -> None:
+        cfg = self._cfg
+        if cfg is None:
+            return
+        try:
+            state = conversions.joint_state_to_array(msg, cfg.joint_names)
+        except ValueError as e:
+            with self._lock:
+                self._state, self._state_error = None, str(e)
+            self._report_error(f"joint state rejected: {e}", kind="input")
+            return
+        with self._lock:
+            self._state, self._state_error = state, ""
+
+    def _on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        with self._lock:
+            text = self._instruction[0] if self._instruction else (self._cfg.default_instruction if self._cfg else "")
+            if not self._active:
+                response.success, response.message = False, "node is not active; activation starts a new episode"
+                return response
+            if not text:
+                response.success, response.message = False, "no instruction yet; publish one on `instruction`"
+                return response
+            request_ = self._request_episode(text)
+        if not request_.applied.wait(RESET_TIMEOUT_S):
+            response.success, response.message = False, f"reset not applied within {RESET_TIMEOUT_S} s"
+        elif request_.error:
+            response.success, response.message = False, request_.error
+        else:
+            response.success, response.message = True, f"episode {request_.episode} started: {text!r}"
+        return response
+
+    def _request_episode(self, instruction: str) -> EpisodeRequest:
+        """Ask the control tick for a new episode (caller holds ``_lock``); supersedes a pending request."""
+        if self._episode_request is not None:
+            self._episode_request.error = "superseded by a newer request"
+            self._episode_request.applied.set()
+        self._episode_instruction = instruction
+        self._episode_request = EpisodeRequest(instruction)
+        return self._episode_request
+
+    # ------------------------------------------------------------------ control loop
+    def _on_control_tick(self) -> None:
+        now = time.monotonic()
+        fresh = None  # (action, receipt time of its frame) from a step that just finished
+        if self._future is not None:
+            if not self._future.done():
+                return
+            fresh = self._finish(self._future)
+            self._future = None
+        with self._lock:
+            request, self._episode_request = self._episode_request, None
+            if request is not None:
+                self._episode += 1
+                request.episode = self._episode
+            hold = self._watchdog(now)
+        if request is not None:  # whatever the old episode still had is dropped
+            self._queue = None
+            self._future = self._worker.submit(self._start_episode, request)
+            return
+        if hold:
+            pending = (fresh is not None) + (len(self._queue) if self._queue is not None else 0)
+            if self._queue is not None:
+                self._queue.clear()
+            if pending:
+                with self._lock:
+                    self._telemetry.actions_withheld += pending
+            self.get_logger().warning(f"no action: {hold}", throttle_duration_sec=2.0)
+            return
+        if fresh is not None:
+            self._publish(fresh[0], received=fresh[1])
+        elif self._queue is not None and len(self._queue):
+            action, _ = self._queue.next(self._last_obs)
+            self._publish(action, received=None)
+        self._submit_step()
+
+    def _on_frame_ready(self) -> None:
+        """A frame arrived: start a step now if the worker is idle and nothing is queued (no wait for the tick)."""
+        if self._control_timer is not None:
+            self._submit_step()
+
+    def _watchdog(self, now: float) -> str:
+        """Why no action may go out now ('' when inputs are fresh); caller holds ``_lock``.
+
+        Sets the diagnostics warning; a frame that became too old before it was used counts as stale.
+        """
+        cfg, reason = self._cfg, ""
+        if self._instruction is None and not cfg.default_instruction:
+            reason = "waiting for an instruction"
+        elif self._frame is None:
+            reason = "waiting for an image"
+        elif now - self._frame.received > cfg.max_image_age_s:
+            reason = f"newest image is {now - self._frame.received:.2f} s old (max_image_age_s {cfg.max_image_age_s})"
+            if self._frame.seq > self._used_seq:
+                self._used_seq = self._frame.seq
+                self._telemetry.frames_stale += 1
+        elif cfg.max_instruction_age_s and self._instruction is not None and now - self._instruction[1] > cfg.max_instruction_age_s:
+            reason = f"instruction is {now - self._instruction[1]:.2f} s old (max_instruction_age_s {cfg.max_instruction_age_s})"
+        elif cfg.use_joint_state and self._state is None:
+            reason = f"joint state invalid: {self._state_error}" if self._state_error else "waiting for joint states"
+        self._telemetry.warning = reason
+        return reason
+
+    def _submit_step(self) -> None:
+        """Hand the newest unused frame to the worker when no step is in flight and the queue is empty."""
+        if self._future is not None or self._queue is None or len(self._queue):
+            return
+        with self._lock:
+            if self._episode_request is not None or self._watchdog(time.monotonic()):
+                return
+            frame = self._frame
+            if frame is None or frame.seq <= self._used_seq:
+                return  # each frame is acted on once
+            self._used_seq = frame.seq
+            state = self._state
+            episode = self._episode
+        self._future = self._worker.submit(self._step, self._queue, frame, state, episode)
+
+    def _finish(self, future: Future) -> tuple[np.ndarray, float] | None:
+        """Account for a finished worker job; returns (action to publish now, its frame's receipt time)."""
+        try:
+            outcome = future.result()
+        except BadInputError as e:
+            self._report_error(f"image rejected: {e}", kind="input")
+            return None
+        except Exception as e:  # noqa: BLE001 - a failing policy must not take the node down; it is reported
+            self._report_error(f"inference failed: {type(e).__name__}: {e}", kind="inference")
+            return None
+        if isinstance(outcome, EpisodeRequest):
+            if outcome.error:
+                self._report_error(outcome.error, kind="inference")
+                return None
+            self._queue = ActionQueue(self._session, self._cfg.execution_horizon or None)
+            with self._lock:
+                self._telemetry.episode = outcome.episode
+                self._telemetry.kv = KVStats()
+            return None
+        if outcome.episode != self._episode:
+            return None
+        if not np.all(np.isfinite(outcome.action)):
+            self._report_error(f"policy produced non-finite actions {outcome.action.tolist()}", kind="inference")
+            self._queue.clear()
+            return None
+        self._last_obs = outcome.observation
+        with self._lock:
+            self._telemetry.steps += 1
+            self._telemetry.step_ms.add(outcome.step_ms)
+            if outcome.result is not None:
+                self._telemetry.kv = outcome.result.kv
+        if outcome.result is not None and self._chunk_pub is not None and not self._cfg.dry_run:
+            chunk, _ = conversions.clip_actions(outcome.result.actions, self._low, self._high)
+            self._chunk_pub.publish(conversions.actions_to_msg(chunk))
+        return outcome.action, outcome.frame.received
+
+    def _publish(self, action: np.ndarray, *, received: float | None) -> None:
+        action, clipped = conversions.clip_actions(np.asarray(action, dtype=np.float32), self._low, self._high)
+        now = time.monotonic()
+        with self._lock:
+            self._telemetry.values_clipped += clipped
+            if received is not None:
+                self._telemetry.latency_ms.add((now - received) * 1e3)
+            if self._cfg.dry_run:
+                self._telemetry.actions_suppressed += 1
+                return
+            self._telemetry.actions_published += 1
+            self._telemetry.action_rate.tick(now)
+        self._action_pub.publish(conversions.actions_to_msg(action))
+        if self._twist_pub is not None:
+            stamp = self.get_clock().now().to_msg()
+            twist = conversions.action_to_twist(action, scale=self._cfg.control_rate_hz, stamp=stamp, frame_id=self._cfg.twist_frame_id)
+            self._twist_pub.publish(twist)
+            if action.shape[0] > 6:
+                self._gripper_pub.publish(Float32(data=float(action[6])))
+
+    # ------------------------------------------------------------------ worker jobs
+    def _start_episode(self, request: EpisodeRequest) -> EpisodeRequest:
+        """Worker: new session, or reset the current one to ``request.instruction``."""
+        try:
+            if self._session is None:
+                self._session = self._policy.new_session(request.instruction, self._cfg.session_config())
+            else:
+                self._session.reset(request.instruction)
+            self.get_logger().info(f"episode {request.episode}: {request.instruction!r}")
+        except Exception as e:  # noqa: BLE001 - reported to the service caller and on /diagnostics
+            self._session = None
+            request.error = f"could not start episode {request.episode}: {type(e).__name__}: {e}"
+        request.applied.set()
+        return request
+
+    def _step(self, queue: ActionQueue, frame: Frame, state: np.ndarray | None, episode: int) -> StepOutcome:
+        """Worker: decode the frame and run ``queue.next`` (``session.step`` when the queue is empty)."""
+        start = time.perf_counter()
+        try:
+            if isinstance(frame.msg, Image):
+                image = conversions.image_msg_to_array(frame.msg, max_pixels=self._cfg.max_image_pixels)
+            else:
+                image = conversions.compressed_msg_to_array(frame.msg, max_pixels=self._cfg.max_image_pixels)
+        except ValueError as e:
+            raise BadInputError(str(e)) from e
+        stamp = frame.msg.header.stamp
+        obs = Observation(images={PRIMARY_CAMERA: image}, state=state, t=stamp.sec + stamp.nanosec * 1e-9)
+        action, result = queue.next(obs)
+        return StepOutcome(episode, action, result, obs, (time.perf_counter() - start) * 1e3, frame)
+
+    # ------------------------------------------------------------------ diagnostics
+    def _report_error(self, message: str, *, kind: str) -> None:
+        self.get_logger().error(message, throttle_duration_sec=1.0)
+        with self._lock:
+            self._telemetry.error(message, kind=kind)
+        self._publish_diagnostics()
+
+    def _publish_diagnostics(self) -> None:
+        if self._diag_pub is None:
+            return
+        with self._lock:
+            state = "active" if self._active else "inactive"
+            queue_len = len(self._queue) if self._queue is not None else 0
+            status = self._telemetry.status(
+                name=f"{self.get_fully_qualified_name()}: policy",
+                hardware_id=self._device,
+                state=state,
+                now=time.monotonic(),
+                queue_len=queue_len,
+            )
+        msg = DiagnosticArray(status=[status])
+        msg.header.stamp = self.get_clock().now().to_msg()
+        self._diag_pub.publish(msg)
+
+
+def action_bounds(cfg: PolicyNodeConfig, action_dim: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``action_low`` / ``action_high`` as float32 [action_dim] arrays (``None`` = no clipping)."""
+    if not cfg.action_low:
+        return None, None
+    if len(cfg.action_low) != action_dim:
+        raise ValueError(f"`action_low`/`action_high` have {len(cfg.action_low)} values; the policy's actions have {action_dim}")
+    return np.asarray(cfg.action_low, dtype=np.float32), np.asarray(cfg.action_high, dtype=np.float32)
+
+
+def main(args: list[str] | None = None) -> int:
+    """``python -m vla_runtime_ros.policy_node --ros-args --params-file FILE`` (or ``ros2 run``)."""
+    try:
+        with rclpy.init(args=args):
+            node = PolicyNode()
+            if node.get_parameter("autostart").value:
+                if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
+                    node.get_logger().fatal("configure failed (see above); exiting")
+                    node.destroy_node()
+                    return 1
+                node.trigger_activate()
+            executor = MultiThreadedExecutor(num_threads=4)
+            executor.add_node(node)
+            try:
+                executor.spin()
+            finally:
+                node.destroy_node()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""Counters and rolling statistics behind the policy node's ``/diagnostics`` status.
+
+Plain Python (no node): the node updates a ``PolicyTelemetry`` from its callbacks under its own
+lock and turns ``values()`` into ``diagnostic_msgs/KeyValue``s.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
+from vla_runtime.kv.base import KVStats
+
+LEVELS = {"ok": DiagnosticStatus.OK, "warn": DiagnosticStatus.WARN, "error": DiagnosticStatus.ERROR, "stale": DiagnosticStatus.STALE}
+
+
+class Rolling:
+    """The last ``size`` samples; percentiles over them."""
+
+    def __init__(self, size: int = 200) -> None:
+        self._values: deque[float] = deque(maxlen=size)
+
+    def add(self, value: float) -> None:
+        self._values.append(value)
+
+    def percentile(self, q: float) -> float:
+        return float(np.percentile(self._values, q)) if self._values else float("nan")
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+class RateMeter:
+    """Events per second over the last ``window_s`` seconds (monotonic timestamps)."""
+
+    def __init__(self, window_s: float = 3.0) -> None:
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def tick(self, now: float) -> None:
+        self._times.append(now)
+        self._trim(now)
+
+    def rate(self, now: float) -> float:
+        self._trim(now)
+        if len(self._times) < 2:
+            return 0.0
+        return (len(self._times) - 1) / max(self._times[-1] - self._times[0], 1e-9)
+
+    def _trim(self, now: float) -> None:
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+
+
+@dataclass
+class PolicyTelemetry:
+    """What the policy node reports. Counters are totals since configure."""
+
+    frames_received: int = 0
+    frames_dropped: int = 0  # replaced by a newer frame before inference used them
+    frames_stale: int = 0  # control ticks skipped because the newest frame was too old
+    bad_inputs: int = 0  # rejected images, instructions, joint states
+    inference_errors: int = 0
+    setup_errors: int = 0  # e.g. a camera whose QoS cannot match the subscription
+    actions_published: int = 0
+    actions_suppressed: int = 0  # computed but not published (dry_run)
+    actions_withheld: int = 0  # dropped by the watchdog (stale image / instruction / joint state)
+    values_clipped: int = 0
+    steps: int = 0
+    episode: int = 0
+    last_error: str = ""
+    errors_since_report: int = 0
+    warning: str = ""
+    kv: KVStats = field(default_factory=KVStats)
+    step_ms: Rolling = field(default_factory=Rolling)  # decode + session.step wall time
+    latency_ms: Rolling = field(default_factory=Rolling)  # frame receipt -> action published
+    action_rate: RateMeter = field(default_factory=RateMeter)
+
+    def error(self, message: str, *, kind: str) -> None:
+        """Count an error of ``kind`` (``input``, ``inference`` or ``setup``) and keep its message."""
+        counters = {"input": "bad_inputs", "inference": "inference_errors", "setup": "setup_errors"}
+        setattr(self, counters[kind], getattr(self, counters[kind]) + 1)
+        self.last_error = message
+        self.errors_since_report += 1
+
+    def status(self, *, name: str, hardware_id: str, state: str, now: float, queue_len: int) -> DiagnosticStatus:
+        """One ``DiagnosticStatus``; ERROR when an error happened since the previous status."""
+        if self.errors_since_report:
+            level, message = LEVELS["error"], self.last_error
+        elif self.warning:
+            level, message = LEVELS["warn"], self.warning
+        else:
+            level, message = LEVELS["ok"], state
+        self.errors_since_report = 0
+        values = {
+            "state": state,
+            "episode": self.episode,
+            "steps": self.steps,
+            "step_ms_p50": self.step_ms.percentile(50),
+            "step_ms_p95": self.step_ms.percentile(95),
+            "latency_ms_p50": self.latency_ms.percentile(50),
+            "latency_ms_p95": self.latency_ms.percentile(95),
+            "action_rate_hz": self.action_rate.rate(now),
+            "actions_published": self.actions_published,
+            "actions_suppressed": self.actions_suppressed,
+            "actions_withheld": self.actions_withheld,
+            "values_clipped": self.values_clipped,
+            "queue_len": queue_len,
+            "frames_received": self.frames_received,
+            "frames_dropped": self.frames_dropped,
+            "frames_stale": self.frames_stale,
+            "bad_inputs": self.bad_inputs,
+            "inference_errors": self.inference_errors,
+            "setup_errors": self.setup_errors,
+            "last_error": self.last_error,
+            "kv_bytes": self.kv.bytes,
+            "kv_tokens_raw": self.kv.tokens_raw,
+            "kv_tokens_seen": self.kv.tokens_seen,
+            "kv_chunks_retained": self.kv.chunks_retained,
+            "kv_chunks_dropped": self.kv.chunks_dropped,
+            "kv_positions_used": self.kv.positions_used,
+        }
+        return DiagnosticStatus(
+            level=level,
+            name=name,
+            message=message,
+            hardware_id=hardware_id,
+            values=[KeyValue(key=k, value=_format(v)) for k, v in values.items()],
+        )
+
+
+def _format(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def status_values(status: DiagnosticStatus) -> dict[str, str]:
+    """``{key: value}`` of a ``DiagnosticStatus`` (for tests and tools)."""
+    return {kv.key: kv.value for kv in status.values}
