@@ -117,6 +117,13 @@ def test_history_mode_keeps_the_episode_in_every_cache(policy, frame, mode):
         seen.append(result.kv.tokens_seen)
     pinned = 1 + len(prompt.instruction)
     assert seen == [pinned + frame_tokens * (t + 1) for t in range(3)]
+    stats = result.kv
+    if mode == "chunked":  # older frames went into chunks (kept or dropped by the gate)
+        assert stats.chunks_retained + stats.chunks_dropped > 0 and stats.tokens_raw < stats.tokens_seen
+    elif mode == "sink_window":
+        assert stats.tokens_raw < stats.tokens_seen
+    else:
+        assert stats.tokens_raw == stats.tokens_seen
     session.reset()
     assert session.cache.stats().tokens_seen == 0
 

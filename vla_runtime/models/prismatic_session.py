@@ -114,6 +114,7 @@ class PrismaticSession(EpisodeSession):
         self.cache = make_cache(kv, policy.vlm.cfg.llm, batch=1, device=policy.device, dtype=policy.dtype, **extra)
         self._pinned = False
 
+    @torch.inference_mode()  # caches may hold inference tensors from the steps; clear them in the same mode
     def reset(self, instruction: str | None = None) -> None:
         if instruction is not None and instruction != self.instruction:
             self._build(instruction)

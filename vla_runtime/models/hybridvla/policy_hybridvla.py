@@ -3,9 +3,10 @@
 Each step runs the shared prefix (``prismatic_session`` layout ending in ``29871, <BOD>, proprio``)
 through the LLM once. Both branches use that cached prefix and roll their own tokens back:
 
-- diffusion: DDIM (4 steps: t = 75, 50, 25, 0). The first step's forward is ``prefix + [t, x_0 .. x_fut]``
-  (so ``timings["denoise"]`` includes the prefix prefill); every later step appends only ``[t, x]`` and
-  reads eps at the x positions (``denoise_on_cache``): no step re-runs the prefix;
+- diffusion: DDIM (4 steps: t = 75, 50, 25, 0). In single mode the first step's forward is
+  ``prefix + [t, x_0 .. x_fut]`` (so ``timings["denoise"]`` includes the prefix prefill; in history mode the
+  prefix has its own forward, after which the cache may compress); every later step appends only ``[t, x]``
+  and reads eps at the x positions (``denoise_on_cache``): no step re-runs the prefix;
 - autoregressive: ``[t, x_noise] <EOD> 29871`` on the same prefix, then 7 greedy action tokens with
   their confidences.
 
@@ -191,14 +192,19 @@ class HybridVLASession(PrismaticSession):
         model, sampling = policy.model, policy.config.sampling
         run_diff, run_ar = sampling.branches
         diff = ar = None
-        if run_diff:  # the prefix goes in with the first DDIM step's tokens and stays cached for the AR branch
+        # single mode: the prefix goes in with the first DDIM step's tokens (one forward fewer). History mode
+        # prefills it on its own: a cache only compresses after a forward without an open mark.
+        fuse = run_diff and not self.history
+        if not fuse:
+            self._prefill(embeds, timings)
+        if run_diff:
             start = time.perf_counter()
-            normalized = denoise_on_cache(model.lm, model.head, self.cache, policy.diffusion, self._noise(), prefix=embeds)
+            normalized = denoise_on_cache(
+                model.lm, model.head, self.cache, policy.diffusion, self._noise(), prefix=embeds if fuse else None
+            )
             synchronize(policy.device)
             timings["denoise"] = (time.perf_counter() - start) * 1e3
             diff = postprocess_actions(normalized[0].float().cpu().numpy(), self.action_stats)  # [chunk, A]
-        else:
-            self._prefill(embeds, timings)
         if run_ar:
             start = time.perf_counter()
             t = torch.randint(0, policy.diffusion.num_timesteps, (1,), generator=self.generator).to(policy.device)
