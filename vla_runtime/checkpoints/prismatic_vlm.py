@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..models.llama import LlamaConfig
 from ..models.openvla.configuration_openvla import (
@@ -29,7 +30,7 @@ from ..models.openvla.configuration_openvla import (
 )
 from ..models.openvla.modeling_openvla import OpenVLA
 from ..models.openvla.processing_openvla import ImageProcessor, PromptTokenizer
-from .openvla import UNUSED, hf_name
+from .openvla import PROGRESS_MIN_BYTES, UNUSED, hf_name
 from .prismatic_run import PrismaticRun
 
 VLM_MODULES = ("vision_backbone", "projector", "llm_backbone")
@@ -163,7 +164,12 @@ def load_vlm(
         if name in state and tuple(state[name].shape) != shape:
             raise ValueError(f"{run.checkpoint}: `{name}` has shape {list(state[name].shape)}, expected {list(shape)}")
     if torch.device(device).type != "meta":
-        weights = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+        total = sum(v.numel() for v in state.values()) * torch.empty((), dtype=dtype).element_size()
+        weights = {}
+        with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=total < PROGRESS_MIN_BYTES) as bar:
+            for name, tensor in state.items():  # memory-mapped: each tensor is read as it is placed
+                weights[name] = tensor.to(device=device, dtype=dtype)
+                bar.update(weights[name].numel() * weights[name].element_size())
         for name in set(expected) - set(weights):  # unused by the forward pass and absent: zeros
             weights[name] = torch.zeros(expected[name], device=device, dtype=dtype)
         model.load_state_dict(weights, strict=True, assign=True)
