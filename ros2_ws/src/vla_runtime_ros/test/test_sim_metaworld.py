@@ -1,10 +1,15 @@
 """Closed loop with the real simulator: the Meta-World sim node and the policy node (tiny random
 OpenVLA) as two processes, connected by topics only, as on a robot."""
 
+import importlib.util
+
 import pytest
 
 pytest.importorskip("rclpy")
-pytest.importorskip("metaworld")
+# find_spec, not importorskip: importing metaworld here would load mujoco before the simulator
+# picks its headless GL backend (MUJOCO_GL is read once, at mujoco's import)
+if importlib.util.find_spec("metaworld") is None:
+    pytest.skip("metaworld is not installed", allow_module_level=True)
 
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
 from ros_harness import Diagnostics, NodeProcess  # noqa: E402
