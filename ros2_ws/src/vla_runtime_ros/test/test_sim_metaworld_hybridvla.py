@@ -2,10 +2,14 @@
 state on joint_states, the policy node (tiny random HybridVLA, use_joint_state) turns it into the
 proprio token ([x, y, z, gripper] -> upstream's 7-D layout) every step."""
 
+import importlib.util
+
 import pytest
 
 pytest.importorskip("rclpy")
-pytest.importorskip("metaworld")
+# find_spec, not importorskip: importing metaworld would load mujoco before the simulator picks its GL backend
+if importlib.util.find_spec("metaworld") is None:
+    pytest.skip("metaworld is not installed", allow_module_level=True)
 
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
 from ros_harness import Diagnostics, NodeProcess  # noqa: E402
