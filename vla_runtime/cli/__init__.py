@@ -18,6 +18,7 @@ COMMANDS: list[str] = [
     "demo",
     "collect",
     "eval",
+    "bench",
 ]
 
 

@@ -1,4 +1,9 @@
-"""KV caches behind one protocol; ``make_cache`` turns a ``KVConfig`` into a cache."""
+"""KV caches behind one protocol; ``make_cache`` turns a ``KVConfig`` into a cache.
+
+A cache class is built as ``cls(kv_cfg, model_cfg, *, batch, device, dtype, **extra)`` (``FullCache``
+takes its capacity only). Adding a cache = its file, a ``CACHES`` entry, a row in ``tests/kv/cases.py``
+and a DESIGN.md line.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from .base import KVCache, KVStats, kv_bytes
+from .chunked_gated import ChunkedGatedCache, ChunkedGatedConfig
 from .config import KVConfig
 from .full import FullCache
+from .gate import ChunkGate, ChunkGateConfig, has_gate, load_gate, save_gate
+from .sink_window import SinkWindowCache, SinkWindowConfig
 
 if TYPE_CHECKING:
     from ..models.llama import LlamaConfig
 
-CACHES: dict[str, type] = {"full": FullCache}
+CACHES: dict[str, type] = {"full": FullCache, "sink_window": SinkWindowCache, "chunked": ChunkedGatedCache}
 
 
 def make_cache(
@@ -25,7 +33,9 @@ def make_cache(
     dtype: torch.dtype = torch.float32,
     **extra,
 ) -> KVCache:
-    """Build the cache ``kv_cfg.mode`` names. ``extra`` carries what a mode needs beyond sizes (the chunk gate)."""
+    """Build the cache ``kv_cfg.mode`` names. ``extra`` carries what a mode needs beyond sizes:
+    ``gate=`` the policy's ``ChunkGate`` for ``chunked`` (absent or ``None`` = the untrained default,
+    which mean-pools and keeps every chunk)."""
     if kv_cfg.mode not in CACHES:
         raise KeyError(f"unknown KV mode {kv_cfg.mode!r}; available: {', '.join(sorted(CACHES))}")
     cls = CACHES[kv_cfg.mode]
@@ -34,4 +44,21 @@ def make_cache(
     return cls(kv_cfg, model_cfg, batch=batch, device=device, dtype=dtype, **extra)
 
 
-__all__ = ["CACHES", "FullCache", "KVCache", "KVConfig", "KVStats", "kv_bytes", "make_cache"]
+__all__ = [
+    "CACHES",
+    "ChunkGate",
+    "ChunkGateConfig",
+    "ChunkedGatedCache",
+    "ChunkedGatedConfig",
+    "FullCache",
+    "KVCache",
+    "KVConfig",
+    "KVStats",
+    "SinkWindowCache",
+    "SinkWindowConfig",
+    "has_gate",
+    "kv_bytes",
+    "load_gate",
+    "make_cache",
+    "save_gate",
+]

@@ -60,11 +60,14 @@ class KVCache(Protocol):
         ...
 
     def mark(self) -> int:
-        """A token count to ``rollback`` to; nothing before it changes while the mark is in use."""
+        """Open a mark: a token count to ``rollback`` to. Nothing held changes while it is open (compressing
+        caches defer compression until ``rollback`` closes it), so the rollback is exact. Take a new mark
+        before each attempt you will roll back (HybridVLA: ``m = cache.mark()`` in every denoising step)."""
         ...
 
     def rollback(self, mark: int) -> None:
-        """Drop every token appended after ``mark``."""
+        """Drop every token appended after ``mark`` and close the open mark. A mark older than the last
+        compression raises ``ValueError``."""
         ...
 
     def stats(self) -> KVStats: ...

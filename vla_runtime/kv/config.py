@@ -14,12 +14,14 @@ class KVConfig:
 
     Args:
         mode: ``full`` (stock), ``sink_window`` (StreamingLLM) or ``chunked`` (KV-Efficient).
-        capacity: token capacity of raw buffers; ``None`` = the model's ``max_position``.
+        capacity: slots a cache holds, all regions together (``full``: tokens; decoupled caches: pinned +
+            raw + chunks, and their compacted positions stay below it); ``None`` = the model's ``max_position``.
         window: raw recent window W in tokens (``sink_window`` and ``chunked``); ``None`` = one frame
             (the policy fills it in from its tokens per step).
         n_sink: extra sink tokens kept besides the pinned prompt (``sink_window``).
         chunk: chunk size C (``chunked``).
-        max_chunks: retained-chunk budget M; ``None`` = unbounded (the gate alone decides).
+        max_chunks: retained-chunk budget M per layer; ``None`` = the gate alone decides, bounded only by
+            ``capacity`` (the chunk slots left beside a raw area of 3 x (window + chunk) slots).
         aggregator_hidden: hidden size of the per-layer 2-layer MLP aggregator.
         gate_hidden: hidden size of the per-layer LSTM retention gate.
         backend: attention implementation; ``auto`` = Triton on CUDA, torch elsewhere.

@@ -27,7 +27,7 @@ from ...checkpoints.openvla import OpenVLACheckpoint, load_openvla
 from ...api import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult
 from ...config import SessionConfig
 from ...device import resolve_device, resolve_dtype, synchronize
-from ...kv import KVConfig, make_cache
+from ...kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make_cache
 from .configuration_openvla import OpenVLAConfig
 from .processing_openvla import (
     ActionStats,
@@ -75,7 +75,8 @@ class OpenVLAPolicy(Policy):
         self.kv = kv or KVConfig()
         self.restrict_to_action_tokens = restrict_to_action_tokens
         # The learnable chunk aggregator/gate (vla_runtime.kv.gate.ChunkGate) for KVConfig(mode="chunked");
-        # owned here (contract 3), handed to the cache, trained by finetune/. None = the cache's default.
+        # owned here (contract 3), handed to the cache, trained by finetune/. Loaded from gates.safetensors
+        # beside the checkpoint; None until then = the untrained default, built by `chunk_gate` on first use.
         self.kv_gate: torch.nn.Module | None = None
         if unnorm_key is not None:
             resolve_unnorm_key(self.config.norm_stats, unnorm_key)  # fail at load, not at the first step
@@ -98,6 +99,13 @@ class OpenVLAPolicy(Policy):
             return None
         key = resolve_unnorm_key(self.norm_stats, unnorm_key)
         return ActionStats.from_dict(self.norm_stats[key]["action"], what=f"{key} action")
+
+    def chunk_gate(self, kv: KVConfig) -> torch.nn.Module:
+        """The ``ChunkGate`` a chunked cache uses: the loaded one, else an untrained default (mean-pooling
+        aggregator, keeps every chunk) built once for ``kv``'s chunk size and kept on the policy."""
+        if self.kv_gate is None:
+            self.kv_gate = ChunkGate(ChunkGateConfig.from_configs(kv, self.config.llm)).to(self.device)
+        return self.kv_gate
 
     def new_session(self, instruction: str, config: SessionConfig | None = None) -> "OpenVLASession":
         config = config or SessionConfig(kv=self.kv, unnorm_key=self.unnorm_key)
@@ -170,7 +178,7 @@ class OpenVLASession(EpisodeSession):
         self.prompt = policy.tokenizer.prompt(instruction)
         kv = self._plan(self.config.kv)
         self.kv_config = kv
-        extra = {"gate": policy.kv_gate} if kv.mode == "chunked" else {}
+        extra = {"gate": policy.chunk_gate(kv)} if kv.mode == "chunked" else {}
         self.cache = make_cache(kv, cfg.llm, batch=1, device=policy.device, dtype=policy.dtype, **extra)
         self._prev_token: int | None = None
         self._pinned = False
@@ -320,6 +328,14 @@ def load_openvla_policy(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     checkpoint = load_openvla(path, device=dev, dtype=dt)
-    return OpenVLAPolicy(
+    gate = None
+    if has_gate(path) and dev.type != "meta":  # a trained ChunkGate beside the weights (contract 3)
+        gate, gate_kv = load_gate(path, device=dev)
+        if kv is None:
+            kv = gate_kv
+            log.info("%s has a trained ChunkGate: the default cache is %s", path, gate_kv)
+    policy = OpenVLAPolicy(
         checkpoint, device=dev, dtype=dt, kv=kv, unnorm_key=unnorm_key, restrict_to_action_tokens=restrict_to_action_tokens
     )
+    policy.kv_gate = gate
+    return policy

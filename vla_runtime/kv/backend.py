@@ -1,0 +1,34 @@
+"""Which attention implementation a decoupled cache uses: chosen once, at construction.
+
+The choice is ``vla_kernels.attention_backend`` (``KVConfig.backend``: ``auto`` = Triton on CUDA when the
+kernels support the device/dtype/head dim, also overridable with ``$VLA_KV_BACKEND``; ``torch``;
+``triton`` = an error listing the reasons where it cannot run). Triton means the cache hands its
+pre-RoPE store, slot list and positions to ``vla_kernels.chunked_attention`` (contract 4). Torch means
+the cache's own torch path (``store.RotatedView``): the same contract specialised to how the caches lay
+keys out (positions 0..N-1 in attention order), keeping rotated copies between layout changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from vla_kernels import attention_backend
+
+if TYPE_CHECKING:
+    from ..models.llama import LlamaConfig
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """``kernel``: contract 4's ``chunked_attention`` (Triton), or ``None`` for the cache's torch path."""
+
+    name: str
+    kernel: Callable[..., torch.Tensor] | None = None
+
+
+def select_backend(name: str, model_cfg: "LlamaConfig", *, device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
+    """Resolve ``KVConfig.backend`` for this model, device and dtype."""
+    chosen = attention_backend(name, device, dtype=dtype, head_dim=model_cfg.head_dim)
+    return AttentionBackend(chosen.name, chosen if chosen.name == "triton" else None)

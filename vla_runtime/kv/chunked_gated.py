@@ -1,0 +1,338 @@
+"""ChunkedGatedCache: the KV-Efficient cache (seed 002) with decoupled positions (MemArt/MEPIC).
+
+Regions, oldest first: pinned prefix (everything up to the forward that called
+``end_forward(pin=True)``; never compressed) | retained chunks (one k/v per chunk and layer) | raw
+tokens waiting to fill a chunk | raw recent window of ``window`` tokens.
+
+At ``end_forward`` every run of ``chunk`` raw tokens that has left the window becomes one chunk (the
+same token ranges in every layer). Per layer, the ``ChunkGate`` aggregates its C pre-RoPE keys and
+values into one pair, its LSTM scores it, and the chunk is kept iff ``score > tau``; the keep/drop
+decision is per layer. At most ``max_chunks`` chunks are retained per layer: when a kept chunk finds
+the budget full, the lowest-scoring chunk among the retained ones and the newcomer leaves (ties: the
+oldest). Eviction flips a slot: surviving K/V never moves (IntentKV's slot map, with a kept-slot list
+rather than a sentinel key).
+
+Positions are compacted per layer (retention differs per layer): pinned ``0..P-1``, retained chunks
+one position each in chronological order, then the raw tokens in order; so the positions a layer uses
+never exceed the slots it holds. Keys are stored pre-RoPE in one slot store per layer: that is what the
+Triton kernel reads (it fuses the gather and RoPE). On the torch path a ``RotatedView`` keeps the held
+keys rotated at their compacted positions, contiguous in attention order: positions shift only when the
+layout changes (a compression, about once per control step), so the view is rebuilt then (gather and
+rotate N keys) and otherwise only the T new keys are rotated and appended; SDPA reads contiguous memory.
+Rotating every held key at every forward instead cost ~3x more cache overhead per 7B-geometry step on
+CPU (8 forwards per step, most of them single-token decodes); the price is a second copy of the held
+K/V on the torch path (``stats().bytes`` counts the store only).
+
+With a batch B > 1 the rows share one slot layout: a chunk's score is the batch mean.
+``mark()`` opens a mark that defers compression until ``rollback`` closes it, so a rollback restores
+the exact state. The training form that reproduces this cache in one forward is
+``vla_runtime.kv.chunked_parallel``; ``admit`` and ``chunk_schedule`` are shared with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .backend import select_backend
+from .base import KVStats
+from .config import KVConfig
+from .gate import ChunkGate, ChunkGateConfig, check_gate
+from .store import RotatedView, SlotStore, attend_slots
+
+if TYPE_CHECKING:
+    from ..models.llama import LlamaConfig
+
+_NEVER = torch.iinfo(torch.int64).max
+RAW_AREA_WINDOWS = 3  # max_chunks=None: raw area = 3 * (window + chunk) slots
+
+
+@dataclass(frozen=True)
+class ChunkedGatedConfig:
+    """Resolved sizes of a ``ChunkedGatedCache``.
+
+    Args:
+        chunk: tokens per chunk C.
+        window: raw recent window W (never compressed).
+        max_chunks: retained chunks per layer M (the budget; also the chunk slots of the store); 0 = none.
+        capacity: store slots S = pinned + raw ring + M; compacted positions stay below it.
+        backend: ``KVConfig.backend``.
+    """
+
+    chunk: int
+    window: int
+    max_chunks: int
+    capacity: int
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("chunk", "window", "capacity"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
+        if self.max_chunks < 0:
+            raise ValueError(f"`max_chunks` must be >= 0, got {self.max_chunks}")
+        raw = self.capacity - self.max_chunks
+        if self.max_chunks and raw <= self.window + self.chunk:
+            raise ValueError(
+                f"`capacity` ({self.capacity}) - `max_chunks` ({self.max_chunks}) = {raw} raw slots must exceed "
+                f"window + chunk ({self.window + self.chunk}) plus one forward's tokens"
+            )
+
+    @classmethod
+    def from_kv(cls, kv: KVConfig, model_cfg: "LlamaConfig") -> "ChunkedGatedConfig":
+        """``capacity=None`` -> the model's ``max_position``; ``max_chunks=None`` -> every slot the raw
+        area does not need, leaving ``RAW_AREA_WINDOWS * (window + chunk)`` slots for the pinned prompt,
+        the window, a filling chunk and a forward of up to about two windows."""
+        if kv.window is None:
+            raise ValueError("KVConfig.window is None: set it (the policy fills in one frame of tokens)")
+        capacity = kv.capacity or model_cfg.max_position
+        max_chunks = kv.max_chunks
+        if max_chunks is None:  # 0 when the window fills the store (no chunk can form before it is full)
+            max_chunks = max(0, capacity - RAW_AREA_WINDOWS * (kv.window + kv.chunk))
+        return cls(
+            chunk=kv.chunk,
+            window=kv.window,
+            max_chunks=max_chunks,
+            capacity=capacity,
+            backend=kv.backend,
+        )
+
+
+# ---- shared with the parallel form ---------------------------------------------------------------
+def chunk_schedule(n_raw: int, *, window: int, chunk: int) -> int:
+    """How many chunks form when ``n_raw`` raw tokens are held after a forward."""
+    return max(0, (n_raw - window) // chunk)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One new chunk against the budget. ``write``: it takes ``slot`` (evicting the chunk there if the
+    budget was full); ``budget_drop``: a chunk left because the budget was full (evicted or rejected)."""
+
+    slot: torch.Tensor
+    write: torch.Tensor
+    budget_drop: torch.Tensor
+
+
+def admit(
+    valid: torch.Tensor, scores: torch.Tensor, ages: torch.Tensor, new_score: torch.Tensor, keep: torch.Tensor
+) -> Admission:
+    """Budget rule: a kept chunk takes a free slot; if none, the lowest-scoring chunk among the retained
+    ones and the newcomer leaves (ties: the oldest, so an untrained gate is FIFO).
+
+    valid, scores, ages: [..., M] (slot occupancy, score, chronological index); new_score, keep: [...].
+    Returns an ``Admission`` with [...] tensors; no host sync.
+    """
+    if valid.shape[-1] == 0:  # no chunk slots: every kept chunk is dropped by the budget
+        return Admission(slot=torch.zeros_like(keep, dtype=torch.long), write=torch.zeros_like(keep), budget_drop=keep)
+    free = ~valid
+    has_free = free.any(-1)
+    free_slot = free.int().argmax(-1)
+    masked = scores.masked_fill(~valid, float("inf"))
+    low = masked.min(-1).values
+    lowest = valid & (masked == low.unsqueeze(-1))
+    victim = ages.masked_fill(~lowest, _NEVER).argmin(-1)
+    write = keep & (has_free | (new_score >= low))
+    return Admission(slot=torch.where(has_free, free_slot, victim), write=write, budget_drop=keep & ~has_free)
+
+
+def apply_admission(
+    adm: Admission, valid: torch.Tensor, scores: torch.Tensor, ages: torch.Tensor, new_score: torch.Tensor, new_age: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slot tables after ``adm``: (valid, scores, ages), each [..., M]."""
+    if valid.shape[-1] == 0:
+        return valid, scores, ages
+    hit = torch.nn.functional.one_hot(adm.slot, valid.shape[-1]).bool() & adm.write.unsqueeze(-1)
+    return (
+        valid | hit,
+        torch.where(hit, new_score.unsqueeze(-1).to(scores.dtype), scores),
+        ages.masked_fill(hit, new_age),
+    )
+
+
+class ChunkedGatedCache:
+    """The KV-Efficient cache; see the module docstring. The gate (weights) is owned by the policy."""
+
+    def __init__(
+        self,
+        kv_cfg: KVConfig,
+        model_cfg: "LlamaConfig",
+        *,
+        batch: int = 1,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        gate: ChunkGate | None = None,
+    ) -> None:
+        """``gate``: the policy's ``ChunkGate``; ``None`` builds the untrained default (mean-pooling
+        aggregator, keeps every chunk)."""
+        self.cfg = cfg = ChunkedGatedConfig.from_kv(kv_cfg, model_cfg)
+        if gate is None:
+            gate = ChunkGate(ChunkGateConfig.from_configs(kv_cfg, model_cfg)).to(device)
+        check_gate(gate, kv_cfg, model_cfg)
+        self.model_cfg = model_cfg
+        self.gate = gate
+        self.batch = batch
+        # one scratch slot past the chunk slots takes the writes of layers that do not keep a chunk
+        self.store = SlotStore(
+            model_cfg, slots=cfg.capacity + 1, chunk_slots=cfg.max_chunks + 1, batch=batch, device=device, dtype=dtype
+        )
+        self._scratch = torch.tensor(cfg.capacity, device=device)
+        self._layers = torch.arange(model_cfg.n_layers, device=device)
+        self.backend = select_backend(cfg.backend, model_cfg, device=device, dtype=dtype)
+        self.view = RotatedView(self.store) if self.backend.kernel is None else None
+        n, m = model_cfg.n_layers, cfg.max_chunks
+        self.chunk_valid = torch.zeros(n, m, dtype=torch.bool, device=device)
+        self.chunk_score = torch.zeros(n, m, dtype=torch.float32, device=device)
+        self.chunk_age = torch.zeros(n, m, dtype=torch.long, device=device)
+        self.gate_dropped = torch.zeros(n, dtype=torch.long, device=device)
+        self.budget_dropped = torch.zeros(n, dtype=torch.long, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the episode (tokens, chunks, LSTM state); the gate's weights are untouched."""
+        self.store.reset()
+        self.chunk_valid.zero_()
+        self.chunk_score.zero_()
+        self.chunk_age.zero_()
+        self.gate_dropped.zero_()
+        self.budget_dropped.zero_()
+        self.lstm_state = self.gate.init_state(self.batch, self.model_cfg.n_kv_heads, device=self.chunk_valid.device)
+        self.chunks_formed = 0
+        self._chunk_slots: list[torch.Tensor] | None = None  # per layer, chronological; rebuilt after changes
+        self._plan = None
+        self._slots: list[torch.Tensor | slice] = []
+        self._n_keys: list[int] = []
+        self._mark: int | None = None
+        self._positions_used = 0
+        self._pinned_slots = torch.arange(0, device=self.chunk_valid.device)
+
+    # ---- attention ---------------------------------------------------------------------------------
+    def _retained_slots(self) -> list[torch.Tensor]:
+        """Per layer: store slots of the retained chunks in chronological order (one host sync)."""
+        if self._chunk_slots is None:
+            order = torch.argsort(self.chunk_age.masked_fill(~self.chunk_valid, _NEVER), dim=-1)  # [L, M]
+            counts = self.chunk_valid.sum(-1).tolist()
+            self._chunk_slots = [self.store.raw_end + order[i, :c] for i, c in enumerate(counts)]
+        return self._chunk_slots
+
+    def _begin_forward(self, t: int) -> None:
+        s = self.store
+        chunks = self._retained_slots()
+        contiguous = s.contiguous_prefix(t)
+        self._plan = s.plan(t)
+        if self._pinned_slots.numel() != s.n_pinned:
+            self._pinned_slots = torch.arange(s.n_pinned, device=s.device)
+        pinned = self._pinned_slots
+        self._slots, self._n_keys = [], []
+        for layer_chunks in chunks:
+            n = s.n_pinned + layer_chunks.numel() + s.n_raw + t
+            if contiguous and layer_chunks.numel() == 0:
+                self._slots.append(slice(0, n))
+            else:
+                self._slots.append(torch.cat((pinned, layer_chunks, self._plan.raw)))
+            self._n_keys.append(n)
+
+    def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] (k pre-RoPE) -> [B, Hq, T, D]."""
+        if self._plan is None:  # first layer of this forward: slots and positions once for all layers
+            self._begin_forward(q.shape[2])
+        self.store.write(layer, self._plan, k_raw, v)
+        return attend_slots(self.store, self.backend, self.view, layer, q, k_raw, v, self._slots[layer], self._n_keys[layer])
+
+    # ---- commit / compress ---------------------------------------------------------------------------
+    def end_forward(self, *, pin: bool = False) -> None:
+        if self._plan is None:
+            return
+        self.store.commit(self._plan.new)
+        self._positions_used = max(self._positions_used, max(self._n_keys))
+        self._plan = None
+        if pin:
+            self.store.pin()
+        elif self._mark is None:
+            self._compress()
+
+    @torch.no_grad()
+    def _compress(self) -> None:
+        s, c = self.store, self.cfg.chunk
+        n = chunk_schedule(s.n_raw, window=self.cfg.window, chunk=c)
+        if n == 0:
+            return
+        idx = s.token_slots(s.raw_head, s.raw_head + n * c).view(n, c)
+        k_rep, v_rep = self.gate.aggregate(s.k[:, :, :, idx], s.v[:, :, :, idx])  # [L, B, Hkv, n, D]
+        scores, self.lstm_state = self.gate.score(k_rep, v_rep, self.lstm_state)  # [L, B, n]
+        scores = scores.mean(1).to(self.chunk_score.dtype)  # [L, n]: batch rows share one layout
+        keep = scores > self.gate.threshold().detach().to(scores.dtype)[:, None]
+        k_rep, v_rep = k_rep.to(s.k.dtype), v_rep.to(s.v.dtype)
+        if self.chunks_formed + n <= self.cfg.max_chunks:  # no layer can fill its budget: admit all at once
+            self._admit_all(k_rep, v_rep, scores, keep)
+        else:
+            for j in range(n):
+                self._admit_one(k_rep[..., j, :], v_rep[..., j, :], scores[:, j], keep[:, j])
+        self.gate_dropped += (~keep).sum(1)
+        s.drop_raw(n * c)
+        self._chunk_slots = None
+
+    def _admit_one(self, k_rep: torch.Tensor, v_rep: torch.Tensor, score: torch.Tensor, keep: torch.Tensor) -> None:
+        """One chunk through the budget rule (``admit``). k_rep, v_rep: [L, B, Hkv, D]; score, keep: [L]."""
+        s = self.store
+        adm = admit(self.chunk_valid, self.chunk_score, self.chunk_age, score, keep)
+        # layers that do not keep the chunk write it to the scratch slot, which is never read
+        target = torch.where(adm.write, s.raw_end + adm.slot, self._scratch)  # [L]
+        s.k[self._layers, :, :, target] = k_rep
+        s.v[self._layers, :, :, target] = v_rep
+        self.chunk_valid, self.chunk_score, self.chunk_age = apply_admission(
+            adm, self.chunk_valid, self.chunk_score, self.chunk_age, score, self.chunks_formed
+        )
+        self.budget_dropped += adm.budget_drop
+        self.chunks_formed += 1
+
+    def _admit_all(self, k_rep: torch.Tensor, v_rep: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor) -> None:
+        """n chunks at once when no budget can fill (what ``admit`` does then: the j-th kept chunk takes the
+        j-th free slot). k_rep, v_rep: [L, B, Hkv, n, D]; scores, keep: [L, n]."""
+        s, n = self.store, keep.shape[1]
+        free_first = torch.argsort(self.chunk_valid.to(torch.int8), dim=1, stable=True)  # [L, M]
+        slot = free_first.gather(1, (keep.long().cumsum(1) - 1).clamp(min=0))  # [L, n]
+        target = torch.where(keep, s.raw_end + slot, self._scratch)  # [L, n]
+        s.k[self._layers[:, None], :, :, target] = k_rep.permute(0, 3, 1, 2, 4)  # [L, n, B, Hkv, D]
+        s.v[self._layers[:, None], :, :, target] = v_rep.permute(0, 3, 1, 2, 4)
+        hit = torch.nn.functional.one_hot(slot, self.cfg.max_chunks).bool() & keep[..., None]  # [L, n, M]
+        taken = hit.any(1)
+        ages = torch.arange(self.chunks_formed, self.chunks_formed + n, device=keep.device)
+        self.chunk_valid = self.chunk_valid | taken
+        self.chunk_score = torch.where(taken, (hit * scores[..., None]).sum(1), self.chunk_score)
+        self.chunk_age = torch.where(taken, (hit * ages[None, :, None]).sum(1), self.chunk_age)
+        self.chunks_formed += n
+
+    # ---- mark / rollback / stats ---------------------------------------------------------------------
+    def mark(self) -> int:
+        """Open a mark: no compression until ``rollback`` closes it, so the rollback is exact."""
+        self._mark = self.store.length
+        return self._mark
+
+    def rollback(self, mark: int) -> None:
+        """Drop the tokens appended after ``mark`` and close the open mark."""
+        self.store.check_rollback(mark)
+        self.store.length = mark
+        self._mark = None
+
+    def retained_per_layer(self) -> list[int]:
+        return self.chunk_valid.sum(-1).tolist()
+
+    def stats(self) -> KVStats:
+        s, c = self.store, self.model_cfg
+        retained = int(self.chunk_valid.sum())
+        dropped = int(self.gate_dropped.sum() + self.budget_dropped.sum())
+        held_raw = s.n_pinned + s.n_raw
+        per_token = 2 * self.batch * c.n_kv_heads * c.head_dim * s.k.element_size()
+        return KVStats(
+            tokens_raw=held_raw,
+            tokens_compressed=retained / c.n_layers,
+            chunks_retained=retained,
+            chunks_dropped=dropped,
+            bytes=per_token * (held_raw * c.n_layers + retained),
+            positions_used=self._positions_used,
+            retained_ratio=retained / (retained + dropped) if retained + dropped else 1.0,
+            tokens_seen=s.length,
+        )

@@ -1,0 +1,284 @@
+"""ChunkGate: the learnable part of the KV-Efficient cache (seed 002, contract 3).
+
+For every decoder layer ``l`` (weights stacked over layers, so all layers run in one batched matmul):
+
+* **Aggregator** — a 2-layer MLP per layer for keys and one for values, shared by all KV heads. It maps
+  the C pre-RoPE keys (values) of a chunk to one key (value)::
+
+      rep(x) = mean_c(x) + fc2(gelu(fc1(vec(x))))        x: [C, D] -> [D]
+
+  ``fc2`` starts at zero, so an untrained aggregator *is* mean pooling, exactly, while gradients
+  still reach ``fc2`` (the zero-initialised residual of IntentKV's head; research note §3d.4).
+* **Retention gate** — an LSTM per layer (weights shared by the KV heads, state per head and batch
+  row) reads each chunk representative ``rms_norm([k_rep ‖ v_rep])`` in order; the layer's score is::
+
+      s = readout_bias[l] + mean_heads(readout_weight[l] · h)
+
+  and the chunk is kept iff ``s > tau[l]`` (``tau`` learnable). ``readout_weight`` starts at zero and
+  ``readout_bias - tau`` at ``keep_margin`` > 0, so an untrained gate keeps every chunk: a learned
+  correction, zero at start, on a constant heuristic score.
+* **Soft gate** for training: ``g = sigmoid((s - tau) / temperature)``; the parallel form adds
+  ``log g`` to the attention scores of the chunk's key.
+
+The module holds weights only; the LSTM ``(h, c)`` and the chunk scores are episode state kept by the
+cache. ``save_gate``/``load_gate`` write/read ``gates.safetensors`` + ``kv_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from .config import KVConfig
+
+if TYPE_CHECKING:
+    from ..models.llama import LlamaConfig
+
+GATE_WEIGHTS = "gates.safetensors"
+GATE_CONFIG = "kv_config.json"
+
+LSTMState = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ChunkGateConfig:
+    """Geometry of a ``ChunkGate``.
+
+    Args:
+        n_layers: decoder layers (one aggregator and one LSTM each).
+        head_dim: per-head size D of the keys/values it aggregates.
+        chunk: tokens per chunk C (the aggregator's input is C x D).
+        aggregator_hidden: hidden width of the aggregator MLPs.
+        gate_hidden: LSTM hidden size.
+        keep_margin: initial ``readout_bias - tau``; > 0 keeps every chunk while untrained.
+    """
+
+    n_layers: int
+    head_dim: int
+    chunk: int
+    aggregator_hidden: int = 64
+    gate_hidden: int = 32
+    keep_margin: float = 3.0
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "head_dim", "chunk", "aggregator_hidden", "gate_hidden"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
+        if not math.isfinite(self.keep_margin):
+            raise ValueError(f"`keep_margin` must be finite, got {self.keep_margin}")
+
+    @classmethod
+    def from_configs(cls, kv_cfg: KVConfig, model_cfg: "LlamaConfig", **overrides) -> "ChunkGateConfig":
+        return cls(
+            n_layers=model_cfg.n_layers,
+            head_dim=model_cfg.head_dim,
+            chunk=kv_cfg.chunk,
+            aggregator_hidden=kv_cfg.aggregator_hidden,
+            gate_hidden=kv_cfg.gate_hidden,
+            **overrides,
+        )
+
+
+class StackedMLP(nn.Module):
+    """One residual 2-layer MLP per layer, ``[C, D] -> [D]``: ``mean_c(x) + fc2(gelu(fc1(vec x)))``."""
+
+    def __init__(self, n_layers: int, chunk: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        bound = 1.0 / math.sqrt(chunk * dim)  # nn.Linear's default init for fc1
+        self.fc1_weight = nn.Parameter(torch.empty(n_layers, chunk * dim, hidden).uniform_(-bound, bound))
+        self.fc1_bias = nn.Parameter(torch.empty(n_layers, hidden).uniform_(-bound, bound))
+        self.fc2_weight = nn.Parameter(torch.zeros(n_layers, hidden, dim))
+        self.fc2_bias = nn.Parameter(torch.zeros(n_layers, dim))
+
+    def forward(self, x: torch.Tensor, layers: slice) -> torch.Tensor:
+        """x: [L', ..., C, D] for the layers ``layers`` selects -> [L', ..., D]."""
+        lead = x.shape[:-2]
+        flat = x.reshape(lead[0], -1, x.shape[-2] * x.shape[-1])  # [L', M, C*D]
+        hidden = F.gelu(torch.baddbmm(self.fc1_bias[layers, None], flat, self.fc1_weight[layers]))  # [L', M, H]
+        delta = torch.baddbmm(self.fc2_bias[layers, None], hidden, self.fc2_weight[layers])  # [L', M, D]
+        return x.mean(dim=-2) + delta.view(*lead, x.shape[-1])  # [L', ..., D]
+
+
+class ChunkGate(nn.Module):
+    """Per-layer chunk aggregator + LSTM retention gate + threshold ``tau`` (weights only).
+
+    Layer-stacked methods take a ``layers`` argument: ``None`` = every layer (leading dim L), an
+    ``int`` = that one layer (no leading layer dim).
+    """
+
+    def __init__(self, cfg: ChunkGateConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        n, d, hidden = cfg.n_layers, cfg.head_dim, cfg.gate_hidden
+        self.key_aggregator = StackedMLP(n, cfg.chunk, d, cfg.aggregator_hidden)
+        self.value_aggregator = StackedMLP(n, cfg.chunk, d, cfg.aggregator_hidden)
+        bound = 1.0 / math.sqrt(hidden)  # nn.LSTM's default init
+        self.lstm_weight_ih = nn.Parameter(torch.empty(n, 2 * d, 4 * hidden).uniform_(-bound, bound))
+        self.lstm_weight_hh = nn.Parameter(torch.empty(n, hidden, 4 * hidden).uniform_(-bound, bound))
+        self.lstm_bias = nn.Parameter(torch.empty(n, 4 * hidden).uniform_(-bound, bound))
+        self.readout_weight = nn.Parameter(torch.zeros(n, hidden))
+        self.readout_bias = nn.Parameter(torch.full((n,), float(cfg.keep_margin)))
+        self.tau = nn.Parameter(torch.zeros(n))
+
+    @staticmethod
+    def _select(layers: int | None) -> tuple[slice, bool]:
+        if layers is None:
+            return slice(None), False
+        return slice(layers, layers + 1), True
+
+    def aggregate(
+        self, k: torch.Tensor, v: torch.Tensor, layers: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk representatives from pre-RoPE keys/values.
+
+        k, v: [L, B, Hkv, n, C, D] (``layers=None``) or [B, Hkv, n, C, D] (one layer).
+        Returns k_rep, v_rep: [L, B, Hkv, n, D] / [B, Hkv, n, D] in the gate's dtype.
+        """
+        sel, single = self._select(layers)
+        dtype = self.fc_dtype
+        k, v = k.to(dtype), v.to(dtype)
+        if single:
+            k, v = k.unsqueeze(0), v.unsqueeze(0)
+        k_rep = self.key_aggregator(k, sel)
+        v_rep = self.value_aggregator(v, sel)
+        if single:
+            k_rep, v_rep = k_rep.squeeze(0), v_rep.squeeze(0)
+        return k_rep, v_rep
+
+    @property
+    def fc_dtype(self) -> torch.dtype:
+        return self.lstm_weight_ih.dtype
+
+    def init_state(self, batch: int, kv_heads: int, layers: int | None = None, device=None) -> LSTMState:
+        """Zero LSTM state ``(h, c)``: [L, B*Hkv, hidden] (or [B*Hkv, hidden] for one layer)."""
+        shape = (batch * kv_heads, self.cfg.gate_hidden)
+        if layers is None:
+            shape = (self.cfg.n_layers, *shape)
+        z = torch.zeros(shape, dtype=self.fc_dtype, device=device if device is not None else self.tau.device)
+        return z, z.clone()
+
+    def score(
+        self, k_rep: torch.Tensor, v_rep: torch.Tensor, state: LSTMState, layers: int | None = None
+    ) -> tuple[torch.Tensor, LSTMState]:
+        """Run the LSTM over n chunks in order, per layer and batch row; one score per chunk.
+
+        k_rep, v_rep: [L, B, Hkv, n, D] (or [B, Hkv, n, D] for one layer); state: ``init_state``'s shapes.
+        Returns scores [L, B, n] (or [B, n]) and the state after the last chunk.
+        """
+        sel, single = self._select(layers)
+        h, c = state
+        if single:
+            k_rep, v_rep, h, c = k_rep[None], v_rep[None], h[None], c[None]
+        n_l, b, hkv, n, _ = k_rep.shape
+        x = torch.cat((k_rep, v_rep), dim=-1).to(self.fc_dtype)  # [L', B, Hkv, n, 2D]
+        x = x.permute(0, 3, 1, 2, 4).reshape(n_l, n * b * hkv, -1)  # [L', n*B*Hkv, 2D]
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # scale-free input
+        x_gates = torch.baddbmm(self.lstm_bias[sel, None], x, self.lstm_weight_ih[sel]).view(n_l, n, b * hkv, -1)
+        hs = []
+        for j in range(n):  # the recurrence; the input projection above is batched over chunks
+            i, f, g, o = torch.baddbmm(x_gates[:, j], h, self.lstm_weight_hh[sel]).chunk(4, dim=-1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+            hs.append(h)
+        hidden = torch.stack(hs, dim=1) if hs else x_gates.new_zeros(n_l, 0, b * hkv, h.shape[-1])  # [L', n, B*Hkv, H]
+        per_head = (hidden * self.readout_weight[sel, None, None]).sum(-1).view(n_l, n, b, hkv)
+        s = (self.readout_bias[sel, None, None] + per_head.mean(-1)).transpose(1, 2)  # [L', B, n]
+        if single:
+            return s[0], (h[0], c[0])
+        return s, (h, c)
+
+    def threshold(self, layers: int | None = None) -> torch.Tensor:
+        """tau: [L] (or a scalar tensor for one layer)."""
+        return self.tau if layers is None else self.tau[layers]
+
+    def keep_prob(self, s: torch.Tensor, layers: int | None = None, *, temperature: float = 1.0) -> torch.Tensor:
+        """Soft gate ``sigmoid((s - tau) / temperature)``; s: [L, ...] or [...] for one layer."""
+        tau = self.threshold(layers)
+        if layers is None:
+            tau = tau.view(-1, *([1] * (s.dim() - 1)))
+        return torch.sigmoid((s - tau) / temperature)
+
+    def log_keep_prob(self, s: torch.Tensor, layers: int | None = None, *, temperature: float = 1.0) -> torch.Tensor:
+        """``log g`` computed stably (``logsigmoid``); same shapes as ``keep_prob``."""
+        tau = self.threshold(layers)
+        if layers is None:
+            tau = tau.view(-1, *([1] * (s.dim() - 1)))
+        return F.logsigmoid((s - tau) / temperature)
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (
+            f"layers={c.n_layers}, chunk={c.chunk}, head_dim={c.head_dim}, "
+            f"agg_hidden={c.aggregator_hidden}, lstm_hidden={c.gate_hidden}"
+        )
+
+
+def check_gate(gate: ChunkGate, kv_cfg: KVConfig, model_cfg: "LlamaConfig") -> None:
+    """Raise ``ValueError`` if ``gate`` is not a ``ChunkGate`` built for this model geometry and chunk size."""
+    if not isinstance(gate, ChunkGate):
+        raise ValueError(f"the chunked cache needs a ChunkGate (vla_runtime.kv.gate), got {type(gate).__name__}")
+    want = {"n_layers": model_cfg.n_layers, "head_dim": model_cfg.head_dim, "chunk": kv_cfg.chunk}
+    for name, value in want.items():
+        got = getattr(gate.cfg, name)
+        if got != value:
+            raise ValueError(
+                f"ChunkGate has `{name}`={got} but the cache needs {value} (gate built for another model or KVConfig)"
+            )
+
+
+def save_gate(gate: ChunkGate, directory: str | Path, kv_cfg: KVConfig) -> Path:
+    """Write ``gates.safetensors`` (float32 weights) and ``kv_config.json`` into ``directory``; returns it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: p.detach().float().contiguous().cpu() for name, p in gate.state_dict().items()}
+    save_file(tensors, str(directory / GATE_WEIGHTS), metadata={"format": "pt", "kind": "vla_runtime.ChunkGate"})
+    meta = {"kv": asdict(kv_cfg), "gate": asdict(gate.cfg)}
+    (directory / GATE_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+    return directory
+
+
+def has_gate(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a saved gate (``gates.safetensors`` + ``kv_config.json``)."""
+    directory = Path(directory)
+    return (directory / GATE_WEIGHTS).is_file() and (directory / GATE_CONFIG).is_file()
+
+
+def load_gate(directory: str | Path, *, device: torch.device | str = "cpu") -> tuple[ChunkGate, KVConfig]:
+    """Read a gate written by ``save_gate``. Raises ``FileNotFoundError`` naming a missing file and
+    ``ValueError`` naming missing, unexpected or mis-shaped tensors."""
+    from ..config import from_dict
+
+    directory = Path(directory)
+    for name in (GATE_WEIGHTS, GATE_CONFIG):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{directory / name} does not exist (a gate is saved as {GATE_WEIGHTS} + {GATE_CONFIG})")
+    try:
+        meta = json.loads((directory / GATE_CONFIG).read_text())
+        kv_cfg = from_dict(KVConfig, meta["kv"])
+        gate_cfg = ChunkGateConfig(**meta["gate"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{directory / GATE_CONFIG} is not a gate config ({e!r}); expected keys 'kv' and 'gate'") from e
+    gate = ChunkGate(gate_cfg)
+    tensors = load_file(str(directory / GATE_WEIGHTS))
+    expected = gate.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    shapes = sorted(
+        f"{k}: {tuple(tensors[k].shape)} != {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in tensors and tensors[k].shape != v.shape
+    )
+    if missing or unexpected or shapes:
+        raise ValueError(
+            f"{directory / GATE_WEIGHTS} does not match {GATE_CONFIG}: missing {missing}, unexpected {unexpected}, shapes {shapes}"
+        )
+    gate.load_state_dict(tensors)
+    return gate.to(device), kv_cfg

@@ -1,0 +1,230 @@
+"""Slot store shared by the decoupled-position caches (``SinkWindowCache``, ``ChunkedGatedCache``).
+
+One pre-RoPE key store and one value store per layer, ``k, v: [L, B, Hkv, S, D]``, allocated once:
+
+    slots [0, n_pinned)          pinned prefix: token t at slot t; never moves, never compressed
+    slots [n_pinned, raw_end)    raw ring: token t >= n_pinned at n_pinned + (t - n_pinned) % ring_cap
+    slots [raw_end, S)           chunk slots (only ``ChunkedGatedCache``; occupancy differs per layer)
+
+Tokens are counted from the episode start: ``[0, n_pinned)`` pinned, ``[raw_head, length)`` raw,
+everything in ``[n_pinned, raw_head)`` compressed or dropped. New tokens are written by slice (or
+``index_copy_`` when the ring wraps). Attention reads the slots of one layer in attention order
+(pinned | chunks | raw) whose compacted positions are simply ``0 .. N-1``; see ``attend_slots``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .attention import causal_attention
+from .backend import AttentionBackend
+from .rope import RopeConfig, apply_rope, inv_freq, rope_cos_sin
+
+if TYPE_CHECKING:
+    from ..models.llama import LlamaConfig
+
+
+class RopeTable:
+    """cos/sin for compacted positions ``0 .. n-1`` (float32), computed once for static schedules.
+
+    ``dynamic`` (NTK) scaling depends on the sequence length, so it is recomputed per request.
+    """
+
+    def __init__(self, cfg: RopeConfig, size: int, device: torch.device | str) -> None:
+        self.cfg = cfg
+        self.device = device
+        self._cos = self._sin = None
+        if cfg.rope_type != "dynamic":
+            self._cos, self._sin = rope_cos_sin(torch.arange(size, device=device), cfg)
+
+    def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [n, D] for positions 0..n-1."""
+        if self._cos is None:
+            return rope_cos_sin(torch.arange(n, device=self.device), self.cfg)
+        return self._cos[:n], self._sin[:n]
+
+    def inv_freq(self, n: int) -> torch.Tensor:
+        """[D/2] float32 inverse frequencies for a sequence of n positions (for the Triton kernel)."""
+        return inv_freq(self.cfg, seq_len=n, device=self.device)
+
+
+@dataclass
+class ForwardPlan:
+    """What one forward writes and reads; built once (first layer), shared by every layer.
+
+    Args:
+        new: number of new tokens T.
+        write: slots of the new tokens, a ``slice`` when contiguous else a [T] long tensor.
+        raw: [n_raw + T] long, raw slots in token order (held raw tokens, then the new ones).
+    """
+
+    new: int
+    write: slice | torch.Tensor
+    raw: torch.Tensor
+
+
+class SlotStore:
+    """Pre-RoPE K/V buffers plus the token bookkeeping of pinned prefix and raw ring (see module doc)."""
+
+    def __init__(
+        self,
+        model_cfg: "LlamaConfig",
+        *,
+        slots: int,
+        chunk_slots: int,
+        batch: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        self.cfg = model_cfg
+        self.slots = slots
+        self.raw_end = slots - chunk_slots
+        shape = (model_cfg.n_layers, batch, model_cfg.n_kv_heads, slots, model_cfg.head_dim)
+        self.k = torch.empty(shape, device=device, dtype=dtype)  # every read slot is written first
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.rope = RopeTable(model_cfg.rope, slots, device)
+        self.device = torch.device(device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.n_pinned = 0
+        self.raw_head = 0
+        self.length = 0
+        self.last_change = 0  # token count when the held layout last changed (pin / compress / trim)
+        self.layout_version = getattr(self, "layout_version", 0) + 1  # bumped whenever held positions shift
+
+    # ---- bookkeeping -------------------------------------------------------------------------------
+    @property
+    def ring_cap(self) -> int:
+        return self.raw_end - self.n_pinned
+
+    @property
+    def n_raw(self) -> int:
+        return self.length - self.raw_head
+
+    def token_slots(self, start: int, end: int) -> torch.Tensor:
+        """Slots of raw tokens ``[start, end)`` (all >= n_pinned): [end - start] long."""
+        t = torch.arange(start, end, device=self.device)
+        return self.n_pinned + (t - self.n_pinned) % self.ring_cap
+
+    def plan(self, new: int) -> ForwardPlan:
+        """Reserve ring slots for ``new`` tokens; raise ``ValueError`` if the ring cannot hold them."""
+        if self.n_raw + new > self.ring_cap:
+            raise ValueError(
+                f"the raw ring holds {self.ring_cap} tokens ({self.n_raw} held + {new} new do not fit): raise "
+                "KVConfig.capacity, lower `window`/`max_chunks`, or split the forward (an open mark defers compression)"
+            )
+        a = self.n_pinned + (self.length - self.n_pinned) % self.ring_cap
+        write = slice(a, a + new) if a + new <= self.raw_end else self.token_slots(self.length, self.length + new)
+        return ForwardPlan(new=new, write=write, raw=self.token_slots(self.raw_head, self.length + new))
+
+    def write(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens of ``layer``; k, v: [B, Hkv, T, D] (k pre-RoPE)."""
+        if isinstance(plan.write, slice):
+            self.k[layer, :, :, plan.write] = k
+            self.v[layer, :, :, plan.write] = v
+        else:
+            self.k[layer].index_copy_(2, plan.write, k)
+            self.v[layer].index_copy_(2, plan.write, v)
+
+    def commit(self, new: int) -> None:
+        self.length += new
+
+    def pin(self, upto: int | None = None) -> None:
+        """Pin tokens ``[0, upto)`` (default: every held token, the prompt); they stay at slots 0..upto-1.
+
+        Only before anything was compressed or trimmed: raw tokens then sit at slot == token index.
+        """
+        upto = self.length if upto is None else upto
+        if self.raw_head != self.n_pinned:
+            raise ValueError(
+                f"cannot pin: {self.raw_head - self.n_pinned} tokens were already compressed or trimmed; "
+                "pin the prompt (end_forward(pin=True)) before the first compression"
+            )
+        assert self.n_pinned <= upto <= self.length
+        self.n_pinned = self.raw_head = upto
+        self.last_change = self.length
+        self.layout_version += 1
+
+    def contiguous_prefix(self, new: int) -> bool:
+        """Whether pinned + raw tokens (with ``new`` more) are exactly slots ``0 .. n_pinned + n_raw + new - 1``."""
+        return self.raw_head == self.n_pinned and self.n_raw + new <= self.ring_cap
+
+    def drop_raw(self, n: int) -> None:
+        """The ``n`` oldest raw tokens leave the raw ring (compressed or trimmed)."""
+        self.raw_head += n
+        self.last_change = self.length
+        self.layout_version += 1
+
+    def check_rollback(self, mark: int) -> None:
+        if not self.last_change <= mark <= self.length:
+            raise ValueError(
+                f"cannot roll back to {mark}: the cache holds {self.length} tokens and its layout last changed at "
+                f"{self.last_change} (pin/compression); take `mark()` before the forwards you will roll back "
+                "(an open mark defers compression; `rollback` closes it)"
+            )
+
+
+class RotatedView:
+    """Torch path: per layer, the held keys rotated at their compacted positions and the values, contiguous in
+    attention order (``k, v: [L, B, Hkv, S, D]``, the first ``n[layer]`` valid).
+
+    Positions only shift when the layout changes (pin, compression, trim), so the view is rebuilt from the
+    pre-RoPE store (gather + rotate N keys) once per change and otherwise only gets the new tokens
+    appended (rotate T keys): a decode step costs O(T) RoPE work instead of O(N). Rollbacks never cross
+    a layout change, so they just shorten the view.
+    """
+
+    def __init__(self, store: SlotStore) -> None:
+        self.k = torch.empty_like(store.k)  # untouched until used
+        self.v = torch.empty_like(store.v)
+        self.n = [0] * store.k.shape[0]
+        self.version = [-1] * store.k.shape[0]
+
+    def attend(self, store: SlotStore, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               slots: torch.Tensor | slice, n_keys: int) -> torch.Tensor:  # fmt: skip
+        """See ``attend_slots``; ``k_new, v_new``: [B, Hkv, T, D] the new tokens (k pre-RoPE)."""
+        t = q.shape[2]
+        held = n_keys - t
+        cos, sin = store.rope.get(n_keys)
+        vk, vv = self.k[layer], self.v[layer]  # [B, Hkv, S, D]
+        if self.version[layer] != store.layout_version or self.n[layer] < held:
+            idx = slots[:held] if isinstance(slots, torch.Tensor) else torch.arange(held, device=q.device)
+            vk[:, :, :held] = apply_rope(store.k[layer].index_select(2, idx), cos[:held], sin[:held])
+            vv[:, :, :held] = store.v[layer].index_select(2, idx)
+            self.version[layer] = store.layout_version
+        vk[:, :, held:n_keys] = apply_rope(k_new, cos[held:], sin[held:])
+        vv[:, :, held:n_keys] = v_new
+        self.n[layer] = n_keys
+        q = apply_rope(q, cos[held:], sin[held:])
+        return causal_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], past=held)
+
+
+def attend_slots(
+    store: SlotStore,
+    backend: AttentionBackend,
+    view: RotatedView | None,
+    layer: int,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    slots: torch.Tensor | slice,
+    n_keys: int,
+) -> torch.Tensor:
+    """Attention of the new queries over ``n_keys`` slots of ``layer`` listed in attention order.
+
+    q: [B, Hq, T, D] pre-RoPE; k_new, v_new: [B, Hkv, T, D] the new tokens, already written to the store
+    as the last T of ``slots`` ([N] long tensor, or ``slice(0, N)`` when the held tokens are slots 0..N-1).
+    Compacted positions are ``0 .. n_keys-1`` in that order, so queries sit at ``n_keys-T .. n_keys-1``.
+    The Triton kernel reads the store directly; the torch path goes through ``view``. Returns [B, Hq, T, D].
+    """
+    if backend.kernel is None:
+        return view.attend(store, layer, q, k_new, v_new, slots, n_keys)
+    t = q.shape[2]
+    idx = torch.arange(n_keys, device=q.device) if isinstance(slots, slice) else slots
+    pos = torch.arange(n_keys, device=q.device, dtype=torch.int32)
+    k_store, v_store = store.k[layer], store.v[layer]  # [B, Hkv, S, D]
+    return backend.kernel(q, k_store, v_store, idx.to(torch.int32), pos, pos[n_keys - t :], store.rope.inv_freq(n_keys))
