@@ -170,3 +170,25 @@ def test_info_reads_structure_only(tiny_hybridvla):
     info = load_policy(tiny_hybridvla, device="meta").info()
     assert info["family"] == "hybridvla" and info["mode"] == "diff+ar" and info["ar_token_range"] == [31744, 31999]
     assert info["parameters"]["diffusion_modules"] > 0 and info["datasets"] == ["rlbench"]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_cogact", "tiny_hybridvla"])
+def test_a_trained_chunk_gate_beside_the_run_is_used(request, tmp_path, fixture):
+    from vla_runtime.config import SessionConfig
+    from vla_runtime.kv import ChunkGate, ChunkGateConfig, KVConfig, save_gate
+
+    run = copy_run(request.getfixturevalue(fixture), tmp_path / "run")
+    plain = load_policy(run)
+    kv = KVConfig(mode="chunked", chunk=8, window=24)
+    gate = ChunkGate(ChunkGateConfig.from_configs(kv, plain.vlm.cfg.llm))
+    with torch.no_grad():
+        for p in gate.parameters():
+            p.add_(0.1)
+    save_gate(gate, run, kv)
+    policy = load_policy(run)
+    assert policy.kv == kv  # the cache the gate was trained with becomes the default
+    for ours, saved in zip(policy.kv_gate.state_dict().values(), gate.state_dict().values()):
+        assert torch.equal(ours, saved)
+    session = policy.new_session("open the drawer", SessionConfig(kv=kv, history="history"))
+    assert session.cache.gate is policy.kv_gate
+    assert plain.chunk_gate(kv) is plain.chunk_gate(kv)  # without a file: one untrained default per policy

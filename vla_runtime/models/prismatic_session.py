@@ -1,4 +1,4 @@
-"""Episodes over the shared Prismatic VLM for the diffusion families (CogACT, HybridVLA).
+"""Policies and episodes over the shared Prismatic VLM for the diffusion families (CogACT, HybridVLA).
 
 OpenVLA decodes action tokens; these families end the prompt with a family ``suffix`` and hand the
 LLM's output to their own action head. The token layout in both history modes (one view):
@@ -16,8 +16,11 @@ rolls back, so the history holds observations and prompts only; the cache decide
 from __future__ import annotations
 
 import abc
+import logging
 import time
 from dataclasses import replace
+from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -25,7 +28,7 @@ import torch
 from ..api import PRIMARY_CAMERA, EpisodeSession, Observation, StepResult
 from ..config import SessionConfig
 from ..device import synchronize
-from ..kv import KVConfig, make_cache
+from ..kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make_cache
 from .openvla.processing_openvla import (
     ActionStats,
     Forward,
@@ -36,6 +39,8 @@ from .openvla.processing_openvla import (
     history_prompt,
     resolve_unnorm_key,
 )
+
+log = logging.getLogger(__name__)
 
 
 def frame_layout(prompt: PromptIds, *, history: bool, suffix: tuple[int, ...], proprio: bool) -> Forward:
@@ -48,18 +53,87 @@ def frame_layout(prompt: PromptIds, *, history: bool, suffix: tuple[int, ...], p
     return Forward((*head, Segment(SegmentKind.TEXT, (*prompt.instruction, *prompt.out, *suffix)), *tail))
 
 
+class PrismaticPolicy:
+    """What the CogACT and HybridVLA policies share (a mixin before ``Policy``: ``class X(PrismaticPolicy,
+    Policy)``): the loaded run, the default session settings and the ``ChunkGate`` (contract 3: owned by
+    the policy, handed to chunked caches, trained by ``finetune/``).
+
+    Args:
+        checkpoint: the run with its VLM loaded (``checkpoints.prismatic_vlm.load_prismatic``).
+        config: the family's config (``norm_stats`` property). model: the weights (``vlm`` + the head).
+        device, dtype: where the VLM lives. kv: default cache for sessions. unnorm_key: default dataset key.
+    """
+
+    name: ClassVar[str]
+    session_class: ClassVar[type["PrismaticSession"]]
+
+    def __init__(self, checkpoint, config, model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
+                 kv: KVConfig | None = None, unnorm_key: str | None = None) -> None:  # fmt: skip
+        self.checkpoint = checkpoint
+        self.config = config
+        self.model = model
+        self.vlm = model.vlm
+        self.tokenizer = checkpoint.tokenizer
+        self.image_processor = checkpoint.image_processor
+        self.device, self.dtype = device, dtype
+        self.kv = kv or KVConfig()
+        self.kv_gate: ChunkGate | None = None  # a trained gate (see `with_trained_gate`), else built on first use
+        if unnorm_key is not None:
+            resolve_unnorm_key(self.norm_stats, unnorm_key)  # fail at load, not at the first step
+        self.unnorm_key = unnorm_key
+
+    @property
+    def norm_stats(self) -> dict:
+        return self.config.norm_stats
+
+    def chunk_gate(self, kv: KVConfig) -> ChunkGate:
+        """The gate a chunked cache uses: the loaded one, else an untrained default (mean-pooling aggregator,
+        keeps every chunk) built once for ``kv``'s chunk size and kept on the policy."""
+        if self.kv_gate is None:
+            self.kv_gate = ChunkGate(ChunkGateConfig.from_configs(kv, self.vlm.cfg.llm)).to(self.device)
+        return self.kv_gate
+
+    def new_session(self, instruction: str, config: SessionConfig | None = None) -> "PrismaticSession":
+        config = config or SessionConfig(kv=self.kv, unnorm_key=self.unnorm_key)
+        if config.unnorm_key is None and self.unnorm_key is not None:
+            config = replace(config, unnorm_key=self.unnorm_key)
+        return self.session_class(self, instruction, config)
+
+    def _base_info(self) -> dict:
+        vlm = self.config.vlm
+        run = self.checkpoint.run
+        return {
+            "family": self.name,
+            "path": str(run.path),
+            "checkpoint": run.checkpoint.name,
+            "base_vlm": run.config.get("vla", {}).get("base_vlm"),
+            "vision_backbone_id": vlm.vision.backbone_id,
+            "image_tokens": vlm.vision.num_patches,
+            "llm": {"dim": vlm.llm.dim, "layers": vlm.llm.n_layers, "heads": vlm.llm.n_heads, "vocab_size": vlm.llm.vocab_size},
+        }
+
+
+def trained_gate(path: str | Path, device: torch.device, kv: KVConfig | None) -> tuple[ChunkGate | None, KVConfig | None]:
+    """A trained ``ChunkGate`` saved beside the run (``gates.safetensors`` + ``kv_config.json``) and the default
+    cache: ``kv`` if given, else the one the gate was trained for. ``(None, kv)`` when there is none."""
+    if not has_gate(path) or device.type == "meta":
+        return None, kv
+    gate, gate_kv = load_gate(path, device=device)
+    if kv is None:
+        log.info("%s has a trained ChunkGate: the default cache is %s", path, gate_kv)
+    return gate, kv or gate_kv
+
+
 class PrismaticSession(EpisodeSession):
     """One episode of a diffusion-family policy: prompt, cache, noise generator, head state.
 
     Subclasses give the prompt ``_suffix`` and ``uses_proprio``, say how many tokens their head appends after
     the prefix (``head_tokens``, for cache sizing), and implement ``_act`` (the step's prefix -> actions).
-    The policy provides ``vlm`` (``OpenVLA`` modules), ``tokenizer``, ``image_processor``,
-    ``norm_stats``, ``device``, ``dtype`` and ``kv_gate``.
     """
 
     uses_proprio: bool = False
 
-    def __init__(self, policy, instruction: str, config: SessionConfig) -> None:
+    def __init__(self, policy: PrismaticPolicy, instruction: str, config: SessionConfig) -> None:
         super().__init__(instruction, config)
         self.policy = policy
         self.unnorm_key = resolve_unnorm_key(policy.norm_stats, config.unnorm_key)
@@ -110,7 +184,7 @@ class PrismaticSession(EpisodeSession):
         else:
             kv = replace(kv, capacity=kv.capacity or step_tokens, window=kv.window or step_tokens)
         self.kv_config = kv
-        extra = {"gate": policy.kv_gate} if kv.mode == "chunked" else {}
+        extra = {"gate": policy.chunk_gate(kv)} if kv.mode == "chunked" else {}
         self.cache = make_cache(kv, policy.vlm.cfg.llm, batch=1, device=policy.device, dtype=policy.dtype, **extra)
         self._pinned = False
 

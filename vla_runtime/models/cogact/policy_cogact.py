@@ -10,102 +10,23 @@ binarised at 0.5 and un-normalised. ``StepResult.actions`` is the whole ``[16, 7
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ...api import Observation, Policy
-from ...checkpoints.prismatic_vlm import PrismaticCheckpoint, load_prismatic
+from ...checkpoints.prismatic_vlm import load_prismatic
 from ...config import SessionConfig
 from ...device import resolve_device, resolve_dtype, synchronize
 from ...kv import KVConfig
 from ..action_postprocess import postprocess_actions
 from ..diffusion import DiffusionConfig
-from ..openvla.processing_openvla import PromptIds, resolve_unnorm_key
-from ..prismatic_session import PrismaticSession
+from ..openvla.processing_openvla import PromptIds
+from ..prismatic_session import PrismaticPolicy, PrismaticSession, trained_gate
 from .configuration_cogact import AdaptiveEnsembleConfig, CogACTConfig, CogACTSamplingConfig, dit_config_from_run
 from .modeling_cogact import ActionModel, CogACT
 from .processing_cogact import AdaptiveEnsembler, cognition_suffix
-
-
-class CogACTPolicy(Policy):
-    """A loaded CogACT run: the VLM, the DiT, tokenizer, image transform and statistics.
-
-    Args:
-        checkpoint: the run with its VLM loaded (``checkpoints.prismatic_vlm.load_prismatic``).
-        config: sizes and sampling. model: the weights. device, dtype: where the VLM lives (the DiT stays float32).
-        kv: default cache for sessions. unnorm_key: default dataset key of the statistics.
-    """
-
-    name = "cogact"
-    config_class = CogACTConfig
-
-    def __init__(
-        self,
-        checkpoint: PrismaticCheckpoint,
-        config: CogACTConfig,
-        model: CogACT,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        kv: KVConfig | None = None,
-        unnorm_key: str | None = None,
-    ) -> None:
-        self.checkpoint = checkpoint
-        self.config = config
-        self.model = model
-        self.vlm = model.vlm
-        self.tokenizer = checkpoint.tokenizer
-        self.image_processor = checkpoint.image_processor
-        self.device, self.dtype = device, dtype
-        self.kv = kv or KVConfig()
-        self.kv_gate: torch.nn.Module | None = None  # the chunk gate for KVConfig(mode="chunked"), contract 3
-        if unnorm_key is not None:
-            resolve_unnorm_key(self.norm_stats, unnorm_key)  # fail at load, not at the first step
-        self.unnorm_key = unnorm_key
-
-    @property
-    def norm_stats(self) -> dict:
-        return self.config.norm_stats
-
-    @property
-    def action_dim(self) -> int:
-        return self.config.action_model.action_dim
-
-    @property
-    def chunk_size(self) -> int:
-        return 1 if self.config.sampling.ensemble.horizon else self.config.action_model.chunk
-
-    def new_session(self, instruction: str, config: SessionConfig | None = None) -> "CogACTSession":
-        config = config or SessionConfig(kv=self.kv, unnorm_key=self.unnorm_key)
-        if config.unnorm_key is None and self.unnorm_key is not None:
-            config = replace(config, unnorm_key=self.unnorm_key)
-        return CogACTSession(self, instruction, config)
-
-    def info(self) -> dict:
-        def count(module: torch.nn.Module) -> int:
-            return sum(p.numel() for p in module.parameters())
-
-        vlm, dit, sampling = self.config.vlm, self.config.action_model, self.config.sampling
-        return {
-            "family": self.name,
-            "path": str(self.checkpoint.run.path),
-            "checkpoint": self.checkpoint.run.checkpoint.name,
-            "base_vlm": self.checkpoint.run.config.get("vla", {}).get("base_vlm"),
-            "vision_backbone_id": vlm.vision.backbone_id,
-            "image_tokens": vlm.vision.num_patches,
-            "llm": {"dim": vlm.llm.dim, "layers": vlm.llm.n_layers, "heads": vlm.llm.n_heads, "vocab_size": vlm.llm.vocab_size},
-            "action_model": {"hidden": dit.hidden, "depth": dit.depth, "heads": dit.heads, "chunk": dit.chunk,
-                             "action_dim": dit.action_dim},  # fmt: skip
-            "sampling": {"ddim_steps": sampling.diffusion.sample_steps, "cfg_scale": sampling.cfg_scale,
-                         "ensemble_horizon": sampling.ensemble.horizon, "ensemble_alpha": sampling.ensemble.alpha},  # fmt: skip
-            "parameters": {"total": count(self.model), "vlm": count(self.vlm), "action_model": count(self.model.action_model)},
-            "datasets": sorted(self.norm_stats),
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-        }
 
 
 class CogACTSession(PrismaticSession):
@@ -146,6 +67,41 @@ class CogACTSession(PrismaticSession):
         return self.ensembler(chunk)[None]  # [1, A]
 
 
+class CogACTPolicy(PrismaticPolicy, Policy):
+    """A loaded CogACT run: the VLM, the DiT (float32), tokenizer, image transform and statistics."""
+
+    name = "cogact"
+    config_class = CogACTConfig
+    session_class = CogACTSession
+    config: CogACTConfig
+    model: CogACT
+
+    @property
+    def action_dim(self) -> int:
+        return self.config.action_model.action_dim
+
+    @property
+    def chunk_size(self) -> int:
+        return 1 if self.config.sampling.ensemble.horizon else self.config.action_model.chunk
+
+    def info(self) -> dict:
+        def count(module: torch.nn.Module) -> int:
+            return sum(p.numel() for p in module.parameters())
+
+        dit, sampling = self.config.action_model, self.config.sampling
+        return {
+            **self._base_info(),
+            "action_model": {"hidden": dit.hidden, "depth": dit.depth, "heads": dit.heads, "chunk": dit.chunk,
+                             "action_dim": dit.action_dim},  # fmt: skip
+            "sampling": {"ddim_steps": sampling.diffusion.sample_steps, "cfg_scale": sampling.cfg_scale,
+                         "ensemble_horizon": sampling.ensemble.horizon, "ensemble_alpha": sampling.ensemble.alpha},  # fmt: skip
+            "parameters": {"total": count(self.model), "vlm": count(self.vlm), "action_model": count(self.model.action_model)},
+            "datasets": sorted(self.norm_stats),
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+
 def load_cogact_policy(
     path: str | Path,
     *,
@@ -168,7 +124,8 @@ def load_cogact_policy(
     ``tokenizer.json`` of the LLaMA-2 tokenizer (default: the run directory's). cfg_scale: 1.5 as upstream
     (1 = no guidance). ddim_steps: 10 -> t in {90, ..., 0}. ensemble_horizon: K of the adaptive ensemble
     (2 Google robot, 7 WidowX; None = return whole chunks). use_ema: sample with ``ema_diffusion`` weights.
-    device ``"meta"`` builds the structure only (``vla-runtime info``).
+    device ``"meta"`` builds the structure only (``vla-runtime info``). A trained ``ChunkGate`` beside the run
+    (``gates.safetensors``) is loaded and, without ``kv``, sets the default cache.
     """
     if adapter is not None:
         raise ValueError(f"adapter {adapter}: CogACT runs load full checkpoints only (adapter=None)")
@@ -188,6 +145,7 @@ def load_cogact_policy(
         action_model = ActionModel(config.action_model, sampling.diffusion)
     if dev.type != "meta":
         action_model.load_state_dict({k: v.to(dev, torch.float32) for k, v in state.items()}, strict=True, assign=True)
-    return CogACTPolicy(
-        ckpt, config, CogACT(ckpt.vlm, action_model.eval()), device=dev, dtype=dt, kv=kv, unnorm_key=unnorm_key
-    )
+    gate, kv = trained_gate(path, dev, kv)
+    policy = CogACTPolicy(ckpt, config, CogACT(ckpt.vlm, action_model.eval()), device=dev, dtype=dt, kv=kv, unnorm_key=unnorm_key)
+    policy.kv_gate = gate
+    return policy

@@ -21,21 +21,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ...api import Observation, Policy
-from ...checkpoints.prismatic_vlm import PrismaticCheckpoint, load_prismatic
+from ...checkpoints.prismatic_vlm import load_prismatic
 from ...config import SessionConfig
 from ...device import resolve_device, resolve_dtype, synchronize
 from ...kv import KVConfig
 from ..action_postprocess import postprocess_actions
 from ..diffusion import DiffusionConfig, GaussianDiffusion
-from ..openvla.processing_openvla import ActionStats, PromptIds, resolve_unnorm_key
-from ..prismatic_session import PrismaticSession
+from ..openvla.processing_openvla import ActionStats, PromptIds
+from ..prismatic_session import PrismaticPolicy, PrismaticSession, trained_gate
 from .configuration_hybridvla import (
     BOD_TOKEN_ID,
     EOD_TOKEN_ID,
@@ -47,91 +46,6 @@ from .modeling_hybridvla import DiffusionHead, HybridVLA, decode_ar_actions, den
 from .processing_hybridvla import STATE_LAYOUTS, ar_action_tokenizer, collaborative_ensemble, to_proprio
 
 log = logging.getLogger(__name__)
-
-
-class HybridVLAPolicy(Policy):
-    """A loaded HybridVLA run: the VLM with the diffusion modules, tokenizer, image transform, statistics.
-
-    Args:
-        checkpoint: the run with its VLM loaded. config: sizes and sampling. model: the weights.
-        device, dtype: where the weights live. kv: default cache for sessions. unnorm_key: default dataset key.
-        state_layout: how ``Observation.state`` is laid out (``STATE_LAYOUTS``); ``None`` = by its length.
-    """
-
-    name = "hybridvla"
-    config_class = HybridVLAConfig
-
-    def __init__(
-        self,
-        checkpoint: PrismaticCheckpoint,
-        config: HybridVLAConfig,
-        model: HybridVLA,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        kv: KVConfig | None = None,
-        unnorm_key: str | None = None,
-        state_layout: str | None = None,
-    ) -> None:
-        if state_layout is not None and state_layout not in STATE_LAYOUTS:
-            raise KeyError(f"unknown state layout {state_layout!r}; known: {', '.join(STATE_LAYOUTS)}")
-        self.checkpoint = checkpoint
-        self.config = config
-        self.model = model
-        self.state_layout = state_layout
-        self.vlm = model.vlm
-        self.tokenizer = checkpoint.tokenizer
-        self.image_processor = checkpoint.image_processor
-        self.device, self.dtype = device, dtype
-        self.kv = kv or KVConfig()
-        self.kv_gate: torch.nn.Module | None = None  # the chunk gate for KVConfig(mode="chunked"), contract 3
-        self.diffusion = GaussianDiffusion(config.sampling.diffusion)
-        self.ar_tokens = ar_action_tokenizer(config.sampling.need_to_sub)
-        if unnorm_key is not None:
-            resolve_unnorm_key(self.norm_stats, unnorm_key)
-        self.unnorm_key = unnorm_key
-
-    @property
-    def norm_stats(self) -> dict:
-        return self.config.norm_stats
-
-    @property
-    def action_dim(self) -> int:
-        return self.config.head.action_dim
-
-    @property
-    def chunk_size(self) -> int:
-        return 1 if self.config.sampling.mode == "ar" else self.config.head.chunk
-
-    def new_session(self, instruction: str, config: SessionConfig | None = None) -> "HybridVLASession":
-        config = config or SessionConfig(kv=self.kv, unnorm_key=self.unnorm_key)
-        if config.unnorm_key is None and self.unnorm_key is not None:
-            config = replace(config, unnorm_key=self.unnorm_key)
-        return HybridVLASession(self, instruction, config)
-
-    def info(self) -> dict:
-        def count(module: torch.nn.Module) -> int:
-            return sum(p.numel() for p in module.parameters())
-
-        vlm, head, sampling = self.config.vlm, self.config.head, self.config.sampling
-        return {
-            "family": self.name,
-            "path": str(self.checkpoint.run.path),
-            "checkpoint": self.checkpoint.run.checkpoint.name,
-            "base_vlm": self.checkpoint.run.config.get("vla", {}).get("base_vlm"),
-            "vision_backbone_id": vlm.vision.backbone_id,
-            "image_tokens": vlm.vision.num_patches,
-            "llm": {"dim": vlm.llm.dim, "layers": vlm.llm.n_layers, "heads": vlm.llm.n_heads, "vocab_size": vlm.llm.vocab_size},
-            "diffusion": {"action_dim": head.action_dim, "future_window": head.future_window,
-                          "ddim_steps": sampling.diffusion.sample_steps},  # fmt: skip
-            "mode": sampling.mode,
-            "ensemble": {"rule": sampling.ensemble.rule, "threshold": sampling.ensemble.resolved_threshold},
-            "ar_token_range": [self.ar_tokens.first_id, self.ar_tokens.last_id],
-            "parameters": {"total": count(self.model), "vlm": count(self.vlm), "diffusion_modules": count(self.model.head)},
-            "datasets": sorted(self.norm_stats),
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-        }
 
 
 class HybridVLASession(PrismaticSession):
@@ -227,6 +141,54 @@ class HybridVLASession(PrismaticSession):
         return diff
 
 
+class HybridVLAPolicy(PrismaticPolicy, Policy):
+    """A loaded HybridVLA run: the VLM with the diffusion modules, tokenizer, image transform, statistics.
+
+    Args (besides ``PrismaticPolicy``'s):
+        state_layout: how ``Observation.state`` is laid out (``STATE_LAYOUTS``); ``None`` = by its length.
+    """
+
+    name = "hybridvla"
+    config_class = HybridVLAConfig
+    session_class = HybridVLASession
+    config: HybridVLAConfig
+    model: HybridVLA
+
+    def __init__(self, checkpoint, config: HybridVLAConfig, model: HybridVLA, *, state_layout: str | None = None, **kw) -> None:
+        if state_layout is not None and state_layout not in STATE_LAYOUTS:
+            raise KeyError(f"unknown state layout {state_layout!r}; known: {', '.join(STATE_LAYOUTS)}")
+        super().__init__(checkpoint, config, model, **kw)
+        self.state_layout = state_layout
+        self.diffusion = GaussianDiffusion(config.sampling.diffusion)
+        self.ar_tokens = ar_action_tokenizer(config.sampling.need_to_sub)
+
+    @property
+    def action_dim(self) -> int:
+        return self.config.head.action_dim
+
+    @property
+    def chunk_size(self) -> int:
+        return 1 if self.config.sampling.mode == "ar" else self.config.head.chunk
+
+    def info(self) -> dict:
+        def count(module: torch.nn.Module) -> int:
+            return sum(p.numel() for p in module.parameters())
+
+        head, sampling = self.config.head, self.config.sampling
+        return {
+            **self._base_info(),
+            "diffusion": {"action_dim": head.action_dim, "future_window": head.future_window,
+                          "ddim_steps": sampling.diffusion.sample_steps},  # fmt: skip
+            "mode": sampling.mode,
+            "ensemble": {"rule": sampling.ensemble.rule, "threshold": sampling.ensemble.resolved_threshold},
+            "ar_token_range": [self.ar_tokens.first_id, self.ar_tokens.last_id],
+            "parameters": {"total": count(self.model), "vlm": count(self.vlm), "diffusion_modules": count(self.model.head)},
+            "datasets": sorted(self.norm_stats),
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+
 def load_hybridvla_policy(
     path: str | Path,
     *,
@@ -254,6 +216,7 @@ def load_hybridvla_policy(
     x, y, z, roll, pitch, yaw, gripper; 8 = RLBench's position + xyzw quaternion + gripper; 4 = Meta-World's
     position + gripper); ``None`` = by the state's length.
     ``future_action_window_size`` cannot be read from the weights: it comes from config.json (default 0).
+    A trained ``ChunkGate`` beside the run (``gates.safetensors``) is loaded and, without ``kv``, sets the default cache.
     """
     if adapter is not None:
         raise ValueError(f"adapter {adapter}: HybridVLA runs load full checkpoints only (adapter=None)")
@@ -276,7 +239,10 @@ def load_hybridvla_policy(
     if dev.type != "meta":
         head.load_module_state_dicts(ckpt.modules, device=dev, dtype=dt)
     config = HybridVLAConfig(vlm=ckpt.config, head=head.cfg, sampling=sampling)
-    return HybridVLAPolicy(
+    gate, kv = trained_gate(path, dev, kv)
+    policy = HybridVLAPolicy(
         ckpt, config, HybridVLA(ckpt.vlm, head.eval()), device=dev, dtype=dt, kv=kv, unnorm_key=unnorm_key,
         state_layout=state_layout,
     )  # fmt: skip
+    policy.kv_gate = gate
+    return policy
