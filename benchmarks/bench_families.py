@@ -107,8 +107,11 @@ def make_checkpoints(root: Path, llm: LlamaConfig, seed: int) -> dict[str, Path]
 # ---- question 1: full vs chunked cache in history mode ------------------------------------------
 
 
-def cache_variants(paths: dict[str, Path], args: argparse.Namespace, images: list[np.ndarray]) -> dict[str, tuple]:
-    """(baseline name, fn) per variant; sessions filled with ``--history-steps`` steps of history."""
+def cache_variants(
+    paths: dict[str, Path], args: argparse.Namespace, images: list[np.ndarray], sessions_out: dict
+) -> dict[str, tuple]:
+    """(baseline name, fn) per variant; sessions filled with ``--history-steps`` steps of history
+    (collected in ``sessions_out`` by variant name, for their KV stats)."""
     modes = [m for m in ("full", "chunked") if m in CACHES]
     if "chunked" not in modes:
         log.warning("the chunked cache is not available in this build: question 1 times the full cache only")
@@ -131,6 +134,7 @@ def cache_variants(paths: dict[str, Path], args: argparse.Namespace, images: lis
             log.info("%s %s: %d tokens seen, %d raw held, %.0f chunks", family, mode, stats.tokens_seen,
                      stats.tokens_raw, stats.tokens_compressed)  # fmt: skip
             it = itertools.cycle(images[args.history_steps :])
+            sessions_out[f"{family} history, {mode} cache"] = s
             out[f"{family} history, {mode} cache"] = (
                 f"{family} history, full cache",
                 lambda s=s, it=it, family=family: s.step(obs(next(it), family)),
@@ -251,13 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(args.dtype, device)
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_checkpoints(Path(tmp), LLMS[args.llm], args.seed)
-        variants = {**cache_variants(paths, args, images), **hybrid_variants(paths["hybridvla"], args, images[0])}
+        sessions: dict = {}
+        variants = {**cache_variants(paths, args, images, sessions), **hybrid_variants(paths["hybridvla"], args, images[0])}
         for _, fn in variants.values():  # warm-up, apart from the timed runs
             time_ms(fn, warmup=0, repeats=args.warmup, device=device)
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.repeats):  # interleaved rounds: load drift hits every variant alike
             for name, (_, fn) in variants.items():
                 times[name] += time_ms(fn, warmup=0, repeats=1, device=device)
+        kv = {name: session.cache.stats().as_dict() for name, session in sessions.items()}
 
     results = {}
     print(f"{'name':52s} | median ms |     p10 |     p90 | ratio vs baseline")
@@ -266,7 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         median = float(np.median(t))
         ratio = float(np.median(times[baseline])) / median
         results[name] = {"times_ms": t, "median_ms": median, "ratio": ratio, "baseline": baseline}
+        if name in kv:
+            results[name]["kv"] = kv[name]
         print(f"{name:52s} | {median:9.2f} | {np.percentile(t, 10):7.2f} | {np.percentile(t, 90):7.2f} | {ratio:6.2f}")
+    for name, stats in kv.items():
+        print(f"{name:52s} | KV held {stats['bytes'] / 2**20:8.2f} MiB | {stats['tokens_raw']} raw tokens, "
+              f"{stats['tokens_compressed']:.0f} chunks per layer, {stats['tokens_seen']} tokens seen")  # fmt: skip
     upstream = 9.4 / 5.0
     ours = results.get("HybridVLA-dif: prefix reuse (ours)", {}).get("ratio")
     print(f"HybridVLA-dif prefix reuse: x{ours:.2f} here; upstream reports x{upstream:.2f} (9.4 vs 5.0 Hz, 7B, RTX 4090D)")
