@@ -134,11 +134,13 @@ def make_tiny_openvla(
     norm_stats: dict | None = None,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int | None = None,
+    llm: LlamaConfig | None = None,
 ) -> Path:
-    """Write a tiny random OpenVLA checkpoint directory to ``out`` and return its path."""
+    """Write a tiny random OpenVLA checkpoint directory to ``out`` and return its path (``llm``: another
+    decoder geometry than ``LLAMA_CONFIGS["tiny"]``, e.g. for benchmarks)."""
     out = Path(out)
     cfg = tiny_openvla_config(
-        image_size=image_size, vision_backbone_id=vision_backbone_id, proprio_dim=proprio_dim, norm_stats=norm_stats
+        image_size=image_size, vision_backbone_id=vision_backbone_id, llm=llm, proprio_dim=proprio_dim, norm_stats=norm_stats
     )
     generator = torch.Generator().manual_seed(seed)
     model = OpenVLA(cfg)

@@ -24,8 +24,22 @@ def _openvla(out: Path, args: argparse.Namespace) -> Path:
     )
 
 
+def _cogact(out: Path, args: argparse.Namespace) -> Path:
+    from ..checkpoints.tiny_prismatic import make_tiny_cogact
+
+    return make_tiny_cogact(out, seed=args.seed, image_size=args.image_size, dtype=DTYPES[args.dtype])
+
+
+def _hybridvla(out: Path, args: argparse.Namespace) -> Path:
+    from ..checkpoints.tiny_prismatic import make_tiny_hybridvla
+
+    return make_tiny_hybridvla(
+        out, seed=args.seed, image_size=args.image_size, future_window=args.future_window, dtype=DTYPES[args.dtype]
+    )
+
+
 # family -> maker(out, args); adding a family = one function + one entry
-MAKERS = {"openvla": _openvla}
+MAKERS = {"openvla": _openvla, "cogact": _cogact, "hybridvla": _hybridvla}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vision-backbone-id", default="dinosiglip-vit-so-224px", help="openvla: upstream vision_backbone_id")
     p.add_argument("--proprio-dim", type=int, help="openvla: add a proprioception projector of this input size")
     p.add_argument("--max-shard-mb", type=float, help="write shards + model.safetensors.index.json past this size")
+    p.add_argument("--future-window", type=int, default=0, help="hybridvla: future actions denoised per step (default 0, as upstream)")
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.set_defaults(func=run)
 

@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
+
 from ..config import HISTORY_MODES
 from ..device import DTYPES
 from ..kv.config import KV_MODES
@@ -29,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--image", required=True, type=Path, help="RGB image file (PNG/JPEG) from the policy camera")
     p.add_argument("--instruction", required=True, help="task instruction, e.g. 'pick up the red cube'")
     add_session_arguments(p)
+    p.add_argument("--state", help="robot state as comma-separated floats (HybridVLA: x,y,z,roll,pitch,yaw,gripper)")
     p.add_argument("--steps", type=int, default=1, help="control steps to run on the image (default 1)")
     p.set_defaults(func=run)
 
@@ -50,11 +53,23 @@ def session_config(args: argparse.Namespace):
     return SessionConfig(kv=KVConfig(mode=args.kv), history=args.history, unnorm_key=args.unnorm_key, center_crop=args.center_crop)
 
 
+def parse_state(text: str | None) -> np.ndarray | None:
+    """``"0.1,0.2,..."`` -> float64 array (or None)."""
+    if text is None:
+        return None
+    try:
+        return np.array([float(x) for x in text.split(",")], dtype=np.float64)
+    except ValueError as e:
+        raise ValueError(f"--state must be comma-separated numbers, got {text!r}") from e
+
+
 def step_report(step: int, session, result) -> dict:
-    """The JSON object printed per step."""
+    """The JSON object printed per step (``chunk``: every predicted action, for chunk-predicting families)."""
+    chunk = {"chunk": [[round(float(a), 6) for a in row] for row in result.actions]} if len(result.actions) > 1 else {}
     return {
         "step": step,
         "action": [round(float(a), 6) for a in result.actions[0]],
+        **chunk,
         "action_tokens": [int(t) for t in session.last_tokens[0]] if getattr(session, "last_tokens", None) is not None else None,
         "unnorm_key": getattr(session, "unnorm_key", None),
         "timings_ms": {k: round(v, 3) for k, v in result.timings.items()},
@@ -71,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     image = read_image(args.image)
     policy = load_policy(args.checkpoint, device=args.device, dtype=args.dtype, unnorm_key=args.unnorm_key)
     session = policy.new_session(args.instruction, session_config(args))
-    obs = Observation(images={"primary": image})
+    obs = Observation(images={"primary": image}, state=parse_state(args.state))
     for step in range(args.steps):
         print(json.dumps(step_report(step, session, session.step(obs))))
     return 0

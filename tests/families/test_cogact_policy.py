@@ -1,0 +1,144 @@
+"""CogACT through the runtime API: upstream's sequence, chunks, seeds, ensemble, execution horizon, caches."""
+
+import numpy as np
+import pytest
+import torch
+
+from vla_runtime.api import ActionQueue, Observation, load_policy
+from vla_runtime.config import SessionConfig
+from vla_runtime.kv import CACHES, FullCache, KVConfig
+from vla_runtime.models.action_postprocess import postprocess_actions
+from vla_runtime.models.cogact.configuration_cogact import AdaptiveEnsembleConfig
+from vla_runtime.models.cogact.processing_cogact import AdaptiveEnsembler
+from vla_runtime.models.openvla.processing_openvla import history_prompt
+
+INSTRUCTION = "Put the eggplant in the basket"
+
+
+def obs(image):
+    return Observation(images={"primary": image})
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_cogact):
+    return load_policy(tiny_cogact)
+
+
+def test_step_returns_a_16x7_chunk_in_robot_units(policy, frame):
+    result = policy.new_session(INSTRUCTION).step(obs(frame(0)))
+    assert result.actions.shape == (16, 7) and policy.chunk_size == 16
+    stats = policy.norm_stats["bridge_orig"]["action"]
+    assert np.all(result.actions[:, :6] >= np.array(stats["q01"][:6]) - 1e-9)
+    assert np.all(result.actions[:, :6] <= np.array(stats["q99"][:6]) + 1e-9)
+    assert set(np.unique(result.actions[:, 6])) <= {0.0, 1.0}
+    assert set(result.timings) == {"vision", "prefill", "denoise", "total"}
+
+
+def test_single_mode_runs_upstreams_sequence(policy, frame):
+    """[BOS] + image + prompt + 29871 + EOS, cognition at EOS, DDIM with CFG: a hand-built reference."""
+    image = frame(1)
+    session = policy.new_session(INSTRUCTION, SessionConfig(seed=5))
+    result = session.step(obs(image))
+    prompt = policy.tokenizer.prompt(INSTRUCTION)
+    ids = torch.tensor([[*prompt.input_ids, 2]])
+    assert prompt.input_ids[-1] == 29871 and prompt.instruction == tuple(policy.tokenizer.encode(
+        "In: What action should the robot take to put the eggplant in the basket?"))
+    with torch.no_grad():
+        embeds = policy.vlm.embed_prefix(policy.image_processor(image)[None], ids)
+        hidden = policy.vlm.language_model.model(inputs_embeds=embeds, cache=FullCache(policy.vlm.cfg.llm, capacity=64))
+        normalized = policy.model.action_model.sample(
+            hidden[:, -1:], cfg_scale=1.5, generator=torch.Generator().manual_seed(5)
+        )
+    expected = postprocess_actions(normalized[0].numpy(), session.action_stats)
+    np.testing.assert_allclose(result.actions, expected, atol=1e-6)
+    assert result.kv.tokens_raw == embeds.shape[1]
+
+
+def test_sampling_is_seeded_per_session_and_reset_restarts_it(policy, frame):
+    image = frame(2)
+    a = policy.new_session(INSTRUCTION, SessionConfig(seed=1))
+    b = policy.new_session(INSTRUCTION, SessionConfig(seed=1))
+    c = policy.new_session(INSTRUCTION, SessionConfig(seed=2))
+    first = a.step(obs(image)).actions
+    assert np.array_equal(first, b.step(obs(image)).actions)
+    assert not np.array_equal(first, c.step(obs(image)).actions)
+    second = a.step(obs(image)).actions
+    assert not np.array_equal(first, second)  # fresh noise each step
+    a.reset()
+    assert np.array_equal(a.step(obs(image)).actions, first)
+
+
+def test_cfg_scale_one_skips_guidance(tiny_cogact, frame):
+    image = frame(3)
+    guided = load_policy(tiny_cogact, cfg_scale=1.5).new_session(INSTRUCTION).step(obs(image))
+    plain = load_policy(tiny_cogact, cfg_scale=1.0).new_session(INSTRUCTION).step(obs(image))
+    assert not np.array_equal(guided.actions, plain.actions)
+    with pytest.raises(ValueError, match="cfg_scale"):
+        load_policy(tiny_cogact, cfg_scale=0.5)
+
+
+def test_adaptive_ensemble_returns_one_action_per_step(tiny_cogact, frame):
+    images = [frame(10 + i) for i in range(3)]
+    chunks = load_policy(tiny_cogact).new_session(INSTRUCTION)
+    ensembled = load_policy(tiny_cogact, ensemble_horizon=2).new_session(INSTRUCTION)
+    reference = AdaptiveEnsembler(AdaptiveEnsembleConfig(horizon=2, alpha=0.1))
+    for image in images:
+        out = ensembled.step(obs(image)).actions
+        assert out.shape == (1, 7)
+        np.testing.assert_allclose(out[0], reference(chunks.step(obs(image)).actions))
+    with pytest.raises(ValueError, match="exceeds the action chunk"):
+        load_policy(tiny_cogact, ensemble_horizon=17)
+
+
+def test_action_queue_executes_k_of_the_chunk(policy, frame):
+    session = policy.new_session(INSTRUCTION, SessionConfig(execution_horizon=4))
+    queue = ActionQueue(session, horizon=session.config.execution_horizon)
+    executed, predicted = [], []
+    for t in range(9):
+        action, result = queue.next(obs(frame(t)))
+        executed.append(action)
+        if result is not None:
+            predicted.append((t, result.actions))
+    assert [t for t, _ in predicted] == [0, 4, 8]  # re-plan after 4 executed actions
+    np.testing.assert_array_equal(np.stack(executed[:4]), predicted[0][1][:4])
+    np.testing.assert_array_equal(np.stack(executed[4:8]), predicted[1][1][:4])
+    assert len(queue) == 3  # actions 1..3 of the last chunk wait; 4..15 were dropped
+
+
+@pytest.mark.parametrize("mode", sorted(CACHES))
+def test_history_mode_keeps_the_episode_in_every_cache(policy, frame, mode):
+    session = policy.new_session(INSTRUCTION, SessionConfig(kv=KVConfig(mode=mode), history="history"))
+    prompt = policy.tokenizer.prompt(INSTRUCTION)
+    frame_tokens = 16 + len(prompt.out) + 2  # image + "\nOut:" + 29871, EOS
+    seen = []
+    for t in range(3):
+        result = session.step(obs(frame(20 + t)))
+        assert result.actions.shape == (16, 7)
+        seen.append(result.kv.tokens_seen)
+    pinned = 1 + len(prompt.instruction)
+    assert seen == [pinned + frame_tokens * (t + 1) for t in range(3)]
+    stats = result.kv
+    if mode == "chunked":  # older frames went into chunks (kept or dropped by the gate)
+        assert stats.chunks_retained + stats.chunks_dropped > 0 and stats.tokens_raw < stats.tokens_seen
+    elif mode == "sink_window":
+        assert stats.tokens_raw < stats.tokens_seen
+    else:
+        assert stats.tokens_raw == stats.tokens_seen
+    session.reset()
+    assert session.cache.stats().tokens_seen == 0
+
+
+def test_history_mode_streaming_equals_one_forward_over_the_episode(policy, frame):
+    """Pinned prompt, then frames streamed through the cache == one forward over the whole episode's tokens."""
+    images = [frame(30), frame(31)]
+    session = policy.new_session(INSTRUCTION, SessionConfig(seed=3, history="history"))
+    results = [session.step(obs(image)) for image in images]
+    vlm = policy.vlm
+    with torch.no_grad():
+        parts = [vlm.embed_forward(history_prompt(session.prompt), images=[])]
+        parts += [vlm.embed_forward(session.frame, images=[vlm.embed_image(policy.image_processor(im)[None])]) for im in images]
+        hidden = vlm.language_model.model(inputs_embeds=torch.cat(parts, 1), cache=FullCache(vlm.cfg.llm, capacity=128))
+        g = torch.Generator().manual_seed(3)
+        torch.randn((1, 16, 7), generator=g)  # the first step's noise
+        normalized = policy.model.action_model.sample(hidden[:, -1:], cfg_scale=1.5, generator=g)
+    np.testing.assert_allclose(results[1].actions, postprocess_actions(normalized[0].numpy(), session.action_stats), atol=1e-5)

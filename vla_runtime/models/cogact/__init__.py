@@ -1,0 +1,1 @@
+"""CogACT: Prismatic VLM + cognition feature -> DiT action model (microsoft/CogACT)."""

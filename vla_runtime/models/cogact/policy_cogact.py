@@ -1,0 +1,151 @@
+"""``CogACTPolicy`` (family ``cogact``) and its ``EpisodeSession``.
+
+Each step: one prefill of the step's tokens (``prismatic_session`` layout, ending in ``29871, EOS``),
+the cognition feature at EOS, DDIM over the DiT (CFG when ``cfg_scale > 1``), then clip, gripper
+binarised at 0.5 and un-normalised. ``StepResult.actions`` is the whole ``[16, 7]`` chunk, which the
+``ActionQueue`` executes k of n (``SessionConfig.execution_horizon``); with the adaptive ensemble on
+(``ensemble_horizon=K``) it is the one ensembled action ``[1, 7]`` per step, as upstream's deploy.py.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...api import Observation, Policy
+from ...checkpoints.prismatic_vlm import load_prismatic
+from ...config import SessionConfig
+from ...device import resolve_device, resolve_dtype, synchronize
+from ...kv import KVConfig
+from ..action_postprocess import postprocess_actions
+from ..diffusion import DiffusionConfig
+from ..openvla.processing_openvla import PromptIds
+from ..prismatic_session import PrismaticPolicy, PrismaticSession, trained_gate
+from .configuration_cogact import AdaptiveEnsembleConfig, CogACTConfig, CogACTSamplingConfig, dit_config_from_run
+from .modeling_cogact import ActionModel, CogACT
+from .processing_cogact import AdaptiveEnsembler, cognition_suffix
+
+
+class CogACTSession(PrismaticSession):
+    """One episode: the cache (history mode), the noise generator and the adaptive ensemble's chunks."""
+
+    def __init__(self, policy: CogACTPolicy, instruction: str, config: SessionConfig) -> None:
+        ensemble = policy.config.sampling.ensemble
+        self.ensembler = AdaptiveEnsembler(ensemble) if ensemble.horizon else None
+        super().__init__(policy, instruction, config)
+        if self.action_stats.dim != policy.action_dim:
+            raise ValueError(
+                f"statistics {self.unnorm_key!r} have {self.action_stats.dim} action dims; the DiT predicts {policy.action_dim}"
+            )
+
+    def _suffix(self, prompt: PromptIds) -> tuple[int, ...]:
+        return cognition_suffix(prompt.empty, self.policy.config.vlm.eos_token_id)
+
+    @property
+    def head_tokens(self) -> int:
+        return 0
+
+    def _reset_head(self) -> None:
+        if self.ensembler is not None:
+            self.ensembler.reset()
+
+    def _act(self, embeds: torch.Tensor, obs: Observation, timings: dict) -> np.ndarray:
+        policy = self.policy
+        hidden = self._prefill(embeds, timings)
+        start = time.perf_counter()
+        normalized = policy.model.action_model.sample(
+            CogACT.cognition(hidden), cfg_scale=policy.config.sampling.cfg_scale, generator=self.generator
+        )  # [1, chunk, A]
+        synchronize(policy.device)
+        timings["denoise"] = (time.perf_counter() - start) * 1e3
+        chunk = postprocess_actions(normalized[0].float().cpu().numpy(), self.action_stats)  # [chunk, A]
+        if self.ensembler is None:
+            return chunk
+        return self.ensembler(chunk)[None]  # [1, A]
+
+
+class CogACTPolicy(PrismaticPolicy, Policy):
+    """A loaded CogACT run: the VLM, the DiT (float32), tokenizer, image transform and statistics."""
+
+    name = "cogact"
+    config_class = CogACTConfig
+    session_class = CogACTSession
+    config: CogACTConfig
+    model: CogACT
+
+    @property
+    def action_dim(self) -> int:
+        return self.config.action_model.action_dim
+
+    @property
+    def chunk_size(self) -> int:
+        return 1 if self.config.sampling.ensemble.horizon else self.config.action_model.chunk
+
+    def info(self) -> dict:
+        def count(module: torch.nn.Module) -> int:
+            return sum(p.numel() for p in module.parameters())
+
+        dit, sampling = self.config.action_model, self.config.sampling
+        return {
+            **self._base_info(),
+            "action_model": {"hidden": dit.hidden, "depth": dit.depth, "heads": dit.heads, "chunk": dit.chunk,
+                             "action_dim": dit.action_dim},  # fmt: skip
+            "sampling": {"ddim_steps": sampling.diffusion.sample_steps, "cfg_scale": sampling.cfg_scale,
+                         "ensemble_horizon": sampling.ensemble.horizon, "ensemble_alpha": sampling.ensemble.alpha},  # fmt: skip
+            "parameters": {"total": count(self.model), "vlm": count(self.vlm), "action_model": count(self.model.action_model)},
+            "datasets": sorted(self.norm_stats),
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+
+def load_cogact_policy(
+    path: str | Path,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    kv: KVConfig | None = None,
+    adapter: str | Path | None = None,
+    unnorm_key: str | None = None,
+    checkpoint: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    cfg_scale: float = 1.5,
+    ddim_steps: int = 10,
+    ensemble_horizon: int | None = None,
+    ensemble_alpha: float = 0.1,
+    use_ema: bool = False,
+) -> CogACTPolicy:
+    """Load a CogACT run directory (``load_policy``'s CogACT branch).
+
+    checkpoint: a ``.pt`` under ``checkpoints/`` (default: the only / latest one). tokenizer: directory or
+    ``tokenizer.json`` of the LLaMA-2 tokenizer (default: the run directory's). cfg_scale: 1.5 as upstream
+    (1 = no guidance). ddim_steps: 10 -> t in {90, ..., 0}. ensemble_horizon: K of the adaptive ensemble
+    (2 Google robot, 7 WidowX; None = return whole chunks). use_ema: sample with ``ema_diffusion`` weights.
+    device ``"meta"`` builds the structure only (``vla-runtime info``). A trained ``ChunkGate`` beside the run
+    (``gates.safetensors``) is loaded and, without ``kv``, sets the default cache.
+    """
+    if adapter is not None:
+        raise ValueError(f"adapter {adapter}: CogACT runs load full checkpoints only (adapter=None)")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    ckpt = load_prismatic(path, checkpoint=checkpoint, tokenizer=tokenizer, device=dev, dtype=dt)
+    head = "ema_diffusion" if use_ema else "action_model"
+    ckpt.run.require(ckpt.modules, (head,), why="CogACT samples actions with its DiT")
+    sampling = CogACTSamplingConfig(
+        diffusion=DiffusionConfig(sample_steps=ddim_steps),
+        cfg_scale=cfg_scale,
+        ensemble=AdaptiveEnsembleConfig(horizon=ensemble_horizon, alpha=ensemble_alpha),
+    )
+    state = ckpt.modules[head]
+    config = CogACTConfig(vlm=ckpt.config, action_model=dit_config_from_run(ckpt.run.config, state), sampling=sampling)
+    with torch.device("meta"):
+        action_model = ActionModel(config.action_model, sampling.diffusion)
+    if dev.type != "meta":
+        action_model.load_state_dict({k: v.to(dev, torch.float32) for k, v in state.items()}, strict=True, assign=True)
+    gate, kv = trained_gate(path, dev, kv)
+    policy = CogACTPolicy(ckpt, config, CogACT(ckpt.vlm, action_model.eval()), device=dev, dtype=dt, kv=kv, unnorm_key=unnorm_key)
+    policy.kv_gate = gate
+    return policy
