@@ -22,6 +22,7 @@ def test_policy_node_drives_the_simulator_through_two_episodes(harness, tmp_path
     params = dict(
         checkpoint=str(policy_checkpoints["single"]), policy_modules=["ros_test_policy"],
         control_rate_hz=20.0, diagnostics_rate_hz=10.0, use_joint_state=True, joint_names=["x", "progress"],
+        joint_state_max_skew_s=0.0,  # the simulator stamps a frame and its state alike
     )
     policy = NodeProcess("policy_node", params, tmp_path, name="vla_policy", namespace=NS)
     policy_diag = Diagnostics(harness, f"{NS}/vla_policy")

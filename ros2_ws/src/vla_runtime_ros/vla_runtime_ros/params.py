@@ -61,6 +61,11 @@ class PolicyNodeConfig:
     )
     use_joint_state: bool = _help("feed sensor_msgs/JointState positions as the proprio state", default=False)
     joint_names: list[str] = _help("joint order of the state vector; empty = message order", default_factory=list)
+    joint_state_max_skew_s: float = _help(
+        "pairing by header stamp: a frame is acted on with the joint state stamped nearest to it, within this many"
+        " seconds (it waits for one; none = frame skipped); 0 = identical stamps; negative = the newest state",
+        default=0.01,
+    )
     action_low: list[float] = _help("per-dimension lower bounds; empty = no clipping", default_factory=list)
     action_high: list[float] = _help("per-dimension upper bounds; empty = no clipping", default_factory=list)
     dry_run: bool = _help("compute actions but publish nothing on the actuator topics (settable at run time)", default=False)

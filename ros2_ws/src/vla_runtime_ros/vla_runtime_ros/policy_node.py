@@ -37,6 +37,7 @@ from __future__ import annotations
 import importlib
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -78,6 +79,11 @@ class Frame:
     msg: Image | CompressedImage
     received: float  # time.monotonic() at receipt
     seq: int
+
+    @property
+    def stamp(self) -> float:
+        """header.stamp in seconds (0 for an unstamped message)."""
+        return self.msg.header.stamp.sec + self.msg.header.stamp.nanosec * 1e-9
 
 
 @dataclass
@@ -141,6 +147,8 @@ class PolicyNode(LifecycleNode):
         self._instruction: tuple[str, float] | None = None  # (text, monotonic receipt time)
         self._episode_instruction: str | None = None
         self._state: np.ndarray | None = None
+        self._state_stamp = 0.0  # header.stamp of self._state in seconds
+        self._recent_states: deque[tuple[float, np.ndarray]] = deque(maxlen=64)  # (stamp, state), stamped ones
         self._state_error = ""
         self._episode = 0
         self._active = False
@@ -363,6 +371,11 @@ class PolicyNode(LifecycleNode):
             return
         with self._lock:
             self._state, self._state_error = state, ""
+            self._state_stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+            if self._state_stamp:
+                self._recent_states.append((self._state_stamp, state))
+        if self._frame_guard is not None:  # a frame may have been waiting for this state
+            self._frame_guard.trigger()
 
     def _on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         with self._lock:
@@ -450,8 +463,38 @@ class PolicyNode(LifecycleNode):
             reason = f"instruction is {now - self._instruction[1]:.2f} s old (max_instruction_age_s {cfg.max_instruction_age_s})"
         elif cfg.use_joint_state and self._state is None:
             reason = f"joint state invalid: {self._state_error}" if self._state_error else "waiting for joint states"
+        elif self._state_lags(self._frame) and now - self._frame.received > max(0.1, cfg.joint_state_max_skew_s):
+            lag = self._frame.stamp - self._state_stamp
+            reason = f"newest joint state is {lag:.3f} s older than the image (joint_state_max_skew_s {cfg.joint_state_max_skew_s})"
         self._telemetry.warning = reason
         return reason
+
+    def _state_lags(self, frame: Frame) -> bool:
+        """True while no joint state as new as ``frame`` (less the allowed skew) has arrived (caller holds ``_lock``).
+
+        Image and joint state arrive on separate topics; pairing them by header stamp keeps a frame from
+        being acted on with the state of another moment. Unstamped messages are not paired.
+        """
+        cfg = self._cfg
+        if not cfg.use_joint_state or self._state is None or cfg.joint_state_max_skew_s < 0:
+            return False
+        if frame.stamp == 0.0 or self._state_stamp == 0.0:
+            return False
+        return self._state_stamp < frame.stamp - cfg.joint_state_max_skew_s
+
+    def _state_at(self, frame: Frame) -> tuple[bool, np.ndarray | None]:
+        """(found, the joint state of ``frame``'s moment) once no state is missing (caller holds ``_lock``).
+
+        The recent state stamped nearest to the frame, when it lies within ``joint_state_max_skew_s``;
+        none does when the state of that moment was lost (best-effort transport): the frame is skipped.
+        A state newer than the frame is no better than an older one, the robot may have moved since the
+        picture was taken. Unstamped frames or states get the newest state.
+        """
+        cfg = self._cfg
+        if self._state is None or not frame.stamp or not self._state_stamp or cfg.joint_state_max_skew_s < 0:
+            return True, self._state
+        stamp, state = min(self._recent_states, key=lambda item: abs(item[0] - frame.stamp))
+        return abs(stamp - frame.stamp) <= cfg.joint_state_max_skew_s + 1e-6, state
 
     def _submit_step(self) -> None:
         """Hand the newest unused frame to the worker when no step is in flight and the queue is empty."""
@@ -463,8 +506,13 @@ class PolicyNode(LifecycleNode):
             frame = self._frame
             if frame is None or frame.seq <= self._used_seq:
                 return  # each frame is acted on once
+            if self._state_lags(frame):
+                return  # the joint state of this frame's moment has not arrived yet
             self._used_seq = frame.seq
-            state = self._state
+            found, state = self._state_at(frame)
+            if not found:
+                self._telemetry.frames_unpaired += 1
+                return
             episode = self._episode
         self._future = self._worker.submit(self._step, self._queue, frame, state, episode)
 

@@ -61,6 +61,7 @@ class PolicyTelemetry:
     frames_received: int = 0
     frames_dropped: int = 0  # replaced by a newer frame before inference used them
     frames_stale: int = 0  # control ticks skipped because the newest frame was too old
+    frames_unpaired: int = 0  # skipped: no joint state stamped within joint_state_max_skew_s of the frame
     bad_inputs: int = 0  # rejected images, instructions, joint states
     inference_errors: int = 0
     setup_errors: int = 0  # e.g. a camera whose QoS cannot match the subscription
@@ -111,6 +112,7 @@ class PolicyTelemetry:
             "frames_received": self.frames_received,
             "frames_dropped": self.frames_dropped,
             "frames_stale": self.frames_stale,
+            "frames_unpaired": self.frames_unpaired,
             "bad_inputs": self.bad_inputs,
             "inference_errors": self.inference_errors,
             "setup_errors": self.setup_errors,
