@@ -90,11 +90,3 @@ def test_unreadable_image(ckpt, tmp_path, capsys):
     bad.write_text("not an image")
     assert main(["predict", "--checkpoint", str(ckpt), "--image", str(bad), "--instruction", "x"]) == 2
     assert "cannot read image" in capsys.readouterr().err
-
-
-def test_demo_runs_on_the_bundled_image(capsys):
-    assert main(["demo", "--steps", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "tiny OpenVLA checkpoint" in out and "demo_scene.png 128x128" in out
-    steps = [json.loads(line) for line in out.splitlines() if line.startswith("  {")]
-    assert len(steps) == 2 and all(len(s["action"]) == 7 for s in steps)

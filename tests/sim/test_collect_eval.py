@@ -159,3 +159,17 @@ def test_eval_tiny_openvla_end_to_end(tmp_path, capsys):
         kv_max[history] = m["kv_bytes_max"]
     # history mode keeps the whole episode in one cache; single mode holds one step's context
     assert kv_max["history"] > kv_max["single"] > 0
+
+
+def test_eval_kv_capacity_sets_how_much_a_full_history_cache_holds(tmp_path, capsys):
+    """A history-mode full cache holds the whole episode: too small a --kv-capacity is a clear error, enough runs."""
+    ckpt = tmp_path / "tiny-openvla"
+    assert main(["make-tiny", str(ckpt), "--family", "openvla", "--dtype", "float32"]) == 0
+    common = ["eval", "--checkpoint", str(ckpt), "--sim", "metaworld", "--tasks", "button-press-v3", "--episodes", "1",
+              "--max-steps", "5", "--resolution", "56", "--kv", "full", "--history", "history", "--no-video"]  # fmt: skip
+    assert main(common + ["--kv-capacity", "60", "--out", str(tmp_path / "small")]) == 2
+    err = capsys.readouterr().err
+    assert "FullCache is full" in err and "capacity 60" in err
+    assert main(common + ["--kv-capacity", "400", "--out", str(tmp_path / "enough")]) == 0
+    (episode,) = json.loads((tmp_path / "enough" / "report.json").read_text())["episodes"]
+    assert episode["steps"] == 5 and episode["kv_final"]["tokens_raw"] > 60

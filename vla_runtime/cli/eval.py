@@ -30,6 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sim_args(p, sims=("metaworld", "rlbench"))
     p.add_argument("--episodes", type=int, default=10, help="episodes per task (default: %(default)s)")
     p.add_argument("--kv", choices=KV_MODES, default="full", help="KV cache mode (default: %(default)s)")
+    p.add_argument("--kv-capacity", type=int, default=None,
+                   help="tokens a cache holds (default: the model's max_position); a full cache in history mode needs "
+                        "about steps x tokens per step")
+    p.add_argument("--kv-max-chunks", type=int, default=None, help="chunked: retained chunks per layer (default: as many as fit)")
     p.add_argument("--history", choices=HISTORY_MODES, default="single", help="context per step (default: %(default)s)")
     p.add_argument("--execution-horizon", type=int, default=None, help="actions executed per predicted chunk (default: whole chunk)")
     p.add_argument("--workers", type=int, default=1, help="parallel episode processes (default: %(default)s)")
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import models  # noqa: F401  (registers the policy families detect_family looks through)
 
     family = detect_family(args.checkpoint)  # fail fast on a wrong path, before any process starts
-    session = SessionConfig(kv=KVConfig(mode=args.kv), history=args.history, execution_horizon=args.execution_horizon, seed=args.seed)
+    session = SessionConfig(kv=KVConfig(mode=args.kv, capacity=args.kv_capacity, max_chunks=args.kv_max_chunks), history=args.history, execution_horizon=args.execution_horizon, seed=args.seed)
     out = Path(args.out) if args.out else Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
     config = EvalConfig(tasks=tasks, episodes=args.episodes, seed=args.seed, session=session, workers=args.workers,
                         out=None if args.no_video else out)

@@ -21,7 +21,8 @@ import numpy as np
 import rclpy
 import yaml
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
-from rclpy.executors import MultiThreadedExecutor
+from rclpy._rclpy_pybind11 import InvalidHandle
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, ShutdownException
 from rclpy.node import Node
 from rclpy.qos import QoSProfile
 from sensor_msgs.msg import Image
@@ -88,8 +89,20 @@ class Harness:
         self.node = Node(name, context=self.context)
         self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
         self.executor.add_node(self.node)
-        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self._thread = threading.Thread(target=self._spin, daemon=True)
         self._thread.start()
+
+    def _spin(self) -> None:
+        """Spin until shutdown. Tests destroy in-process nodes while this thread spins; rclpy may then meet a
+        handle whose destruction was requested while it builds the wait set (InvalidHandle). That node is
+        gone, the others are fine: keep spinning rather than let one race end every later delivery."""
+        while self.context.ok():
+            try:
+                self.executor.spin_once(timeout_sec=0.1)
+            except InvalidHandle:
+                continue
+            except (ExternalShutdownException, ShutdownException):
+                return
 
     def subscribe(self, msg_type: type, topic: str, qos: QoSProfile | int = 10, *, publishers: int = 0,
                   timeout: float = 20.0) -> Collector:
