@@ -145,10 +145,12 @@ def test_actions_arrive_with_the_right_shape_near_the_control_rate(rig):
     times = [r.t for r in received[2:]]  # the first ones include the stream's start-up
     rate = (len(times) - 1) / (times[-1] - times[0])
     values = rig.values()
-    # never above the control rate; at least half of it, or of what this machine's step time allows
-    reachable = min(RATE_HZ, 1e3 / float(values["step_ms_p95"]))
-    assert 0.5 * reachable < rate < 1.15 * RATE_HZ, f"{rate:.2f} Hz for a {RATE_HZ} Hz control rate: {values}"
-    assert 0.4 * reachable < float(values["action_rate_hz"]) < 1.2 * RATE_HZ, values
+    # never above the control rate; at least what this machine's step time allows: a step starts once the
+    # previous action left the queue and its action goes out on a tick, so an action per ceil(step/period)+1 ticks
+    period = 1.0 / RATE_HZ
+    reachable = 1.0 / (period * (math.ceil(float(values["step_ms_p95"]) / 1e3 / period) + 1))
+    assert 0.7 * reachable < rate < 1.15 * RATE_HZ, f"{rate:.2f} Hz for a {RATE_HZ} Hz control rate: {values}"
+    assert 0.5 * reachable < float(values["action_rate_hz"]) < 1.2 * RATE_HZ, values
     # more frames came than were used (30 Hz in, 5 Hz out): the unused ones count as dropped
     assert int(values["frames_received"]) > int(values["steps"]) and int(values["frames_dropped"]) > 0, values
     assert float(values["step_ms_p95"]) >= float(values["step_ms_p50"]) > 0

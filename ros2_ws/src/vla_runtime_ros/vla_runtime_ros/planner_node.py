@@ -191,9 +191,15 @@ class PlannerNode(Node):
 
     # ------------------------------------------------------------------ diagnostics
     def _publish_diagnostics(self) -> None:
+        # snapshot and publish under the lock: the timer and _reject both report, and a status taken before
+        # another must not be published after it (the counters would arrive without their error)
         with self._lock:
             error, self.last_error = self.last_error, ""
             counts = dict(self.counts)
+            self._publish_status(error, counts)
+
+    def _publish_status(self, error: str, counts: dict) -> None:
+        """One DiagnosticArray with this status (caller holds ``_lock``)."""
         plan = self.last_plan
         values = {
             **counts,
