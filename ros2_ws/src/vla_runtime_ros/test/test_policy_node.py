@@ -130,12 +130,12 @@ def test_actions_arrive_with_the_right_shape_near_the_control_rate(rig):
     rig.reset()
     start = len(rig.actions)
     # a 30 Hz camera for at least 3 s and until 12 actions came (a loaded machine warms up slowly)
-    for frame in camera_clock(30.0, 450):
+    for frame in camera_clock(30.0, 1200):
         rig.images.publish(msg)
         if frame >= 90 and len(rig.actions.items) - start >= 12:
             break
     received = rig.actions.items[start:]
-    assert len(received) >= 12, rig.proc.output()
+    assert len(received) >= 12, f"{rig.values()}\n{rig.proc.output()}"
     for r in received:
         assert [(d.label, d.size) for d in r.msg.layout.dim] == [("action", 7)]
         action = conversions.msg_to_actions(r.msg)
