@@ -63,6 +63,17 @@ def harness():
     h.close()
 
 
+@pytest.fixture(autouse=True)
+def _callback_errors_fail_the_test(request):
+    """An exception raised in a harness callback (or an in-process node's) fails the test it happened in."""
+    yield
+    if "harness" in request.fixturenames:
+        errors = request.getfixturevalue("harness").errors
+        if errors:
+            raised, errors[:] = list(errors), []
+            pytest.fail("exception in the harness spin thread:\n" + "\n".join(raised), pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def policy_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """Test-policy checkpoint directories: ``single`` (one action per step), ``chunk`` (4 per step), ``slow``."""

@@ -1,11 +1,14 @@
 """Test harness for the ROS tests: node subprocesses, a spinning harness node, waiting without sleeps.
 
 Everything here talks real rclpy over Fast DDS. Waiting is always for a condition (a message, a
-matched endpoint, a service), polled every 10 ms up to a timeout, never a fixed sleep.
+matched endpoint, a service, a node's acknowledgement on /diagnostics), polled every 10 ms up to a
+timeout that scales with what this machine measures, never a fixed sleep. What a node needs
+continuously streams from harness timers; what is sent once is reliable or re-sent until acknowledged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import struct
@@ -13,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -21,8 +25,7 @@ import numpy as np
 import rclpy
 import yaml
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
-from rclpy._rclpy_pybind11 import InvalidHandle
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, ShutdownException
+from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile
 from sensor_msgs.msg import Image
@@ -33,16 +36,67 @@ SUBPROCESS_PATHS = [str(p) for p in sys.path if p in (str(TEST_DIR), str(TEST_DI
 ROS_ARGS_QUIET = ["--disable-external-lib-logs"]  # no log files under ~/.ros
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``predicate`` until it returns something truthy; ``TimeoutError`` naming ``what`` otherwise."""
+class Patience:
+    """How long to wait before calling something lost, scaled by how slow this machine is right now.
+
+    Every wait is for a condition, never a sleep, so a generous timeout costs a passing run nothing; it
+    only bounds how long a failing one takes. Routine work the tests measure (endpoint discovery, a
+    node's start-up, a service round trip) raises every timeout to ``factor`` times the slowest seen,
+    so a slow or loaded machine makes the suite slower, not red.
+    """
+
+    def __init__(self, floor: float = 30.0) -> None:
+        self.floor = floor
+        self.needed = 0.0
+
+    def observe(self, seconds: float, factor: float = 20.0) -> None:
+        """Routine work took ``seconds``; waits for things of that kind get ``factor`` times as long."""
+        self.needed = max(self.needed, seconds * factor)
+
+    def timeout(self, at_least: float = 0.0) -> float:
+        return max(self.floor, at_least, self.needed)
+
+
+PATIENCE = Patience()  # one per test process: the machine's slowness is a property of the process's machine
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 0.0, what: str = "a condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy; ``TimeoutError`` naming ``what`` otherwise.
+
+    ``timeout`` is a minimum: the wait lasts at least as long as ``PATIENCE`` allows on this machine.
+    """
+    timeout = PATIENCE.timeout(timeout)
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.01)
+
+
+def resend_until(publish: Callable[[], None], done: Callable[[], Any], what: str, *, hz: float = 10.0,
+                 first: bool = True) -> Any:
+    """``publish()`` again at ``hz`` until ``done()`` is truthy; returns its value.
+
+    For messages a test sends once over a transport that may lose them (best-effort sensors, the first
+    messages after discovery): the test repeats them, as a sensor would, until the receiver acknowledges.
+    ``first=False`` waits one period before the first publish (for a message that may already be on its way).
+    """
+    deadline = time.monotonic() + PATIENCE.timeout()
+    while True:
+        if first:
+            publish()
+        first = True
+        next_send = time.monotonic() + 1.0 / hz
+        while time.monotonic() < next_send:
+            value = done()
+            if value:
+                return value
+            time.sleep(0.01)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {PATIENCE.timeout():.0f} s resending until {what}")
 
 
 def camera_clock(hz: float, frames: int):
@@ -74,65 +128,146 @@ class Collector:
     def since(self, index: int) -> list[Any]:
         return [r.msg for r in self.items[index:]]
 
-    def wait(self, count: int, timeout: float, what: str = "messages") -> list[Any]:
+    def wait(self, count: int, timeout: float = 0.0, what: str = "messages") -> list[Any]:
         """Wait until at least ``count`` messages arrived in total; returns all of them."""
         wait_for(lambda: len(self.items) >= count, timeout, f"{count} {what} (got {len(self.items)})")
         return [r.msg for r in self.items]
 
 
+class Stream:
+    """A sensor: publishes its current message on a harness timer at ``hz``, as a robot's drivers do.
+
+    Tests never rely on one message arriving: what a node needs continuously (joint states, frames)
+    streams, and ``set`` changes what streams from the next tick on (``None`` pauses it).
+    """
+
+    def __init__(self, harness: "Harness", msg_type: type, topic: str, qos: QoSProfile | int, hz: float, msg: Any = None) -> None:
+        self.msg = msg
+        self.sent = 0
+        self._publisher = harness.node.create_publisher(msg_type, topic, qos)
+        self._timer = harness.node.create_timer(1.0 / hz, self._tick)
+
+    def set(self, msg: Any) -> None:
+        self.msg = msg
+
+    def _tick(self) -> None:
+        msg = self.msg
+        if msg is not None:
+            self._publisher.publish(msg)
+            self.sent += 1
+
+    def close(self, harness: "Harness") -> None:
+        with harness.paused():
+            harness.node.destroy_timer(self._timer)
+            harness.node.destroy_publisher(self._publisher)
+
+
 class Harness:
-    """A node spinning on a background executor, from which tests publish, subscribe and call."""
+    """A node spinning on a background thread, from which tests publish, subscribe and call.
+
+    One single-threaded executor spins the harness node and any in-process node a test adds, so a
+    callback never runs while the spin thread is paused: nodes, clients and timers are destroyed only
+    then (destroying them while the executor builds its wait set is a race in rclpy), and the context
+    is shut down only after the thread ended. An exception raised in any callback is recorded in
+    ``errors``; the ROS conftest fails the test during which it happened.
+    """
 
     def __init__(self, name: str = "test_harness") -> None:
         self.context = rclpy.Context()
         rclpy.init(args=["--ros-args", *ROS_ARGS_QUIET], context=self.context)
         self.node = Node(name, context=self.context)
-        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
+        self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
-        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self.errors: list[str] = []
+        self._stop, self._pause, self._parked, self._resume = (threading.Event() for _ in range(4))
+        self._pause_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._spin, name="harness-spin", daemon=True)
         self._thread.start()
 
     def _spin(self) -> None:
-        """Spin until shutdown. Tests destroy in-process nodes while this thread spins; rclpy may then meet a
-        handle whose destruction was requested while it builds the wait set (InvalidHandle). That node is
-        gone, the others are fine: keep spinning rather than let one race end every later delivery."""
-        while self.context.ok():
-            try:
-                self.executor.spin_once(timeout_sec=0.1)
-            except InvalidHandle:
+        while not self._stop.is_set():
+            if self._pause.is_set():
+                self._parked.set()
+                self._resume.wait()
                 continue
-            except (ExternalShutdownException, ShutdownException):
-                return
+            try:
+                self.executor.spin_once(timeout_sec=0.05)
+            except Exception:  # noqa: BLE001 - recorded; the conftest fails the running test with it
+                self.errors.append(traceback.format_exc())
 
-    def subscribe(self, msg_type: type, topic: str, qos: QoSProfile | int = 10, *, publishers: int = 0,
-                  timeout: float = 20.0) -> Collector:
+    @contextlib.contextmanager
+    def paused(self):
+        """Hold the spin thread between two ``spin_once`` calls (no callback runs) for the block's duration."""
+        with self._pause_lock:
+            self._resume.clear()
+            self._parked.clear()
+            self._pause.set()
+            try:
+                if not self._parked.wait(PATIENCE.timeout()):
+                    raise TimeoutError("the harness spin thread did not pause (a callback hangs?)")
+                yield
+            finally:
+                self._pause.clear()
+                self._resume.set()
+
+    def add(self, node: Node) -> None:
+        """Spin an in-process node with the harness."""
+        self.executor.add_node(node)
+
+    def remove(self, node: Node) -> None:
+        """Stop spinning ``node`` and destroy it."""
+        with self.paused():
+            self.executor.remove_node(node)
+            node.destroy_node()
+
+    def stream(self, msg_type: type, topic: str, qos: QoSProfile | int, hz: float, msg: Any = None) -> Stream:
+        return Stream(self, msg_type, topic, qos, hz, msg)
+
+    def subscribe(self, msg_type: type, topic: str, qos: QoSProfile | int = 10, *, publishers: int = 0) -> Collector:
         """A collecting subscription, returned once ``publishers`` publishers matched it."""
         collector = Collector()
         sub = self.node.create_subscription(msg_type, topic, collector, qos)
-        wait_for(lambda: sub.get_publisher_count() >= publishers, timeout, f"a publisher on {topic}")
+        self._matched(lambda: sub.get_publisher_count() >= publishers, f"a publisher on {topic}")
         return collector
 
-    def publisher(self, msg_type: type, topic: str, qos: QoSProfile | int = 10, *, subscribers: int = 1, timeout: float = 20.0):
+    def publisher(self, msg_type: type, topic: str, qos: QoSProfile | int = 10, *, subscribers: int = 1):
         """A publisher, returned once ``subscribers`` subscriptions matched it."""
         pub = self.node.create_publisher(msg_type, topic, qos)
-        wait_for(lambda: pub.get_subscription_count() >= subscribers, timeout, f"a subscriber on {topic}")
+        self._matched(lambda: pub.get_subscription_count() >= subscribers, f"a subscriber on {topic}")
         return pub
 
-    def call(self, srv_type: type, name: str, request: Any, timeout: float = 20.0) -> Any:
+    def destroy_publisher(self, pub) -> None:
+        with self.paused():
+            self.node.destroy_publisher(pub)
+
+    def _matched(self, predicate: Callable[[], bool], what: str) -> None:
+        start = time.monotonic()
+        wait_for(predicate, 0.0, what)
+        PATIENCE.observe(time.monotonic() - start)
+
+    def call(self, srv_type: type, name: str, request: Any) -> Any:
         client = self.node.create_client(srv_type, name)
         try:
-            wait_for(client.service_is_ready, timeout, f"service {name}")
+            self._matched(client.service_is_ready, f"service {name}")
+            start = time.monotonic()
             future = client.call_async(request)
-            wait_for(future.done, timeout, f"the response of {name}")
+            wait_for(future.done, 0.0, f"the response of {name}")
+            PATIENCE.observe(time.monotonic() - start)
             return future.result()
         finally:
-            self.node.destroy_client(client)
+            with self.paused():
+                self.node.destroy_client(client)
 
     def close(self) -> None:
+        """End the spin thread, then the executor, the node and the context, in that order."""
+        self._stop.set()
+        self._resume.set()
+        self._thread.join(PATIENCE.timeout())
+        if self._thread.is_alive():
+            raise RuntimeError("the harness spin thread did not end (a callback hangs?)")
         self.executor.shutdown()
         self.node.destroy_node()
         rclpy.shutdown(context=self.context)
-        self._thread.join(timeout=5)
 
 
 class Diagnostics:
@@ -146,20 +281,21 @@ class Diagnostics:
     def _on_msg(self, msg: DiagnosticArray) -> None:
         self.statuses.extend(s for s in msg.status if self.name in s.name)
 
-    def wait(self, predicate: Callable[[DiagnosticStatus, dict[str, str]], bool], timeout: float = 10.0, *, after: int = 0,
+    def find(self, predicate: Callable[[DiagnosticStatus, dict[str, str]], bool], *, after: int = 0
+             ) -> tuple[DiagnosticStatus, dict[str, str]] | None:
+        """The first status from index ``after`` on that satisfies ``predicate(status, values)``, if one came."""
+        for status in self.statuses[after:]:
+            values = {kv.key: kv.value for kv in status.values}
+            if predicate(status, values):
+                return status, values
+        return None
+
+    def wait(self, predicate: Callable[[DiagnosticStatus, dict[str, str]], bool], timeout: float = 0.0, *, after: int = 0,
              what: str = "a diagnostic status") -> tuple[DiagnosticStatus, dict[str, str]]:
-        """The first status from index ``after`` on that satisfies ``predicate(status, values)``."""
+        """Wait for the first status from index ``after`` on that satisfies ``predicate(status, values)``."""
+        return wait_for(lambda: self.find(predicate, after=after), timeout, what)
 
-        def find():
-            for status in self.statuses[after:]:
-                values = {kv.key: kv.value for kv in status.values}
-                if predicate(status, values):
-                    return status, values
-            return None
-
-        return wait_for(find, timeout, what)
-
-    def latest(self, timeout: float = 10.0) -> dict[str, str]:
+    def latest(self, timeout: float = 0.0) -> dict[str, str]:
         """Values of the next status to arrive."""
         return self.wait(lambda s, v: True, timeout, after=len(self.statuses))[1]
 
@@ -180,6 +316,7 @@ class NodeProcess:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*SUBPROCESS_PATHS, env.get("PYTHONPATH")]))
         env["PYTHONUNBUFFERED"] = "1"
         self._log = self.log_path.open("w")
+        self.started = time.monotonic()
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def output(self) -> str:
@@ -190,11 +327,17 @@ class NodeProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def wait_exit(self, timeout: float) -> int:
-        return self.proc.wait(timeout=timeout)
+    def wait_exit(self, timeout: float = 0.0) -> int:
+        return self.proc.wait(timeout=PATIENCE.timeout(timeout))
 
-    def interrupt(self, timeout: float = 10.0) -> tuple[int, float]:
+    def wait_active(self, diag: "Diagnostics") -> None:
+        """Wait for the node to report itself active; its start-up time scales later waits (``PATIENCE``)."""
+        diag.wait(lambda s, v: v.get("state") == "active", PATIENCE.timeout(120.0), what=f"{diag.name} active\n{self.output()}")
+        PATIENCE.observe(time.monotonic() - self.started, factor=3.0)
+
+    def interrupt(self, timeout: float = 0.0) -> tuple[int, float]:
         """SIGINT (Ctrl-C); returns (exit code, seconds it took). Kills it and raises if it hangs."""
+        timeout = PATIENCE.timeout(timeout)
         start = time.monotonic()
         self.proc.send_signal(signal.SIGINT)
         try:
@@ -202,7 +345,7 @@ class NodeProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"{self.args} did not exit within {timeout} s of SIGINT:\n{self.output()}") from None
+            raise AssertionError(f"{self.args} did not exit within {timeout:.0f} s of SIGINT:\n{self.output()}") from None
         return code, time.monotonic() - start
 
     def close(self) -> None:

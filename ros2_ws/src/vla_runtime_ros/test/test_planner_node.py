@@ -66,7 +66,7 @@ def test_planner_node_plans_from_goal_and_memory_and_rejects_bad_updates(harness
     diag = Diagnostics(harness, f"{NS}/vla_planner")
     instructions = harness.subscribe(String, f"{NS}/instruction", LATCHED_QOS)
     plans = harness.subscribe(String, f"{NS}/vla_planner/plan", 10)
-    harness.executor.add_node(node)
+    harness.add(node)
     try:
         updates = harness.publisher(String, f"{NS}/memory_update", UPDATE_QOS)
         goals = harness.publisher(String, f"{NS}/goal", LATCHED_QOS)
@@ -111,5 +111,4 @@ def test_planner_node_plans_from_goal_and_memory_and_rejects_bad_updates(harness
         _, values = diag.wait(lambda s, v: v["plans"] == "4", 10, what="four plans")
         assert values["published"] == str(len(published)) and values["goal"] == goal
     finally:
-        harness.executor.remove_node(node)
-        node.destroy_node()
+        harness.remove(node)

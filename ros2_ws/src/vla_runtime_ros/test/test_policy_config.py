@@ -2,7 +2,6 @@
 leaves the node unconfigured with a message naming the parameter; a good one walks every transition."""
 
 import contextlib
-import time
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ pytest.importorskip("rclpy")
 
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
-from ros_harness import Diagnostics, solid_image  # noqa: E402
+from ros_harness import Diagnostics, resend_until, solid_image  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Float32MultiArray, String  # noqa: E402
 from vla_runtime_ros import conversions  # noqa: E402
@@ -43,11 +42,10 @@ def running(harness, ckpt, **overrides):
     try:
         assert node.trigger_configure() == SUCCESS
         assert node.trigger_activate() == SUCCESS
-        harness.executor.add_node(node)
+        harness.add(node)
         yield node, diag
     finally:
-        harness.executor.remove_node(node)
-        node.destroy_node()
+        harness.remove(node)
 
 
 @pytest.mark.parametrize(
@@ -110,7 +108,7 @@ def test_a_best_effort_camera_against_a_reliable_subscription_is_reported(harnes
         try:
             status, values = diag.wait(lambda s, v: s.level == DiagnosticStatus.ERROR, what="an ERROR about the camera's QoS")
         finally:
-            harness.node.destroy_publisher(camera)
+            harness.destroy_publisher(camera)
     assert "QoS is incompatible with this subscription (RELIABILITY)" in status.message
     assert values["setup_errors"] == "1" and values["bad_inputs"] == "0"
 
@@ -125,9 +123,14 @@ def test_a_failing_policy_is_reported_and_publishes_nothing(harness, tmp_path, f
     with running(harness, write_checkpoint(tmp_path / fault, fault=fault), default_instruction="stack the blocks") as (node, diag):
         actions = harness.subscribe(Float32MultiArray, "/cfg/vla_policy_config_test/action")
         camera = harness.publisher(Image, "/cfg/image_raw", qos_profile_sensor_data)
+        errors = 0
         for seed in range(3):  # every frame fails the same way; the node keeps going
-            camera.publish(conversions.array_to_image_msg(solid_image(seed)))
-            status, values = diag.wait(lambda s, v, n=seed + 1: v["inference_errors"] == str(n), what=f"error {seed + 1}")
+            mark = len(diag.statuses)
+            status, values = resend_until(
+                lambda seed=seed: camera.publish(conversions.array_to_image_msg(solid_image(seed))),
+                lambda n=errors: diag.find(lambda s, v: int(v["inference_errors"]) > n, after=mark), f"error {seed + 1}",
+            )
+            errors = int(values["inference_errors"])
             assert status.level == DiagnosticStatus.ERROR and message in status.message
         diag.wait(lambda s, v: True, after=len(diag.statuses) + 2, what="more status messages")
         assert len(actions) == 0 and values["bad_inputs"] == "0"
@@ -142,19 +145,21 @@ def test_an_instruction_older_than_its_max_age_withholds_actions(harness, policy
         def act_while_fresh(image_value: int, count: int) -> None:
             """Refresh the instruction and send a frame until an action comes (a loaded machine's first step
             can take longer than the 0.3 s max age, then that action is rightly withheld)."""
-            deadline = time.monotonic() + 20
-            while len(actions) <= count and time.monotonic() < deadline:
+
+            def send() -> None:
                 instructions.publish(String(data="stack the blocks"))
                 camera.publish(conversions.array_to_image_msg(solid_image(image_value)))
-                time.sleep(0.25)
-            assert len(actions) > count, "no action while the instruction was fresh"
+
+            resend_until(send, lambda: len(actions) > count, "an action while the instruction is fresh", hz=4.0)
 
         act_while_fresh(1, 0)
         status, _ = diag.wait(lambda s, v: "instruction is" in s.message, what="the instruction going stale")
         assert status.level == DiagnosticStatus.WARN and "(max_instruction_age_s 0.3)" in status.message
         diag.wait(lambda s, v: True, after=len(diag.statuses) + 2, what="steps in flight to finish")
-        count = len(actions)
-        camera.publish(conversions.array_to_image_msg(solid_image(2)))
+        count, received = len(actions), int(diag.latest()["frames_received"])
+        mark = len(diag.statuses)
+        resend_until(lambda: camera.publish(conversions.array_to_image_msg(solid_image(2))),
+                     lambda: diag.find(lambda s, v: int(v["frames_received"]) > received, after=mark), "the stale-instruction frame")
         diag.wait(lambda s, v: True, after=len(diag.statuses) + 3, what="more status messages")
         assert len(actions) == count
         act_while_fresh(3, count)  # refreshed: acting again, same episode

@@ -1,5 +1,8 @@
 """Lifecycle transitions driven over the lifecycle services, a chunk-predicting policy on compressed
-frames, the staleness watchdog, and a configure that fails on a bad checkpoint."""
+frames, the staleness watchdog, and a configure that fails on a bad checkpoint.
+
+Each frame here must be acted on exactly once, so the camera is reliable (``image_reliability:
+reliable``): a frame sent once arrives once, after the publisher matched the node's subscription."""
 
 import numpy as np
 import pytest
@@ -10,8 +13,8 @@ from lifecycle_msgs.msg import State, Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
 from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue  # noqa: E402
 from rcl_interfaces.srv import SetParameters  # noqa: E402
-from rclpy.qos import qos_profile_sensor_data  # noqa: E402
-from ros_harness import Diagnostics, NodeProcess, solid_image, wait_for  # noqa: E402
+from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
+from ros_harness import Diagnostics, NodeProcess, solid_image  # noqa: E402
 from ros_test_policy import RosTestPolicyConfig, expected_actions  # noqa: E402
 from sensor_msgs.msg import CompressedImage  # noqa: E402
 from std_msgs.msg import Float32MultiArray  # noqa: E402
@@ -23,6 +26,7 @@ NS = "/lc"
 NODE = f"{NS}/vla_policy"
 CHUNK = RosTestPolicyConfig(chunk_size=4)
 HORIZON = 3  # actions executed from each 4-action chunk
+RELIABLE_CAMERA = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE)
 
 
 class Lifecycle:
@@ -34,14 +38,15 @@ class Lifecycle:
 
     def change(self, transition: int) -> bool:
         request = ChangeState.Request(transition=Transition(id=transition))
-        return self.harness.call(ChangeState, f"{NODE}/change_state", request, timeout=60).success
+        return self.harness.call(ChangeState, f"{NODE}/change_state", request).success
 
 
 @pytest.fixture(scope="module")
 def node(harness, tmp_path_factory, policy_checkpoints):
     params = dict(
         checkpoint=str(policy_checkpoints["chunk"]), policy_modules=["ros_test_policy"], autostart=False,
-        execution_horizon=HORIZON, image_transport="compressed", control_rate_hz=20.0, diagnostics_rate_hz=10.0,
+        execution_horizon=HORIZON, image_transport="compressed", image_reliability="reliable",
+        control_rate_hz=20.0, diagnostics_rate_hz=10.0,
         default_instruction="stack the blocks",
     )
     proc = NodeProcess("policy_node", params, tmp_path_factory.mktemp("lifecycle"), name="vla_policy", namespace=NS)
@@ -67,15 +72,13 @@ def test_transitions_gate_the_control_loop(harness, node, policy_checkpoints):
     assert lifecycle.state() == State.PRIMARY_STATE_UNCONFIGURED, node.output()
     assert lifecycle.change(Transition.TRANSITION_CONFIGURE), node.output()
     assert lifecycle.state() == State.PRIMARY_STATE_INACTIVE
-    frames = harness.publisher(CompressedImage, f"{NS}/image_raw/compressed", qos_profile_sensor_data)
+    frames = harness.publisher(CompressedImage, f"{NS}/image_raw/compressed", RELIABLE_CAMERA)
+    # the node's outputs (created by configure) matched to the harness: nothing it publishes is lost
+    diag.wait(lambda s, v: v.get("action_subscribers") == "1" and v.get("chunk_subscribers") == "1", what="outputs matched")
 
     # inactive: frames arrive, nothing is computed or published
-    def frame_arrived() -> bool:  # the first messages after discovery can be lost (best effort): resend
-        frames.publish(frame)
-        values = diag.latest()
-        return values["state"] == "inactive" and int(values["frames_received"]) >= 1
-
-    wait_for(frame_arrived, 30, "the frame, inactive")
+    frames.publish(frame)
+    diag.wait(lambda s, v: v["state"] == "inactive" and v["frames_received"] == "1", what="the frame, inactive")
     diag.wait(lambda s, v: True, after=len(diag.statuses) + 2, what="more status messages")
     assert len(actions) == 0 and len(chunks) == 0
 

@@ -30,19 +30,18 @@ def test_policy_node_drives_the_simulator_through_two_episodes(harness, tmp_path
     env = LineReachEnv()
     sim = None
     try:
-        policy_diag.wait(lambda s, v: v["state"] == "active", timeout=60, what=f"the policy node\n{policy.output()}")
+        policy.wait_active(policy_diag)
         sim = SimNode(
             env, context=harness.context, namespace=NS,
             parameter_overrides=[Parameter("task", value=TASK), Parameter("episodes", value=2),
                                  Parameter("camera_rate_hz", value=20.0), Parameter("seed", value=7)],
             cli_args=["--ros-args", "-r", "action:=vla_policy/action"],
         )
-        harness.executor.add_node(sim)
+        harness.add(sim)
         done = results.wait(2, 60, f"two episode results\n{policy.output()}")
     finally:
         if sim is not None:
-            harness.executor.remove_node(sim)
-            sim.destroy_node()
+            harness.remove(sim)
         code, _ = policy.interrupt()
         policy.close()
     assert code == 0
@@ -75,7 +74,7 @@ def test_bad_actions_are_rejected_and_counted_without_stepping(harness):
     env = LineReachEnv()
     sim = SimNode(env, context=harness.context, namespace="/simbad", parameter_overrides=[Parameter("task", value=TASK)])
     diag = Diagnostics(harness, "/simbad/vla_sim")
-    harness.executor.add_node(sim)
+    harness.add(sim)
     try:
         actions = harness.publisher(Float32MultiArray, "/simbad/action", ACTION_QOS)
         bad = [
@@ -91,5 +90,4 @@ def test_bad_actions_are_rejected_and_counted_without_stepping(harness):
         actions.publish(conversions.actions_to_msg(np.full(7, 0.1, np.float32)))
         wait_for(lambda: sim.steps == 1, 10, "one step")
     finally:
-        harness.executor.remove_node(sim)
-        sim.destroy_node()
+        harness.remove(sim)

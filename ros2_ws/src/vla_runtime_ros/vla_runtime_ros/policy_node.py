@@ -94,6 +94,7 @@ class EpisodeRequest:
     applied: threading.Event = field(default_factory=threading.Event)
     episode: int = 0  # set when applied
     error: str = ""
+    frames_before: int = 0  # frames received before the episode started: never acted on in it
 
 
 @dataclass
@@ -273,10 +274,11 @@ class PolicyNode(LifecycleNode):
         for sub in self._input_subs:
             self.destroy_subscription(sub)
         self._input_subs = []
-        for pub in (self._action_pub, self._chunk_pub, self._twist_pub, self._gripper_pub):
+        outputs = (self._action_pub, self._chunk_pub, self._twist_pub, self._gripper_pub)
+        self._action_pub = self._chunk_pub = self._twist_pub = self._gripper_pub = None  # diagnostics stop reading them
+        for pub in outputs:
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
-        self._action_pub = self._chunk_pub = self._twist_pub = self._gripper_pub = None
         if self._diag_timer is not None:
             self.destroy_timer(self._diag_timer)
             self._diag_timer = None
@@ -319,6 +321,9 @@ class PolicyNode(LifecycleNode):
         now, cfg = time.monotonic(), self._cfg
         if cfg is None:  # cleanup is destroying this subscription
             return
+        stamp = msg.header.stamp
+        with self._lock:
+            self._telemetry.frame_stamp = f"{stamp.sec}.{stamp.nanosec:09d}"
         try:
             if isinstance(msg, Image):
                 conversions.check_image_msg(msg, max_pixels=cfg.max_image_pixels)
@@ -372,6 +377,7 @@ class PolicyNode(LifecycleNode):
         with self._lock:
             self._state, self._state_error = state, ""
             self._state_stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+            self._telemetry.joint_state_stamp = self._state_stamp
             if self._state_stamp:
                 self._recent_states.append((self._state_stamp, state))
         if self._frame_guard is not None:  # a frame may have been waiting for this state
@@ -532,6 +538,7 @@ class PolicyNode(LifecycleNode):
                 return None
             self._queue = ActionQueue(self._session, self._cfg.execution_horizon or None)
             with self._lock:
+                self._used_seq = max(self._used_seq, outcome.frames_before)  # a frame of the old episode is not acted on
                 self._telemetry.episode = outcome.episode
                 self._telemetry.kv = KVStats()
             return None
@@ -581,6 +588,8 @@ class PolicyNode(LifecycleNode):
             else:
                 self._session.reset(request.instruction)
             self.get_logger().info(f"episode {request.episode}: {request.instruction!r}")
+            with self._lock:
+                request.frames_before = self._frame_seq
         except Exception as e:  # noqa: BLE001 - reported to the service caller and on /diagnostics
             self._session = None
             request.error = f"could not start episode {request.episode}: {type(e).__name__}: {e}"
@@ -614,13 +623,19 @@ class PolicyNode(LifecycleNode):
             return
         with self._lock:
             state = "active" if self._active else "inactive"
-            queue_len = len(self._queue) if self._queue is not None else 0
+            outputs = {"action": self._action_pub, "chunk": self._chunk_pub, "twist": self._twist_pub, "gripper": self._gripper_pub}
+            live = {
+                "queue_len": len(self._queue) if self._queue is not None else 0,
+                "frames_pending": int(self._frame is not None and self._frame.seq > self._used_seq),
+                "stepping": self._future is not None,
+                **{f"{topic}_subscribers": pub.get_subscription_count() for topic, pub in outputs.items() if pub is not None},
+            }
             status = self._telemetry.status(
                 name=f"{self.get_fully_qualified_name()}: policy",
                 hardware_id=self._device,
                 state=state,
                 now=time.monotonic(),
-                queue_len=queue_len,
+                live=live,
             )
         msg = DiagnosticArray(status=[status])
         msg.header.stamp = self.get_clock().now().to_msg()

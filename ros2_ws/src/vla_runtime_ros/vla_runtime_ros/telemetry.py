@@ -71,6 +71,8 @@ class PolicyTelemetry:
     values_clipped: int = 0
     steps: int = 0
     episode: int = 0
+    joint_state_stamp: float = 0.0  # header.stamp of the newest valid joint state (0: unstamped)
+    frame_stamp: str = ""  # header.stamp (sec.nanosec) of the newest image received, accepted or not
     last_error: str = ""
     errors_since_report: int = 0
     warning: str = ""
@@ -86,8 +88,12 @@ class PolicyTelemetry:
         self.last_error = message
         self.errors_since_report += 1
 
-    def status(self, *, name: str, hardware_id: str, state: str, now: float, queue_len: int) -> DiagnosticStatus:
-        """One ``DiagnosticStatus``; ERROR when an error happened since the previous status."""
+    def status(self, *, name: str, hardware_id: str, state: str, now: float, live: dict[str, object]) -> DiagnosticStatus:
+        """One ``DiagnosticStatus``; ERROR when an error happened since the previous status.
+
+        ``live``: the control loop's state at this moment, reported as is after the counters (the queue
+        length, whether a frame waits or a step runs, subscriptions matched to each output topic).
+        """
         if self.errors_since_report:
             level, message = LEVELS["error"], self.last_error
         elif self.warning:
@@ -108,11 +114,12 @@ class PolicyTelemetry:
             "actions_suppressed": self.actions_suppressed,
             "actions_withheld": self.actions_withheld,
             "values_clipped": self.values_clipped,
-            "queue_len": queue_len,
             "frames_received": self.frames_received,
             "frames_dropped": self.frames_dropped,
             "frames_stale": self.frames_stale,
             "frames_unpaired": self.frames_unpaired,
+            "frame_stamp": self.frame_stamp,
+            "joint_state_stamp": self.joint_state_stamp,
             "bad_inputs": self.bad_inputs,
             "inference_errors": self.inference_errors,
             "setup_errors": self.setup_errors,
@@ -123,6 +130,7 @@ class PolicyTelemetry:
             "kv_chunks_retained": self.kv.chunks_retained,
             "kv_chunks_dropped": self.kv.chunks_dropped,
             "kv_positions_used": self.kv.positions_used,
+            **live,
         }
         return DiagnosticStatus(
             level=level,
