@@ -107,13 +107,16 @@ def test_eval_cli_end_to_end(demos, tmp_path, monkeypatch, capsys):
     assert first["video"].endswith(f"{TASKS[0]}.mp4")
 
 
-def test_eval_parallel_workers_with_action_chunks(demos):
+def test_eval_parallel_workers_with_action_chunks(demos, capfd):
     root, _ = demos
     config = EvalConfig(tasks=["button-press-v3"], episodes=2, seed=5, session=SessionConfig(execution_horizon=None), workers=2)
     results = evaluate(partial(make_replay_policy, root, chunk=4), partial(make_env, "metaworld", ENV), config, progress=False)
     assert [(r.task, r.seed, r.success) for r in results] == [("button-press-v3", 5, True), ("button-press-v3", 6, True)]
     for r in results:
         assert len(r.step_ms) == r.steps and len(r.inference_ms) == -(-r.steps // 4)  # one prediction per 4-action chunk
+    # the workers exited (the pool joined them) without MuJoCo's GL-context traceback at interpreter exit
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
 
 
 def test_eval_rejects_a_policy_it_cannot_map(demos, monkeypatch):

@@ -11,6 +11,8 @@ not the simulator, so the control rate is what the policy could sustain on a rob
 
 from __future__ import annotations
 
+import atexit
+
 import logging
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -131,6 +133,18 @@ def _init_worker(policy_factory: PolicyFactory, env_factory: EnvFactory, threads
 
     torch.set_num_threads(threads)
     _worker["factories"] = (policy_factory, env_factory)
+    atexit.register(_close_worker)
+
+
+def _close_worker() -> None:
+    """Close the worker's simulator while the interpreter is still whole (atexit).
+
+    Left to interpreter teardown, MuJoCo's OSMesa context is freed by ``__del__`` after the modules it
+    calls are gone, and every worker printed a ``TypeError: 'NoneType' object is not callable`` traceback.
+    """
+    env = _worker.pop("env", None)
+    if env is not None:
+        env.close()
 
 
 def _worker_episode(task: str, seed: int, session_config: SessionConfig, video_path: Path | None) -> EpisodeResult:
