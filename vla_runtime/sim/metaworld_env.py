@@ -30,7 +30,7 @@ from .gl import import_triton_before_gl, select_gl_backend
 from .memory import MEMORY_TASKS, MemoryTask, Outcome
 from .memory.base import HOLD_ACTION
 from .memory.scene import draw_markers
-from .metaworld_tasks import METAWORLD_INSTRUCTIONS, METAWORLD_TASKS
+from .metaworld_tasks import METAWORLD_ALL_TASKS, METAWORLD_INSTRUCTIONS
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class MetaWorldEnv(SimEnv):
     # -- protocol -------------------------------------------------------------------------------
     @property
     def tasks(self) -> list[str]:
-        return list(METAWORLD_TASKS) + list(MEMORY_TASKS)
+        return list(METAWORLD_ALL_TASKS)
 
     @property
     def cameras(self) -> list[str]:

@@ -16,6 +16,14 @@ from .reference import ReferenceTask
 
 #: task name -> episode class, in the order the ``memory`` group lists them
 MEMORY_TASKS: dict[str, type[MemoryTask]] = {cls.name: cls for cls in (ReferenceTask, CountingTask, OrderTask)}
+#: the camera the cues and the go lamp are placed and sized for (the demo policy's); from Meta-World's default
+#: ``corner2`` the arm hides the lamp while it is held
+MEMORY_CAMERA = "corner"
+
+
+def chance_level(task: str) -> float | None:
+    """Success rate of the best cue-blind answer in memory task ``task``; ``None`` for a task without a cue."""
+    return MEMORY_TASKS[task].chance_level() if task in MEMORY_TASKS else None
 
 
 def memory_task(name: str) -> type[MemoryTask]:
@@ -26,6 +34,7 @@ def memory_task(name: str) -> type[MemoryTask]:
 
 
 __all__ = [
+    "MEMORY_CAMERA",
     "MEMORY_TASKS",
     "CountingExpert",
     "CountingTask",
@@ -35,5 +44,6 @@ __all__ = [
     "OrderTask",
     "Outcome",
     "ReferenceTask",
+    "chance_level",
     "memory_task",
 ]
