@@ -1,6 +1,7 @@
 """``vla-runtime collect``: scripted-expert demonstrations from Meta-World as a LeRobot v3 dataset.
 
     vla-runtime collect --sim metaworld --tasks reach-v3,button-press-v3 --episodes 20 --out runs/mw-demos
+    vla-runtime collect --sim metaworld --tasks memory --episodes 50 --resolution 84 --out runs/mw-memory
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    tasks = parse_tasks(args.tasks, args.sim)
     config = CollectConfig(
-        tasks=parse_tasks(args.tasks, args.sim),
+        tasks=tasks,
         episodes=args.episodes,
         out=args.out,
         seed=args.seed,
-        env=sim_config(args),
+        env=sim_config(args, tasks),
         video_codec=args.video_codec,
     )
     results = collect(config)

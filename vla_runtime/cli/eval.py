@@ -2,6 +2,9 @@
 
     vla-runtime eval --checkpoint ckpt/ --sim metaworld --tasks reach-v3,drawer-open-v3 --episodes 10 \
         --kv chunked --history history --workers 2 --out runs/eval-mw
+    # the memory suite, a sliding window holding the KV bytes of a chunked cache with 32 retained chunks:
+    vla-runtime eval --checkpoint ckpt/ --sim metaworld --tasks memory --history history \
+        --kv sink_window --kv-window 48 --kv-match-chunks 32
 
 Writes ``report.json``, ``summary.png`` and ``videos/<task>.mp4`` (first episode of each task).
 """
@@ -15,8 +18,8 @@ from pathlib import Path
 
 from ..api import detect_family, load_policy
 from ..config import HISTORY_MODES, SessionConfig
-from ..kv.config import KV_MODES, KVConfig
-from ..sim import METAWORLD_TASKS, make_env
+from ..kv.config import KV_MODES, KVConfig, matching_sink_window
+from ..sim import METAWORLD_ALL_TASKS, make_env
 from ..sim.base import check_task
 from ..sim.evaluate import EvalConfig, evaluate
 from ..sim.rlbench_env import import_rlbench
@@ -34,6 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens a cache holds (default: the model's max_position); a full cache in history mode needs "
                         "about steps x tokens per step")
     p.add_argument("--kv-max-chunks", type=int, default=None, help="chunked: retained chunks per layer (default: as many as fit)")
+    p.add_argument("--kv-window", type=int, default=None,
+                   help="raw recent window in tokens, sink_window and chunked (default: one control step of the policy)")
+    p.add_argument("--kv-match-chunks", type=int, default=None, metavar="M",
+                   help="sink_window: size the window to hold the KV bytes of a chunked cache with M retained chunks "
+                        "and the same --kv-window (printed; needs --kv-window)")
     p.add_argument("--history", choices=HISTORY_MODES, default="single", help="context per step (default: %(default)s)")
     p.add_argument("--execution-horizon", type=int, default=None, help="actions executed per predicted chunk (default: whole chunk)")
     p.add_argument("--workers", type=int, default=1, help="parallel episode processes (default: %(default)s)")
@@ -48,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     tasks = parse_tasks(args.tasks, args.sim)
     if args.sim == "metaworld":
         for task in tasks:
-            check_task(task, METAWORLD_TASKS, "Meta-World")
+            check_task(task, METAWORLD_ALL_TASKS, "Meta-World")
     else:
         try:
             import_rlbench()
@@ -57,11 +65,12 @@ def run(args: argparse.Namespace) -> int:
     from .. import models  # noqa: F401  (registers the policy families detect_family looks through)
 
     family = detect_family(args.checkpoint)  # fail fast on a wrong path, before any process starts
-    session = SessionConfig(kv=KVConfig(mode=args.kv, capacity=args.kv_capacity, max_chunks=args.kv_max_chunks), history=args.history, execution_horizon=args.execution_horizon, seed=args.seed)
+    kv = kv_config(args)
+    session = SessionConfig(kv=kv, history=args.history, execution_horizon=args.execution_horizon, seed=args.seed)
     out = Path(args.out) if args.out else Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
     config = EvalConfig(tasks=tasks, episodes=args.episodes, seed=args.seed, session=session, workers=args.workers,
                         out=None if args.no_video else out)
-    env_config = sim_config(args)
+    env_config = sim_config(args, tasks)
     policy_factory = partial(load_policy, args.checkpoint, device=args.device, dtype=args.dtype)
     results = evaluate(policy_factory, partial(make_env, args.sim, env_config), config)
     summary = summarize(results)
@@ -71,11 +80,12 @@ def run(args: argparse.Namespace) -> int:
         "sim": args.sim,
         "sim_config": repr(env_config),
         "session": repr(session),
+        "kv": {"mode": kv.mode, "window": kv.window, "max_chunks": kv.max_chunks, "matched_chunks": args.kv_match_chunks},
         "seed": args.seed,
         "workers": args.workers,
     }
     report = write_report(out / "report.json", results, summary, meta)
-    plot = plot_summary(out / "summary.png", summary, f"{Path(args.checkpoint).name} on {args.sim} (kv={args.kv}, history={args.history})")
+    plot = plot_summary(out / "summary.png", summary, f"{Path(args.checkpoint).name} on {args.sim} ({kv_label(kv)}, history={args.history})")
     print(format_table(summary))
     print(f"report: {report}")
     if plot:
@@ -83,3 +93,31 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_video:
         print(f"videos: {out / 'videos'}")
     return 0
+
+
+def kv_config(args: argparse.Namespace) -> KVConfig:
+    """The session's cache from the ``--kv*`` flags; ``--kv-match-chunks`` sizes a sink window (and says so)."""
+    kv = KVConfig(mode=args.kv, capacity=args.kv_capacity, window=args.kv_window, max_chunks=args.kv_max_chunks)
+    if args.kv_match_chunks is None:
+        if kv.mode == "chunked" and kv.window is not None and kv.max_chunks is not None:
+            print(f"a sink_window cache with --kv-window {matching_sink_window(kv).window} holds the same KV bytes")
+        return kv
+    if args.kv != "sink_window":
+        raise ValueError(f"--kv-match-chunks sizes a sink_window cache; got --kv {args.kv}")
+    if args.kv_window is None:
+        raise ValueError("--kv-match-chunks needs --kv-window: the raw window W (tokens) of the chunked cache to match")
+    chunked = KVConfig(mode="chunked", capacity=args.kv_capacity, window=args.kv_window, max_chunks=args.kv_match_chunks)
+    kv = matching_sink_window(chunked)
+    print(f"sink_window: window {kv.window} tokens holds the KV bytes of chunked (window {chunked.window}, "
+          f"chunk {chunked.chunk}, {chunked.max_chunks} chunks, n_sink {chunked.n_sink})")  # fmt: skip
+    return kv
+
+
+def kv_label(kv: KVConfig) -> str:
+    """Short description of a cache for titles: ``kv=chunked W48 M32``."""
+    parts = [f"kv={kv.mode}"]
+    if kv.window is not None and kv.mode != "full":
+        parts.append(f"W{kv.window}")
+    if kv.max_chunks is not None and kv.mode == "chunked":
+        parts.append(f"M{kv.max_chunks}")
+    return " ".join(parts)

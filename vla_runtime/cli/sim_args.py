@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..sim import METAWORLD_TASKS, MetaWorldConfig, RLBenchConfig
+from ..sim import MEMORY_TASKS, METAWORLD_TASKS, MetaWorldConfig, RLBenchConfig
+from ..sim.memory import MEMORY_CAMERA
 
 # task groups a user can name instead of listing tasks
 METAWORLD_GROUPS = {
@@ -13,6 +14,7 @@ METAWORLD_GROUPS = {
         "reach-v3", "push-v3", "pick-place-v3", "door-open-v3", "drawer-open-v3",
         "drawer-close-v3", "button-press-topdown-v3", "peg-insert-side-v3", "window-open-v3", "window-close-v3",
     ],
+    "memory": list(MEMORY_TASKS),
 }
 
 
@@ -20,9 +22,10 @@ def add_sim_args(parser: argparse.ArgumentParser, *, sims: tuple[str, ...]) -> N
     parser.add_argument("--sim", choices=sims, default=sims[0], help="simulator (default: %(default)s)")
     parser.add_argument(
         "--tasks", required=True,
-        help="comma-separated task names (Meta-World: reach-v3,button-press-v3,...; or a group: all, mt10)",
+        help="comma-separated task names (Meta-World: reach-v3,button-press-v3,...,memory-counting; or a group: all, mt10, memory)",
     )
-    parser.add_argument("--camera", default=None, help="comma-separated camera names, primary first (Meta-World default corner2; RLBench front,wrist)")
+    parser.add_argument("--camera", default=None, help="comma-separated camera names, primary first (Meta-World default corner2, "
+                        f"{MEMORY_CAMERA} when every task is a memory task; RLBench front,wrist)")
     parser.add_argument("--resolution", default=None, help="image size N or HxW (Meta-World default 224; RLBench 128)")
     parser.add_argument("--max-steps", type=int, default=None, help="step limit per episode (Meta-World default and maximum 500)")
     parser.add_argument("--seed", type=int, default=0, help="first seed; episode i uses seed+i (Meta-World: seed %% 50 picks the scene variation)")
@@ -49,11 +52,14 @@ def parse_resolution(text: str) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
-def sim_config(args: argparse.Namespace) -> MetaWorldConfig | RLBenchConfig:
-    """The simulator config from the command line (unset options keep the config's defaults)."""
+def sim_config(args: argparse.Namespace, tasks: list[str] | None = None) -> MetaWorldConfig | RLBenchConfig:
+    """The simulator config from the command line (unset options keep the config's defaults; without
+    ``--camera``, Meta-World runs that are all memory ``tasks`` use the camera their cues are made for)."""
     kwargs = {}
     if args.camera is not None:
         kwargs["cameras"] = tuple(c.strip() for c in args.camera.split(",") if c.strip())
+    elif args.sim == "metaworld" and tasks and all(task in MEMORY_TASKS for task in tasks):
+        kwargs["cameras"] = (MEMORY_CAMERA,)
     if args.resolution is not None:
         kwargs["resolution"] = parse_resolution(args.resolution)
     if args.max_steps is not None:

@@ -13,7 +13,7 @@ import torch
 
 from .base import KVCache, KVStats, kv_bytes
 from .chunked_gated import ChunkedGatedCache, ChunkedGatedConfig
-from .config import KVConfig
+from .config import KVConfig, matching_sink_window
 from .full import FullCache
 from .gate import ChunkGate, ChunkGateConfig, has_gate, load_gate, save_gate
 from .sink_window import SinkWindowCache, SinkWindowConfig
@@ -60,5 +60,6 @@ __all__ = [
     "kv_bytes",
     "load_gate",
     "make_cache",
+    "matching_sink_window",
     "save_gate",
 ]

@@ -51,3 +51,26 @@ class KVConfig:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
         if self.n_sink < 0:
             raise ValueError(f"`n_sink` must be >= 0, got {self.n_sink}")
+
+
+def matching_sink_window(chunked: KVConfig) -> KVConfig:
+    """The ``sink_window`` config that holds as many KV bytes as ``chunked`` at its full chunk budget.
+
+    After every forward a chunked cache holds, per layer, the pinned prompt P, at most ``max_chunks`` chunk
+    representatives M, the raw window W and fewer than C raw tokens waiting to form the next chunk: at most
+    P + M + W + C - 1 tokens. A sink-window cache holds P + ``n_sink`` + W'. Equal bytes: W' = M + W + C - 1 - n_sink
+    (same model, dtype and prompt; both caches hold one forward's new tokens on top while it runs).
+
+    ``chunked`` needs ``mode="chunked"`` and explicit ``window`` and ``max_chunks``.
+    """
+    if chunked.mode != "chunked":
+        raise ValueError(f"matching_sink_window takes a chunked KVConfig, got mode {chunked.mode!r}")
+    if chunked.window is None or chunked.max_chunks is None:
+        raise ValueError(
+            f"matching_sink_window needs the chunked cache's `window` and `max_chunks` (got {chunked.window}, "
+            f"{chunked.max_chunks}): the bytes it holds depend on both"
+        )
+    window = chunked.max_chunks + chunked.window + chunked.chunk - 1 - chunked.n_sink
+    if window < 1:
+        raise ValueError(f"a chunked cache this small ({chunked}) holds fewer tokens than the sink-window cache's sinks")
+    return KVConfig(mode="sink_window", capacity=chunked.capacity, window=window, n_sink=chunked.n_sink, backend=chunked.backend)

@@ -13,7 +13,8 @@ from __future__ import annotations
 from .actions import POLICY_ACTION_DIM, POLICY_ACTION_NAMES, MetaWorldActions, check_policy_action_dim
 from .base import SimEnv, SimObservation, StepInfo
 from .metaworld_env import METAWORLD_CAMERAS, MetaWorldConfig, MetaWorldEnv
-from .metaworld_tasks import METAWORLD_INSTRUCTIONS, METAWORLD_TASKS
+from .memory import MEMORY_TASKS
+from .metaworld_tasks import METAWORLD_ALL_TASKS, METAWORLD_INSTRUCTIONS, METAWORLD_TASKS
 from .rlbench_env import RLBenchConfig, RLBenchEnv
 
 # name -> (env class, its config class)
@@ -34,6 +35,8 @@ def make_env(name: str, config: object | None = None) -> SimEnv:
 
 
 __all__ = [
+    "MEMORY_TASKS",
+    "METAWORLD_ALL_TASKS",
     "METAWORLD_CAMERAS",
     "METAWORLD_INSTRUCTIONS",
     "METAWORLD_TASKS",

@@ -90,8 +90,9 @@ class SimEnv(abc.ABC):
         """Step limit of an episode."""
 
     @abc.abstractmethod
-    def instruction(self, task: str) -> str:
-        """The natural-language instruction for ``task``."""
+    def instruction(self, task: str, seed: int = 0) -> str:
+        """The natural-language instruction for ``task`` (in episode ``seed``, for tasks whose instruction
+        carries a per-episode parameter, e.g. how many presses)."""
 
     @abc.abstractmethod
     def reset(self, task: str, seed: int) -> SimObservation:

@@ -20,7 +20,7 @@ from ..data import DatasetFeatures, Episode, LeRobotWriter, WriterConfig
 from .actions import POLICY_ACTION_NAMES
 from .base import check_task
 from .metaworld_env import MetaWorldConfig, MetaWorldEnv
-from .metaworld_tasks import METAWORLD_TASKS
+from .metaworld_tasks import METAWORLD_ALL_TASKS
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class CollectConfig:
     """What ``collect`` records.
 
     Args:
-        tasks: Meta-World task names.
+        tasks: Meta-World task names (Meta-World's 50 or the memory tasks).
         episodes: successful episodes to record per task.
         out: new dataset directory.
         seed: first seed; attempt k of a task uses ``seed + k`` (the seed picks the scene variation).
@@ -52,7 +52,7 @@ class CollectConfig:
         if not self.tasks:
             raise ValueError("`tasks` is empty; name at least one Meta-World task")
         for task in self.tasks:
-            check_task(task, METAWORLD_TASKS, "Meta-World")
+            check_task(task, METAWORLD_ALL_TASKS, "Meta-World")
         if self.episodes < 1:
             raise ValueError(f"`episodes` must be >= 1, got {self.episodes}")
         if not self.env.cameras:

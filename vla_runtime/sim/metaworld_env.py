@@ -9,11 +9,16 @@ upside down, LeRobot's Meta-World env flips them the same way) and the proprio s
 ``[hand_x, hand_y, hand_z, gripper_opening]`` = the first 4 entries of Meta-World's 39-D observation
 (hand position in metres, finger distance normalised to [0, 1], 1 = open). Object and goal
 positions stay private; only the scripted expert (``expert_action``) reads them.
+
+Besides Meta-World's 50 tasks it runs the memory tasks (``memory/``): each is a real Meta-World env whose
+episode (cue, delay, layout) comes from the seed, with the cue drawn into the render, the arm held while
+the task says so, and success judged by the task (its episode ends when the answer is committed).
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +27,10 @@ import numpy as np
 from .actions import MetaWorldActions
 from .base import SimEnv, SimObservation, StepInfo, check_task
 from .gl import import_triton_before_gl, select_gl_backend
-from .metaworld_tasks import METAWORLD_INSTRUCTIONS, METAWORLD_TASKS
+from .memory import MEMORY_TASKS, MemoryTask, Outcome
+from .memory.base import HOLD_ACTION
+from .memory.scene import draw_markers
+from .metaworld_tasks import METAWORLD_ALL_TASKS, METAWORLD_INSTRUCTIONS
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +47,9 @@ class MetaWorldConfig:
     Args:
         cameras: camera names, primary first; ``()`` renders nothing (state-only episodes).
         resolution: (height, width) of every camera image.
-        max_steps: step limit per episode (at most Meta-World's 500).
-        stop_on_success: end the episode at the first successful step.
+        max_steps: step limit per episode (at most Meta-World's 500; a memory task's own limit applies too).
+        stop_on_success: end the episode at the first successful step (a memory task's episode always
+            ends when its answer is committed, right or wrong).
         fast_render: no shadows, reflections or multisampling (about 8x faster software rendering;
             images look flatter than Meta-World's defaults).
         flip_images: rotate images 180 degrees so the scene is upright.
@@ -73,13 +82,14 @@ class MetaWorldConfig:
 
 @dataclass
 class _TaskSim:
-    """The gymnasium env, its MT1 variations, renderer and expert for one task."""
+    """The gymnasium env, its MT1 variations, renderer and expert for one task (``memory``: its episode class)."""
 
     task: str
     env: Any
     variations: list
     renderer: Any
     expert: Any
+    memory: type[MemoryTask] | None = None
 
 
 class MetaWorldEnv(SimEnv):
@@ -96,11 +106,14 @@ class MetaWorldEnv(SimEnv):
         self._raw_obs: np.ndarray | None = None
         self._steps = 0
         self._done = True
+        self._limit = self.config.max_steps
+        self._episode: MemoryTask | None = None  # the running memory task's episode
+        self._expert: Any = None  # its scripted expert
 
     # -- protocol -------------------------------------------------------------------------------
     @property
     def tasks(self) -> list[str]:
-        return list(METAWORLD_TASKS)
+        return list(METAWORLD_ALL_TASKS)
 
     @property
     def cameras(self) -> list[str]:
@@ -114,29 +127,64 @@ class MetaWorldEnv(SimEnv):
     def max_steps(self) -> int:
         return self.config.max_steps
 
-    def instruction(self, task: str) -> str:
-        check_task(task, METAWORLD_TASKS, "Meta-World")
-        return METAWORLD_INSTRUCTIONS[task]
+    def instruction(self, task: str, seed: int = 0) -> str:
+        check_task(task, self.tasks, "Meta-World")
+        return MEMORY_TASKS[task].sample(seed).instruction() if task in MEMORY_TASKS else METAWORLD_INSTRUCTIONS[task]
 
     def reset(self, task: str, seed: int) -> SimObservation:
-        check_task(task, METAWORLD_TASKS, "Meta-World")
+        check_task(task, self.tasks, "Meta-World")
+        if task in MEMORY_TASKS:
+            return self.reset_memory(MEMORY_TASKS[task].sample(seed))
         sim = self._task_sim(task)
         sim.env.unwrapped.set_task(sim.variations[seed % len(sim.variations)])
         self._raw_obs, _ = sim.env.reset(seed=seed)
+        self._start(None, None)
+        return self._observe()
+
+    def reset_memory(self, episode: MemoryTask, *, belief: MemoryTask | None = None) -> SimObservation:
+        """Start the memory-task episode ``episode`` (``reset(task, seed)`` uses ``sample(seed)``'s).
+
+        ``belief``: the episode the scripted expert acts on (default: ``episode``); the same episode with
+        another cue gives the guessing expert that chance levels are checked against.
+        """
+        sim = self._task_sim(episode.name)
+        mw = sim.env.unwrapped
+        mw.set_task(_variation_for(sim.variations[0], episode))
+        mw.hand_init_pos = episode.hand_start(np.array(mw.init_config["hand_init_pos"]))
+        self._raw_obs, _ = sim.env.reset(seed=0)
+        episode.after_reset(mw)
+        if belief is None:
+            belief = episode
+        else:
+            belief.after_reset(mw)
+        self._start(episode, belief.expert())
+        return self._observe()
+
+    def _start(self, episode: MemoryTask | None, expert: Any) -> None:
+        self._episode, self._expert = episode, expert
+        self._limit = min(self.config.max_steps, episode.max_steps) if episode is not None else self.config.max_steps
         self._steps = 0
         self._done = False
-        return self._observe()
 
     def step(self, action: np.ndarray) -> tuple[SimObservation, bool, bool, StepInfo]:
         if self._done or self._sim is None:
             raise RuntimeError("the episode is over (success or step limit) or never started; call reset(task, seed)")
         native = self.config.actions.to_native(action)
+        episode = self._episode
+        if episode is not None and episode.frozen(self._steps):
+            native = HOLD_ACTION.copy()  # the arm is held: the task ignores what the policy sends
         self._raw_obs, _, _, _, info = self._sim.env.step(native)
         self._steps += 1
-        success = bool(info["success"])
-        truncated = self._steps >= self.config.max_steps
-        self._done = truncated or (success and self.config.stop_on_success)
+        truncated = self._steps >= self._limit
         extra = {k: float(v) for k, v in info.items() if np.isscalar(v)}
+        if episode is None:
+            success = bool(info["success"])
+            self._done = truncated or (success and self.config.stop_on_success)
+        else:
+            outcome = episode.observe(self._steps, self._sim.env.unwrapped)
+            success = outcome is Outcome.SUCCESS
+            self._done = truncated or outcome is not Outcome.RUNNING
+            extra = {"success": float(success), **episode.info()}
         return self._observe(), self._done, success, StepInfo(self._steps, truncated, native, extra)
 
     def close(self) -> None:
@@ -152,7 +200,10 @@ class MetaWorldEnv(SimEnv):
         """Meta-World's scripted expert for the current task and state, as a 7-D policy action [7]."""
         if self._sim is None or self._raw_obs is None:
             raise RuntimeError("call reset(task, seed) before asking the expert")
-        native = self._sim.expert.get_action(self._raw_obs)
+        if self._episode is not None:
+            native = self._expert.act(self._steps, self._sim.env.unwrapped)
+        else:
+            native = self._sim.expert.get_action(self._raw_obs)
         return self.config.actions.from_native(native)
 
     def _task_sim(self, task: str) -> _TaskSim:
@@ -164,7 +215,9 @@ class MetaWorldEnv(SimEnv):
         import mujoco
         from metaworld.policies import ENV_POLICY_MAP
 
-        env = gym.make("Meta-World/MT1", env_name=task, seed=self.config.benchmark_seed, disable_env_checker=True)
+        memory = MEMORY_TASKS.get(task)
+        base = memory.base_task if memory is not None else task
+        env = gym.make("Meta-World/MT1", env_name=base, seed=self.config.benchmark_seed, disable_env_checker=True)
         # variations are chosen by seed in reset(), not sampled by the wrapper
         env.get_wrapper_attr("toggle_sample_tasks_on_reset")(False)
         model = env.unwrapped.model
@@ -182,7 +235,9 @@ class MetaWorldEnv(SimEnv):
             model.vis.global_.offwidth = max(model.vis.global_.offwidth, width)
             renderer = mujoco.Renderer(model, height, width)
         variations = list(env.get_wrapper_attr("tasks"))
-        self._sim = _TaskSim(task, env, variations, renderer, ENV_POLICY_MAP[task]())
+        if memory is not None:
+            memory.configure(env.unwrapped)
+        self._sim = _TaskSim(task, env, variations, renderer, ENV_POLICY_MAP[base](), memory)
         return self._sim
 
     def render(self) -> dict[str, np.ndarray]:
@@ -199,6 +254,8 @@ class MetaWorldEnv(SimEnv):
                 if self.config.fast_render:
                     sim.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = False
                     sim.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = False
+                if self._episode is not None:
+                    draw_markers(sim.renderer.scene, self._episode.markers(self._steps))
                 image = sim.renderer.render()
                 images[camera] = np.ascontiguousarray(image[::-1, ::-1]) if self.config.flip_images else image
         return images
@@ -206,4 +263,18 @@ class MetaWorldEnv(SimEnv):
     def _observe(self) -> SimObservation:
         state = self._raw_obs[: len(STATE_NAMES)].astype(np.float32)
         t = self._steps / self.fps
-        return SimObservation(images=self.render(), state=state, instruction=METAWORLD_INSTRUCTIONS[self._sim.task], t=t)
+        instruction = self._episode.instruction() if self._episode is not None else METAWORLD_INSTRUCTIONS[self._sim.task]
+        return SimObservation(images=self.render(), state=state, instruction=instruction, t=t)
+
+
+def _variation_for(variation: Any, episode: MemoryTask) -> Any:
+    """Meta-World ``Task`` ``variation`` with its object/goal placement vector replaced by ``episode``'s.
+
+    Meta-World encodes a variation as a pickled dict made in this process (``metaworld._encode_task``);
+    nothing here is read from disk.
+    """
+    import metaworld
+
+    data = pickle.loads(variation.data)
+    data["rand_vec"] = np.asarray(episode.scene_vector(data["rand_vec"]), dtype=np.float64)
+    return metaworld.Task(env_name=variation.env_name, data=pickle.dumps(data))

@@ -2,9 +2,12 @@
 
 The instructions are ours (short imperative sentences describing the goal); the task names are
 Meta-World's (``metaworld.env_dict.ALL_V3_ENVIRONMENTS``; a test checks the two lists agree).
+``METAWORLD_ALL_TASKS`` adds the memory tasks (``memory/``), which run in the same backend.
 """
 
 from __future__ import annotations
+
+from .memory import MEMORY_TASKS
 
 METAWORLD_INSTRUCTIONS: dict[str, str] = {
     "assembly-v3": "Put the ring onto the peg",
@@ -60,3 +63,5 @@ METAWORLD_INSTRUCTIONS: dict[str, str] = {
 }
 
 METAWORLD_TASKS: list[str] = list(METAWORLD_INSTRUCTIONS)
+#: every task the Meta-World backend runs: Meta-World's 50, then the memory tasks
+METAWORLD_ALL_TASKS: list[str] = METAWORLD_TASKS + list(MEMORY_TASKS)

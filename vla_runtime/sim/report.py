@@ -1,4 +1,8 @@
-"""Evaluation report: per-task summary, JSON file, console table and a PNG summary plot."""
+"""Evaluation report: per-task summary, JSON file, console table and a PNG summary plot.
+
+Memory tasks carry their chance level (``memory.chance_level``: the best cue-blind answer's success rate)
+beside the success rate, in the summary, the table and the plot.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .evaluate import EpisodeResult, episode_record
+from .memory import chance_level
 
 log = logging.getLogger(__name__)
 
@@ -19,9 +24,11 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def summarize(results: list[EpisodeResult]) -> dict:
-    """{"tasks": {task: metrics}, "overall": metrics} with success rate, control rate, latencies, KV bytes."""
+    """{"tasks": {task: metrics}, "overall": metrics} with success rate, chance level, control rate, latencies,
+    KV bytes. ``chance_level`` is ``None`` for tasks without one (and overall unless every task has one)."""
 
     def metrics(rs: list[EpisodeResult]) -> dict:
+        chances = [chance_level(r.task) for r in rs]
         step_ms = [v for r in rs for v in r.step_ms]
         inference_ms = [v for r in rs for v in r.inference_ms]
         steps = sum(r.steps for r in rs)
@@ -30,6 +37,7 @@ def summarize(results: list[EpisodeResult]) -> dict:
             "episodes": len(rs),
             "successes": int(sum(r.success for r in rs)),
             "success_rate": float(np.mean([r.success for r in rs])),
+            "chance_level": None if None in chances else float(np.mean(chances)),
             "mean_steps": float(np.mean([r.steps for r in rs])),
             "control_rate_hz": steps / policy_s if policy_s > 0 else None,
             "step_latency_ms": {"p50": _pct(step_ms, 50), "p95": _pct(step_ms, 95)},
@@ -51,15 +59,15 @@ def summarize(results: list[EpisodeResult]) -> dict:
 def format_table(summary: dict) -> str:
     """Plain-text table, one line per task plus the overall line."""
 
-    def fmt(v, spec):
-        return format(v, spec) if v is not None else "-"
+    def fmt(v, spec):  # spec "W.Pf": a missing value is "-" in the same width
+        return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0]))
 
-    head = f"{'task':<32} {'success':>9} {'ctrl Hz':>8} {'p50 ms':>8} {'p95 ms':>8} {'KV MiB':>8}"
+    head = f"{'task':<32} {'success':>9} {'chance':>7} {'ctrl Hz':>8} {'p50 ms':>8} {'p95 ms':>8} {'KV MiB':>8}"
     lines = [head, "-" * len(head)]
     rows = list(summary["tasks"].items()) + [("overall", summary["overall"])]
     for name, m in rows:
         lines.append(
-            f"{name:<32} {m['successes']:>4}/{m['episodes']:<4} {fmt(m['control_rate_hz'], '8.1f')} "
+            f"{name:<32} {m['successes']:>4}/{m['episodes']:<4} {fmt(m['chance_level'], '7.1%')} {fmt(m['control_rate_hz'], '8.1f')} "
             f"{fmt(m['step_latency_ms']['p50'], '8.1f')} {fmt(m['step_latency_ms']['p95'], '8.1f')} "
             f"{m['kv_bytes_max'] / 2**20:8.2f}"
         )
@@ -99,6 +107,11 @@ def plot_summary(path: Path, summary: dict, title: str) -> Path | None:
     for bar, v in zip(bars, m):
         ax1.annotate(f"{v['successes']}/{v['episodes']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                      ha="center", va="bottom", fontsize=8)
+    chance = [(i, v["chance_level"] * 100) for i, v in enumerate(m) if v["chance_level"] is not None]
+    if chance:
+        ax1.hlines([c for _, c in chance], [i - 0.4 for i, _ in chance], [i + 0.4 for i, _ in chance],
+                   colors="black", linestyles="dashed", label="chance")
+        ax1.legend(fontsize=8)
     ax1.set_ylim(0, 100)
     ax1.set_ylabel("success rate (%)")
     ax1.set_title(f"success (overall {summary['overall']['success_rate'] * 100:.0f}%)")

@@ -198,7 +198,7 @@ class RLBenchEnv(SimEnv):
     def max_steps(self) -> int:
         return self.config.max_steps
 
-    def instruction(self, task: str) -> str:
+    def instruction(self, task: str, seed: int = 0) -> str:
         check_task(task, self._task_names, "RLBench")
         if task == self._task and self._instruction:
             return self._instruction

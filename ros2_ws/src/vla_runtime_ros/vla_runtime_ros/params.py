@@ -122,12 +122,12 @@ class SimNodeConfig:
     """Parameters of ``vla_sim_node``."""
 
     sim: str = _help("simulator backend of vla_runtime.sim", default="metaworld")
-    task: str = _help("task name, e.g. reach-v3", default="reach-v3")
+    task: str = _help("task name, e.g. reach-v3, or a memory task: memory-reference, memory-counting, memory-order", default="reach-v3")
     seed: int = _help("seed of the first episode (episode k uses seed + k)", default=0)
     episodes: int = _help("episodes to run; 0 = until shut down", default=1)
     max_steps: int = _help("steps per episode before it ends as a failure; 0 = the simulator's limit", default=0)
     camera_rate_hz: float = _help("rate at which the current camera frame is re-published between actions", default=10.0)
-    camera: str = _help("camera rendered and published on image_raw; empty = the simulator's default", default="")
+    camera: str = _help("camera rendered and published on image_raw; empty = the simulator's default (memory tasks: corner)", default="")
     resolution: list[int] = _help("[height, width] of the camera image; empty = the simulator's default", default_factory=list)
     frame_id: str = _help("header.frame_id of the published images", default="camera")
     policy_reset_service: str = _help("Trigger service called when an episode starts; empty = none", default="vla_policy/reset")

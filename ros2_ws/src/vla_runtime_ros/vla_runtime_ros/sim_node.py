@@ -32,7 +32,8 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profi
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import Float32MultiArray, String
 from std_srvs.srv import Trigger
-from vla_runtime.sim import SIMULATORS, SimEnv, make_env
+from vla_runtime.sim import MEMORY_TASKS, SIMULATORS, SimEnv, make_env
+from vla_runtime.sim.memory import MEMORY_CAMERA
 
 from . import conversions
 from .params import SimNodeConfig, declare_config, read_config
@@ -95,6 +96,8 @@ class SimNode(Node):
             overrides["max_steps"] = self.cfg.max_steps
         if self.cfg.camera:
             overrides["cameras"] = (self.cfg.camera,)
+        elif self.cfg.sim == "metaworld" and self.cfg.task in MEMORY_TASKS:
+            overrides["cameras"] = (MEMORY_CAMERA,)  # the camera the memory tasks' cues are made for
         if self.cfg.resolution:
             overrides["resolution"] = tuple(self.cfg.resolution)
         return overrides

@@ -1,0 +1,98 @@
+"""The memory suite end to end: collect -> LeRobot dataset -> closed-loop eval with chance levels and the cache flags."""
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from vla_runtime import api
+from vla_runtime.cli import main
+from vla_runtime.data import LeRobotDataset
+from vla_runtime.sim import MEMORY_TASKS
+
+from replay_policy import make_replay_policy
+
+pytestmark = [
+    pytest.mark.sim,
+    pytest.mark.skipif(importlib.util.find_spec("metaworld") is None, reason="metaworld is not installed"),
+]
+TASKS = list(MEMORY_TASKS)
+SEED = 3
+
+
+@pytest.fixture(scope="module")
+def memory_demos(tmp_path_factory):
+    """One expert episode per memory task, collected through the CLI exactly as the README says."""
+    root = tmp_path_factory.mktemp("memory") / "demos"
+    code = main(["collect", "--sim", "metaworld", "--tasks", "memory", "--episodes", "1", "--seed", str(SEED),
+                 "--resolution", "32", "--out", str(root)])  # fmt: skip
+    assert code == 0
+    return root
+
+
+def test_collect_writes_the_memory_suite(memory_demos):
+    ds = LeRobotDataset(memory_demos)
+    info = json.loads((memory_demos / "meta/info.json").read_text())
+    assert info["total_episodes"] == 3 and info["vla_runtime"]["episode_seeds"] == [SEED] * 3
+    assert "observation.images.corner" in info["features"]  # the camera the cues are made for, by default
+    instructions = [ds.episode(i).task for i in range(3)]
+    assert instructions == [MEMORY_TASKS[t].sample(SEED).instruction() for t in TASKS]
+    for i, task in enumerate(TASKS):
+        ep = ds.episode(i)
+        assert len(ep) < MEMORY_TASKS[task].max_steps
+        go = getattr(MEMORY_TASKS[task].sample(SEED), "go_step", 0)
+        # the expert holds still while the arm is held, so the stored actions teach waiting for the lamp
+        assert np.all(ep.action[:go, :3] == 0) and np.abs(ep.action[go:, :3]).max() > 0
+
+
+def test_eval_reports_memory_tasks_beside_chance(memory_demos, tmp_path, monkeypatch, capsys):
+    (memory_demos / "REPLAY").touch()  # marks the dataset as a checkpoint of the test family below
+    monkeypatch.setitem(api.FAMILIES, "test-replay", (lambda p: (p / "REPLAY").exists(), lambda p, **kw: make_replay_policy(p)))
+    out = tmp_path / "eval"
+    code = main(["eval", "--checkpoint", str(memory_demos), "--sim", "metaworld", "--tasks", "memory", "--episodes", "1",
+                 "--seed", str(SEED), "--resolution", "32", "--no-video", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "chance" in printed and "33.3%" in printed and "25.0%" in printed and "9.4%" in printed
+    summary = json.loads((out / "report.json").read_text())["summary"]
+    for task in TASKS:  # the stored expert actions, replayed through the simulator, answer right
+        m = summary["tasks"][task]
+        assert m["success_rate"] == 1.0 and m["chance_level"] == pytest.approx(MEMORY_TASKS[task].chance_level())
+    assert summary["overall"]["chance_level"] == pytest.approx(np.mean([MEMORY_TASKS[t].chance_level() for t in TASKS]))
+
+
+def test_eval_tiny_openvla_with_a_window_matched_to_a_chunked_budget(tmp_path, capsys):
+    """A real tiny OpenVLA in history mode on a memory task, with a sliding window sized to a chunked cache's bytes."""
+    ckpt = tmp_path / "tiny-openvla"
+    assert main(["make-tiny", str(ckpt), "--family", "openvla", "--dtype", "float32"]) == 0
+    out = tmp_path / "eval"
+    code = main(["eval", "--checkpoint", str(ckpt), "--sim", "metaworld", "--tasks", "memory-reference", "--episodes", "1",
+                 "--max-steps", "4", "--resolution", "56", "--history", "history", "--kv", "sink_window", "--kv-window", "40",
+                 "--kv-match-chunks", "8", "--no-video", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    # W' = M + W + C - 1 - n_sink = 8 + 40 + 16 - 1 - 4
+    assert "sink_window: window 59 tokens holds the KV bytes of chunked (window 40, chunk 16, 8 chunks" in capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["kv"] == {"mode": "sink_window", "window": 59, "max_chunks": None, "matched_chunks": 8}
+    (episode,) = report["episodes"]
+    assert episode["steps"] == 4 and episode["error"] is None and episode["kv_final"]["tokens_raw"] > 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--kv", "chunked", "--kv-window", "48", "--kv-match-chunks", "8"], "--kv-match-chunks sizes a sink_window cache; got --kv chunked"),
+        (["--kv", "sink_window", "--kv-match-chunks", "8"], "--kv-match-chunks needs --kv-window"),
+        (["--tasks", "memory-nope"], "unknown Meta-World task 'memory-nope'; valid tasks: "),
+    ],
+)
+def test_eval_flag_errors_are_one_clear_line(memory_demos, monkeypatch, capsys, flags, message):
+    (memory_demos / "REPLAY").touch()
+    monkeypatch.setitem(api.FAMILIES, "test-replay", (lambda p: (p / "REPLAY").exists(), lambda p, **kw: make_replay_policy(p)))
+    args = ["eval", "--checkpoint", str(memory_demos), "--sim", "metaworld", "--tasks", "memory-order", "--no-video"]
+    assert main(args + flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    if "valid tasks" in message:
+        assert "memory-counting" in err and "reach-v3" in err

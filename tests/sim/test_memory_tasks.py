@@ -1,0 +1,157 @@
+"""Memory tasks: experts succeed, the cue never leaks past its phase, the counting rule, chance levels, cue draws."""
+
+import importlib.util
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from vla_runtime.sim import MEMORY_TASKS, MetaWorldConfig, MetaWorldEnv
+from vla_runtime.sim.memory import CountingTask, OrderTask, Outcome, ReferenceTask, memory_task
+from vla_runtime.sim.memory.counting import PressStage
+from vla_runtime.sim.memory.reach import DELAY_MAX, DELAY_MIN, SUCCESS_RADIUS
+from vla_runtime.sim.memory.reference import GOAL_HIGH, GOAL_LOW
+
+# find_spec, not importorskip: importing mujoco here would fix its GL backend before the env picks it
+needs_metaworld = pytest.mark.skipif(importlib.util.find_spec("metaworld") is None, reason="metaworld is not installed")
+TASKS = list(MEMORY_TASKS)
+
+
+@pytest.fixture(scope="module")
+def blind_env():
+    """State-only env: the experts and the judges do not need images."""
+    with MetaWorldEnv(MetaWorldConfig(cameras=())) as env:
+        yield env
+
+
+def run_expert(env: MetaWorldEnv):
+    """Step the current episode with the expert to its end -> (success, info)."""
+    done = success = False
+    while not done:
+        _, done, success, info = env.step(env.expert_action())
+    return success, info
+
+
+@needs_metaworld
+@pytest.mark.sim
+@pytest.mark.parametrize("task", TASKS)
+def test_expert_succeeds_on_fixed_seeds(blind_env, task):
+    for seed in (0, 1, 2, 3):
+        obs = blind_env.reset(task, seed)
+        assert obs.instruction == blind_env.instruction(task, seed)
+        success, info = run_expert(blind_env)
+        assert success and not info.truncated, (task, seed, blind_env._episode)
+        assert info.step < MEMORY_TASKS[task].max_steps and info.extra["success"] == 1.0
+
+
+def frames_and_states(env: MetaWorldEnv, episode, steps: int):
+    """Observations 0..steps of ``episode`` under its expert: (images [steps+1, H, W, 3], states [steps+1, 4])."""
+    obs = env.reset_memory(episode)
+    images, states = [obs.images["corner"]], [obs.state]
+    for _ in range(steps):
+        obs, _, _, _ = env.step(env.expert_action())
+        images.append(obs.images["corner"])
+        states.append(obs.state)
+    return np.stack(images), np.stack(states)
+
+
+@needs_metaworld
+@pytest.mark.sim
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (ReferenceTask(delay=22, goal=(-0.2, 0.5)), ReferenceTask(delay=22, goal=(0.1, 0.7))),
+        (OrderTask(delay=21, row=(-0.06, 0.6), first=0, second=2), OrderTask(delay=21, row=(-0.06, 0.6), first=2, second=0)),
+    ],
+    ids=["reference", "order"],
+)
+def test_no_leak_after_the_cue_phase(first, second):
+    """Episodes with different cues render the same frames and robot state from the end of the cue to the go
+    step: during the delay the answer is only in the past. The cue itself is visible, and the answers differ."""
+    go = first.go_step
+    with MetaWorldEnv(MetaWorldConfig(cameras=("corner",), resolution=(84, 84))) as env:
+        images_a, states_a = frames_and_states(env, first, go + 12)
+        images_b, states_b = frames_and_states(env, second, go + 12)
+    shown = [t for t in range(first.cue_steps) if first.cue_markers(t)]  # the order task has a gap between its lights
+    after_cue = slice(first.cue_steps, go + 1)  # observation `go` is the first with the green lamp; nothing moved yet
+    assert len(shown) >= 6 and all(not np.array_equal(images_a[t], images_b[t]) for t in shown)  # the cue shows...
+    np.testing.assert_array_equal(images_a[after_cue], images_b[after_cue])  # ...and then leaves no trace
+    np.testing.assert_array_equal(states_a[: go + 1], states_b[: go + 1])  # the arm was held in both
+    assert not np.array_equal(images_a[go - 1], images_a[go])  # the lamp changed colour at go
+    assert np.abs(states_a[-1, :3] - states_b[-1, :3]).max() > 0.02  # then each expert heads for its own answer
+
+
+@needs_metaworld
+@pytest.mark.sim
+def test_counting_leaves_no_trace_in_the_scene(blind_env):
+    """After each press the button springs back to where it started: the count is only in the robot's past."""
+    from vla_runtime.sim.memory.counting import BUTTON_JOINT
+
+    episode = replace(CountingTask.sample(5), presses=3)
+    blind_env.reset_memory(episode)
+    mw = blind_env._sim.env.unwrapped
+    rest = float(mw.data.joint(BUTTON_JOINT).qpos[0])
+    seen, released = [], []
+    done = False
+    while not done:
+        _, done, success, info = blind_env.step(blind_env.expert_action())
+        count = int(info.extra["presses"])
+        if count > len(seen):
+            seen.append(count)
+        if len(released) < len(seen) and abs(float(mw.data.joint(BUTTON_JOINT).qpos[0]) - rest) < 1e-3:
+            released.append(info.step)
+    assert success and seen == [1, 2, 3] and len(released) == 3
+
+
+@needs_metaworld
+@pytest.mark.sim
+@pytest.mark.parametrize("made, outcome", [(1, Outcome.FAILURE), (2, Outcome.SUCCESS), (3, Outcome.FAILURE)], ids=["N-1", "N", "N+1"])
+def test_counting_rule_exactly_n_presses(blind_env, made, outcome):
+    """Asked for N = 2: an expert pressing twice succeeds; once fails when it backs off; a third press fails at once."""
+    episode = replace(CountingTask.sample(7), presses=2)
+    blind_env.reset_memory(episode, belief=replace(episode, presses=made))
+    success, info = run_expert(blind_env)
+    assert episode.outcome is outcome and success == (outcome is Outcome.SUCCESS) and not info.truncated
+    assert info.extra["presses"] == made
+    if made > episode.presses:  # judged at the extra press itself, while the hand still pushes
+        assert blind_env._expert.stage is PressStage.PRESS
+
+
+def test_chance_levels_match_the_cue_distributions():
+    """The stated chance level is the best cue-blind answer's rate under each task's own cue draws."""
+    seeds = range(3000)
+    goals = np.array([ReferenceTask.sample(s).goal for s in seeds])
+    centre = (np.array(GOAL_LOW) + np.array(GOAL_HIGH)) / 2
+    hit_centre = np.mean(np.linalg.norm(goals - centre, axis=1) < SUCCESS_RADIUS)
+    assert ReferenceTask.chance_level() == pytest.approx(np.pi * 0.06**2 / (0.4 * 0.3))
+    assert hit_centre == pytest.approx(ReferenceTask.chance_level(), abs=0.015)
+    firsts = np.bincount([OrderTask.sample(s).first for s in seeds], minlength=3) / len(seeds)
+    assert OrderTask.chance_level() == pytest.approx(1 / 3) and firsts.max() == pytest.approx(1 / 3, abs=0.03)
+    counts = np.bincount([CountingTask.sample(s).presses for s in seeds], minlength=5)[1:] / len(seeds)
+    assert CountingTask.chance_level() == 0.25 and counts.max() == pytest.approx(0.25, abs=0.03)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_cues_vary_by_seed_beyond_fifty_variations(task):
+    cls = memory_task(task)
+    episodes = [cls.sample(s) for s in range(400)]
+    assert cls.sample(123) == cls.sample(123)  # a seed is one episode
+    assert len({repr(e) for e in episodes}) == 400  # continuous draws: no two seeds alike (MT1 repeats every 50)
+    delays = [e.delay for e in episodes if hasattr(e, "delay")]
+    if delays:
+        assert min(delays) == DELAY_MIN and max(delays) == DELAY_MAX
+    texts = {e.instruction() for e in episodes}
+    assert all("0." not in t and "(" not in t for t in texts)  # never a position
+
+
+def test_bad_episode_parameters_and_names_are_clear_errors():
+    with pytest.raises(KeyError, match="unknown memory task 'memory-x'; known: memory-reference, memory-counting, memory-order"):
+        memory_task("memory-x")
+    with pytest.raises(ValueError, match=r"`presses` must be one of \(1, 2, 3, 4\), got 5"):
+        CountingTask(presses=5, box=(0.0, 0.8))
+    with pytest.raises(ValueError, match=r"`delay` must be in \[20, 60\], got 3"):
+        ReferenceTask(delay=3, goal=(0.0, 0.6))
+    with pytest.raises(ValueError, match="two different pads"):
+        OrderTask(delay=30, row=(0.0, 0.6), first=1, second=1)
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        ReferenceTask.sample(-1)
