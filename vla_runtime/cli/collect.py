@@ -1,6 +1,7 @@
 """``vla-runtime collect``: scripted-expert demonstrations from Meta-World as a LeRobot v3 dataset.
 
     vla-runtime collect --sim metaworld --tasks reach-v3,button-press-v3 --episodes 20 --out runs/mw-demos
+    vla-runtime collect ... --out runs/mw-demos --resume      # after a crash: same flags plus --resume
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("collect", help="record scripted-expert episodes into a LeRobot v3 dataset")
     add_sim_args(p, sims=("metaworld",))
     p.add_argument("--episodes", type=int, required=True, help="successful episodes per task")
-    p.add_argument("--out", required=True, help="new dataset directory")
+    p.add_argument("--out", required=True, help="new dataset directory (or, with --resume, an interrupted one)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the interrupted dataset in --out: keep its finished episodes, go on with the next seeds")
     p.add_argument(
         "--video-codec", choices=sorted(VIDEO_CODECS), default=None,
         help="store frames as mp4 with this codec (default: lossless PNG inside the parquet; only h264_lossless is also exact)",
@@ -32,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         env=sim_config(args),
         video_codec=args.video_codec,
+        resume=args.resume,
     )
     results = collect(config)
     print(f"{'task':<32} {'kept':>5} {'failed':>7} {'frames':>8}")

@@ -28,6 +28,7 @@ VIDEO_FILES_SIZE_IN_MB = 200
 STATE_KEY = "observation.state"
 ACTION_KEY = "action"
 IMAGES_PREFIX = "observation.images."
+EXTRA_KEY = "vla_runtime"  # our own metadata inside info.json (LeRobot ignores unknown keys)
 
 DEFAULT_FEATURES = {
     "timestamp": {"dtype": "float32", "shape": [1], "names": None},

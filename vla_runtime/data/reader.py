@@ -69,6 +69,8 @@ class LeRobotDataset:
             if not paths:
                 raise FileNotFoundError(f"{self.root}/meta/episodes has no parquet files")
             rows = pd.concat([pd.read_parquet(p) for p in paths]).sort_values("episode_index")
+            # info.json is a writer's commit point: a row past total_episodes is an episode a kill interrupted
+            rows = rows[rows["episode_index"] < int(self.info["total_episodes"])]
             keep = [c for c in rows.columns if not c.startswith("stats/")]
             episodes = rows[keep].to_dict("records")
         else:

@@ -53,7 +53,7 @@ class VideoWriter:
         self.fps = fps
         self.codec = codec
         self.frames_written = 0
-        self._container = av.open(str(path), mode="w")
+        self._container = av.open(str(path), mode="w", format="mp4")  # format named: the path may end in .tmp
         self._stream = self._container.add_stream(codec.encoder, rate=fps)
         self._stream.width, self._stream.height = width, height
         self._stream.pix_fmt = codec.pix_fmt
