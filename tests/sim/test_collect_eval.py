@@ -106,6 +106,14 @@ def test_eval_cli_end_to_end(demos, tmp_path, monkeypatch, capsys):
     assert len(frames) == first["steps"] + 1 and frames[0].shape == (40, 48, 3)
     assert first["video"].endswith(f"{TASKS[0]}.mp4")
 
+    # the same --out again: a one-line error naming --resume; with --resume nothing is left to run, the report is rebuilt
+    assert main(["eval", "--checkpoint", str(root), "--sim", "metaworld", "--tasks", ",".join(TASKS), "--out", str(out)]) == 2
+    assert "episodes.jsonl exists: pass --resume to continue that run" in capsys.readouterr().err
+    (out / "report.json").unlink()
+    assert main(["eval", "--checkpoint", str(root), "--sim", "metaworld", "--tasks", ",".join(TASKS), "--episodes", "2",
+                 "--seed", "5", "--resolution", "40x48", "--kv", "full", "--history", "single", "--out", str(out), "--resume"]) == 0
+    assert json.loads((out / "report.json").read_text())["summary"] == summary
+
 
 def test_eval_parallel_workers_with_action_chunks(demos):
     root, _ = demos
