@@ -5,13 +5,13 @@ import pytest
 
 from vla_runtime.data import DatasetFeatures, Episode, LeRobotDataset, LeRobotWriter, WriterConfig
 
-FEATURES = DatasetFeatures(cameras={"front": (8, 10)}, state_names=list("ab"), action_names=list("xyz"))
+FEATURES = DatasetFeatures(cameras={"front": (16, 16)}, state_names=list("ab"), action_names=list("xyz"))
 
 
 def episode(seed, n, task):
     rng = np.random.default_rng(seed)
     return Episode(
-        images={"front": rng.integers(0, 256, (n, 8, 10, 3), dtype=np.uint8)},
+        images={"front": rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8)},
         state=rng.normal(size=(n, 2)).astype(np.float32),
         action=rng.normal(size=(n, 3)).astype(np.float32),
         task=task,
@@ -26,14 +26,14 @@ def files(root):
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("codec", [None, "h264_lossless"])
+@pytest.mark.parametrize("codec", [None, "hevc_lossless"])
 def test_each_finished_episode_is_readable_before_close(tmp_path, codec):
     root = tmp_path / "ds"
     writer = LeRobotWriter(root, FEATURES, WriterConfig(fps=10, video_codec=codec))
     for i, ep in enumerate(EPISODES[:2]):
         writer.add_episode(ep, per_episode={"episode_seeds": i})
         ds = LeRobotDataset(root)  # no close(): what a kill right now would leave
-        assert len(ds) == i + 1 and ds.info["vla_runtime"]["episode_seeds"] == list(range(i + 1))
+        assert len(ds) == i + 1 and ds.extra["per_episode"]["episode_seeds"] == list(range(i + 1))
         np.testing.assert_array_equal(ds.episode(i).images["front"], ep.images["front"])
         np.testing.assert_array_equal(ds.episode(i).action, ep.action)
     assert not list(root.rglob("*.tmp"))
@@ -41,7 +41,7 @@ def test_each_finished_episode_is_readable_before_close(tmp_path, codec):
     assert data == ["file-000.parquet", "file-001.parquet"]  # one file per episode: a finished one is never rewritten
 
 
-@pytest.mark.parametrize("codec", [None, "h264_lossless"])
+@pytest.mark.parametrize("codec", [None, "hevc_lossless"])
 def test_resume_after_a_kill_between_files_and_commit_equals_an_uninterrupted_run(tmp_path, codec):
     config = WriterConfig(fps=10, video_codec=codec, extra_info={"sim": "test"})
     whole = tmp_path / "whole"

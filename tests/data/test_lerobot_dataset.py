@@ -52,7 +52,7 @@ def assert_same(read, written):
         np.testing.assert_array_equal(read.images[cam], written.images[cam])
 
 
-@pytest.mark.parametrize("codec", [None, "h264_lossless"])
+@pytest.mark.parametrize("codec", [None, "hevc_lossless"])
 def test_round_trip_is_exact(tmp_path, episodes, codec):
     ds = write(tmp_path / "ds", episodes, video_codec=codec)
     assert len(ds) == 3 and ds.fps == 10 and ds.cameras == ["front", "wrist"]
@@ -62,7 +62,7 @@ def test_round_trip_is_exact(tmp_path, episodes, codec):
 
 def test_metadata_follows_lerobot_v3_layout(tmp_path, episodes):
     root = tmp_path / "ds"
-    write(root, episodes, video_codec="h264_lossless")
+    write(root, episodes, video_codec="hevc_lossless")
     info = json.loads((root / "meta/info.json").read_text())
     assert info["codebase_version"] == "v3.0" and info["fps"] == 10 and info["robot_type"] == "sawyer"
     assert (info["total_episodes"], info["total_frames"], info["total_tasks"]) == (3, 19, 2)
@@ -97,7 +97,7 @@ def test_metadata_follows_lerobot_v3_layout(tmp_path, episodes):
     frame_index = data.column("frame_index").to_numpy()
     np.testing.assert_array_equal(data.column("timestamp").to_numpy(), (frame_index / 10).astype(np.float32))
     hf = json.loads(data.schema.metadata[b"huggingface"])["info"]["features"]
-    assert hf["action"] == {"feature": {"dtype": "float32", "_type": "Value"}, "length": 7, "_type": "Sequence"}
+    assert hf["action"] == {"feature": {"dtype": "float32", "_type": "Value"}, "length": 7, "_type": "List"}
 
 
 def test_stats_are_exact_with_quantiles(tmp_path, episodes):
@@ -127,14 +127,14 @@ def test_reads_several_episodes_per_file(tmp_path):
     eps = [Episode({"cam": rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8)}, None, rng.normal(size=(n, 1)).astype(np.float32), "t")
            for n in (3, 5)]
     root = tmp_path / "ds"
-    with LeRobotWriter(root, feats, WriterConfig(fps=5, video_codec="h264_lossless")) as writer:
+    with LeRobotWriter(root, feats, WriterConfig(fps=5, video_codec="hevc_lossless")) as writer:
         for ep in eps:
             writer.add_episode(ep)
     # merge into file-000 as LeRobot lays it out: rows back to back, frames back to back, time ranges in the index
     data = pa.concat_tables([pq.read_table(root / f"data/chunk-000/file-00{i}.parquet") for i in range(2)])
     pq.write_table(data, root / "data/chunk-000/file-000.parquet")
     (root / "data/chunk-000/file-001.parquet").unlink()
-    video = VideoWriter(root / "merged.mp4", fps=5, height=16, width=16, codec=VIDEO_CODECS["h264_lossless"])
+    video = VideoWriter(root / "merged.mp4", fps=5, height=16, width=16, codec=VIDEO_CODECS["hevc_lossless"])
     video.write(np.concatenate([ep.images["cam"] for ep in eps]))
     video.close()
     videos = root / "videos/observation.images.cam/chunk-000"
@@ -198,7 +198,7 @@ def test_reads_lerobot_v21_layout(tmp_path, episodes):
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, path)
         video = VideoWriter(root / f"videos/chunk-000/observation.images.front/episode_{i:06d}.mp4", fps=10, height=24, width=32,
-                            codec=VIDEO_CODECS["h264_lossless"])
+                            codec=VIDEO_CODECS["hevc_lossless"])
         video.write(ep.images["front"])
         video.close()
         start += n
@@ -235,7 +235,7 @@ def test_errors_name_the_problem(tmp_path, episodes):
         writer.close()
     with pytest.raises(ValueError, match="`fps` must be a positive integer"):
         WriterConfig(fps=12.5)
-    with pytest.raises(KeyError, match="unknown video codec 'mjpeg'; available: av1, h264, h264_lossless"):
+    with pytest.raises(KeyError, match="unknown video codec 'mjpeg'; available: av1, h264, hevc_lossless"):
         WriterConfig(fps=10, video_codec="mjpeg")
 
 

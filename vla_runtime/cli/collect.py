@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="continue the interrupted dataset in --out: keep its finished episodes, go on with the next seeds")
     p.add_argument(
         "--video-codec", choices=sorted(VIDEO_CODECS), default=None,
-        help="store frames as mp4 with this codec (default: lossless PNG inside the parquet; only h264_lossless is also exact)",
+        help="store frames as mp4 with this codec (default: lossless PNG inside the parquet; only hevc_lossless is also exact)",
     )
     p.set_defaults(func=run)
 

@@ -12,6 +12,8 @@ LEGACY_VERSIONS = ("v2.0", "v2.1")
 
 INFO_PATH = "meta/info.json"
 STATS_PATH = "meta/stats.json"
+EXTRA_PATH = "meta/vla_runtime.json"  # our own metadata: a file of its own, which LeRobot neither reads nor rewrites
+PER_EPISODE_KEY = "per_episode"  # in EXTRA_PATH: name -> one value per episode
 TASKS_PATH = "meta/tasks.parquet"
 EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
@@ -28,7 +30,6 @@ VIDEO_FILES_SIZE_IN_MB = 200
 STATE_KEY = "observation.state"
 ACTION_KEY = "action"
 IMAGES_PREFIX = "observation.images."
-EXTRA_KEY = "vla_runtime"  # our own metadata inside info.json (LeRobot ignores unknown keys)
 
 DEFAULT_FEATURES = {
     "timestamp": {"dtype": "float32", "shape": [1], "names": None},

@@ -2,6 +2,7 @@
 
     ds = LeRobotDataset("runs/mw")            # a local dataset directory
     ds.fps, ds.features, ds.tasks, ds.stats   # metadata (stats: {feature: {stat: ndarray}})
+    ds.extra                                  # our own metadata (meta/vla_runtime.json; {} for other datasets)
     ep = ds.episode(0)                        # Episode(images={camera: [T,H,W,3] uint8}, state, action, task)
     for ep in ds: ...
 
@@ -54,6 +55,7 @@ class LeRobotDataset:
         self.features: dict = self.info["features"]
         self.camera_keys = [k for k, ft in self.features.items() if ft["dtype"] in ("image", "video")]
         self._episodes, self.tasks = self._load_index()
+        self.extra = self._load_extra()
         stats_path = self.root / layout.STATS_PATH
         self.stats = from_json(json.loads(stats_path.read_text())) if stats_path.is_file() else None
         self._data_cache: tuple[Path, object] | None = None
@@ -81,6 +83,16 @@ class LeRobotDataset:
         if len(episodes) != self.info["total_episodes"]:
             raise ValueError(f"{self.root}: info.json says {self.info['total_episodes']} episodes, the episode index has {len(episodes)}")
         return episodes, tasks
+
+    def _load_extra(self) -> dict:
+        """Our own metadata (datasets we wrote); per-episode lists cut back to the committed episodes."""
+        path = self.root / layout.EXTRA_PATH
+        if not path.is_file():
+            return {}
+        extra = json.loads(path.read_text())
+        n = len(self._episodes)
+        extra[layout.PER_EPISODE_KEY] = {k: v[:n] for k, v in extra.get(layout.PER_EPISODE_KEY, {}).items()}
+        return extra
 
     def __len__(self) -> int:
         return len(self._episodes)

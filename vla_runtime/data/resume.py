@@ -65,10 +65,8 @@ def finished_state(root: Path, expected_info: dict, has_video: bool) -> Finished
     removed += _remove_unreferenced(root, rows, has_video)
     if removed:
         log.info("removed %d files of the unfinished episode: %s", len(removed), ", ".join(str(p.relative_to(root)) for p in removed))
-    static = expected_info.get(layout.EXTRA_KEY, {})
-    extra = info.get(layout.EXTRA_KEY, {})
-    per_episode = {k: list(v[:n]) for k, v in extra.items() if k not in static}
-    return FinishedState(rows=rows, per_episode=per_episode, dataset=LeRobotDataset(root))
+    dataset = LeRobotDataset(root)
+    return FinishedState(rows=rows, per_episode=dataset.extra.get(layout.PER_EPISODE_KEY, {}), dataset=dataset)
 
 
 def _remove_unfinished(root: Path) -> None:

@@ -18,16 +18,7 @@ def info_features(features: DatasetFeatures, codec: VideoCodec | None, fps: int)
     for cam, (h, w) in features.cameras.items():
         entry = {"dtype": "video" if codec else "image", "shape": [h, w, 3], "names": ["height", "width", "channels"]}
         if codec:
-            entry["info"] = {
-                "video.height": h,
-                "video.width": w,
-                "video.codec": "h264" if codec.encoder.startswith("libx264") else "av1",
-                "video.pix_fmt": codec.pix_fmt,
-                "video.is_depth_map": False,
-                "video.fps": int(fps),
-                "video.channels": 3,
-                "has_audio": False,
-            }
+            entry["info"] = codec.info(h, w, fps)
         out[layout.image_key(cam)] = entry
     if features.state_names is not None:
         names = list(features.state_names)
@@ -55,7 +46,7 @@ def arrow_schema(features: dict):
             hf[key] = {"dtype": ft["dtype"], "_type": "Value"}
         else:
             fields.append(pa.field(key, pa.list_(pa.float32(), ft["shape"][0])))
-            hf[key] = {"feature": {"dtype": "float32", "_type": "Value"}, "length": ft["shape"][0], "_type": "Sequence"}
+            hf[key] = {"feature": {"dtype": "float32", "_type": "Value"}, "length": ft["shape"][0], "_type": "List"}
     return pa.schema(fields, metadata={"huggingface": json.dumps({"info": {"features": hf}})})
 
 

@@ -54,7 +54,8 @@ class WriterConfig:
         data_files_size_in_mb, video_files_size_in_mb: recorded in ``info.json`` for LeRobot's own
             tools (they roll files over past these sizes when they merge or edit); we write one file per
             episode so that a finished episode is never rewritten.
-        extra_info: our own metadata, stored in ``info.json`` under ``"vla_runtime"`` (LeRobot ignores it).
+        extra_info: our own metadata, stored in ``meta/vla_runtime.json`` (LeRobot warns about, then drops, unknown
+            ``info.json`` keys; a file of its own it leaves alone).
     """
 
     fps: int
@@ -111,7 +112,7 @@ class LeRobotWriter:
         """Append one episode and make it durable; returns its episode_index.
 
         ``per_episode``: values of our own per-episode metadata (e.g. ``{"episode_seeds": 7}``), appended to
-        the lists of the same names under ``info.json["vla_runtime"]``.
+        the lists of the same names under ``"per_episode"`` in ``meta/vla_runtime.json``.
         """
         if self._closed:
             raise RuntimeError("the writer is closed")
@@ -166,19 +167,20 @@ class LeRobotWriter:
                 key = layout.image_key(cam)
                 row.update({f"videos/{key}/chunk_index": chunk, f"videos/{key}/file_index": file,
                             f"videos/{key}/from_timestamp": 0.0, f"videos/{key}/to_timestamp": n / self.config.fps})
-        row.update({"meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0})
         ep_stats = {}
-        for key, values in columns.items():
-            self._numeric.setdefault(key, []).append(values)
-            ep_stats[key] = vector_stats(values)
         for cam, frames in episode.images.items():
             s = ImageStats()
             s.update(frames)
             self._image_stats[cam].update(frames)
             ep_stats[layout.image_key(cam)] = s.stats()
+        for key, values in columns.items():
+            self._numeric.setdefault(key, []).append(values)
+            ep_stats[key] = vector_stats(values)
+        ep_stats = {key: ep_stats[key] for key in self._info_features}  # LeRobot's order: the features'
         for key, stats in to_json(ep_stats).items():
             for name, value in stats.items():
                 row[f"stats/{key}/{name}"] = value
+        row.update({"meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0})  # LeRobot's column order
         return columns, row
 
     def _write_video(self, cam: str, frames: np.ndarray, chunk: int, file: int) -> None:
@@ -214,33 +216,37 @@ class LeRobotWriter:
         import pandas as pd
         import pyarrow as pa
 
-        tasks = pd.DataFrame({"task_index": list(self._tasks.values())}, index=list(self._tasks))
+        tasks = pd.DataFrame({"task_index": list(self._tasks.values())}, index=pd.Index(list(self._tasks), name="task"))
         durable.write_atomic(self.root / layout.TASKS_PATH, lambda tmp: tasks.to_parquet(tmp))
         episodes = pa.Table.from_pylist(self._episodes)
         durable.write_atomic(self.root / layout.EPISODES_PATH.format(chunk_index=0, file_index=0), lambda tmp: _write_parquet(episodes, tmp))
         stats = {key: vector_stats(np.concatenate(parts)) for key, parts in self._numeric.items()}
         stats.update({layout.image_key(cam): s.stats() for cam, s in self._image_stats.items()})
         durable.write_text_atomic(self.root / layout.STATS_PATH, json.dumps(to_json(stats), indent=2))
+        durable.write_text_atomic(self.root / layout.EXTRA_PATH, json.dumps(self._extra(), indent=2))
         durable.write_text_atomic(self.root / layout.INFO_PATH, json.dumps(self._info(), indent=4))
 
     def _info(self) -> dict:
+        """``info.json`` with the keys LeRobot 0.6.1 writes, in its order."""
         n = len(self._episodes)
         return {
             "codebase_version": layout.CODEBASE_VERSION,
-            "robot_type": self.config.robot_type,
+            "fps": int(self.config.fps),
+            "features": self._info_features,
             "total_episodes": n,
             "total_frames": self._total_frames,
             "total_tasks": len(self._tasks),
             "chunks_size": layout.CHUNKS_SIZE,
             "data_files_size_in_mb": self.config.data_files_size_in_mb,
             "video_files_size_in_mb": self.config.video_files_size_in_mb,
-            "fps": int(self.config.fps),
-            "splits": {"train": f"0:{n}"},
             "data_path": layout.DATA_PATH,
             "video_path": layout.VIDEO_PATH if self._codec else None,
-            "features": self._info_features,
-            layout.EXTRA_KEY: {**self.config.extra_info, **self._per_episode},
+            "robot_type": self.config.robot_type,
+            "splits": {"train": f"0:{n}"},
         }
+
+    def _extra(self) -> dict:
+        return {**self.config.extra_info, layout.PER_EPISODE_KEY: self._per_episode}
 
     # -- resuming ---------------------------------------------------------------------------------
     def _resume(self) -> None:
