@@ -3,7 +3,7 @@
     ds = LeRobotDataset("runs/mw")            # a local dataset directory
     ds.fps, ds.features, ds.tasks, ds.stats   # metadata (stats: {feature: {stat: ndarray}})
     ds.extra                                  # our own metadata (meta/vla_runtime.json; {} for other datasets)
-    ep = ds.episode(0)                        # Episode(images={camera: [T,H,W,3] uint8}, state, action, task)
+    ep = ds.episode(0)                        # Episode(images={camera: [T,H,W,3] uint8}, state, action, task, frame_tasks)
     for ep in ds: ...
 
 Images come from PNG/JPEG structs in the parquet (``image`` dtype) or from the mp4s (``video``
@@ -122,8 +122,10 @@ class LeRobotDataset:
             else:
                 images[layout.camera_name(key)] = self._video_frames(row, key, len(table))
         state = self._vector(table, layout.STATE_KEY) if layout.STATE_KEY in self.features else None
-        task_index = int(table.column("task_index")[0].as_py())
-        return Episode(images=images, state=state, action=self._vector(table, layout.ACTION_KEY), task=self.tasks[task_index])
+        frame_tasks = [self.tasks[i] for i in table.column("task_index").to_pylist()]  # each frame its own task_index's
+        uniform = len(set(frame_tasks)) == 1
+        return Episode(images=images, state=state, action=self._vector(table, layout.ACTION_KEY), task=frame_tasks[0],
+                       frame_tasks=None if uniform else frame_tasks)
 
     def __iter__(self):
         for i in range(len(self)):

@@ -141,13 +141,14 @@ class LeRobotWriter:
         """The episode's per-frame columns and its ``meta/episodes`` row; adds it to the running statistics."""
         n = len(episode)
         start = self._total_frames
-        task_index = self._tasks.setdefault(episode.task, len(self._tasks))
+        frame_tasks = episode.tasks_per_frame()
+        task_index = np.array([self._tasks.setdefault(t, len(self._tasks)) for t in frame_tasks], dtype=np.int64)
         columns = {
             "timestamp": (np.arange(n) / self.config.fps).astype(np.float32),
             "frame_index": np.arange(n, dtype=np.int64),
             "episode_index": np.full(n, ep_index, dtype=np.int64),
             "index": np.arange(start, start + n, dtype=np.int64),
-            "task_index": np.full(n, task_index, dtype=np.int64),
+            "task_index": task_index,
             layout.ACTION_KEY: episode.action.astype(np.float32),
         }
         if episode.state is not None:
@@ -155,7 +156,7 @@ class LeRobotWriter:
         chunk, file = self._next_file
         row = {
             "episode_index": ep_index,
-            "tasks": [episode.task],
+            "tasks": list(dict.fromkeys(frame_tasks)),
             "length": n,
             "data/chunk_index": chunk,
             "data/file_index": file,
