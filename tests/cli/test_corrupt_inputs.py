@@ -77,3 +77,21 @@ def test_empty_instruction_is_an_error(ckpt, png, instruction, capsys):
     policy = load_policy(ckpt)
     with pytest.raises(ValueError, match="instruction must be a non-empty task description, got"):
         policy.new_session(instruction)
+
+
+@pytest.mark.parametrize("heads, message", [
+    (None, "is 32 wide (timm's vit_large_patch14_reg4_dinov2.lvd142m is 1024 wide with 16 heads), so its head count is "
+           "unknown; set config.json `vision_num_heads`"),
+    ([2.5, 2], "`vision_num_heads` has 2.5; expected a positive integer per tower"),
+    ([3, 2], "embed_dim 32 is not divisible by num_heads 3"),
+])
+def test_vision_head_counts_are_never_guessed(ckpt, png, tmp_path, heads, message, capsys):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(ckpt, bad)
+    config = json.loads((bad / "config.json").read_text())
+    assert config.pop("vision_num_heads")  # the tiny towers' head counts live in this extra key
+    if heads is not None:
+        config["vision_num_heads"] = heads
+    (bad / "config.json").write_text(json.dumps(config))
+    assert predict(bad, png) == 2
+    assert message in one_line_error(capsys, "predict")
