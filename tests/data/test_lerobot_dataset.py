@@ -1,6 +1,5 @@
 """LeRobot v3 writer/reader: exact round trips, valid metadata, v2.1 reading, clear errors."""
 
-import importlib.util
 import json
 
 import numpy as np
@@ -237,21 +236,3 @@ def test_errors_name_the_problem(tmp_path, episodes):
         WriterConfig(fps=12.5)
     with pytest.raises(KeyError, match="unknown video codec 'mjpeg'; available: av1, h264, hevc_lossless"):
         WriterConfig(fps=10, video_codec="mjpeg")
-
-
-@pytest.mark.skipif(importlib.util.find_spec("lerobot") is None, reason="LeRobot is not installed (it pins another torch)")
-def test_lerobot_loader_reads_our_dataset(tmp_path, episodes):
-    """LeRobot's own LeRobotDataset loads what we write, frame for frame (runs where lerobot is installed)."""
-    from lerobot.datasets.lerobot_dataset import LeRobotDataset as UpstreamDataset
-
-    write(tmp_path / "ds", episodes)
-    upstream = UpstreamDataset("local/vla-runtime-test", root=tmp_path / "ds")
-    assert len(upstream) == 19 and upstream.meta.total_episodes == 3
-    starts = np.cumsum([0] + [len(ep) for ep in episodes])
-    for i, ep in enumerate(episodes):
-        for t in range(len(ep)):
-            item = upstream[int(starts[i] + t)]
-            assert item["task"] == ep.task and int(item["frame_index"]) == t
-            np.testing.assert_array_equal(item["action"].numpy(), ep.action[t])
-            image = (item["observation.images.front"].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
-            np.testing.assert_array_equal(image, ep.images["front"][t])
