@@ -3,27 +3,11 @@
 import json
 import shutil
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from vla_runtime import models  # noqa: F401  (registers the families load_policy detects)
 from vla_runtime.api import load_policy
 from vla_runtime.cli import main
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("corrupt") / "tiny"
-    assert main(["make-tiny", "--family", "openvla", str(out), "--seed", "3"]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def png(tmp_path_factory):
-    path = tmp_path_factory.mktemp("img") / "frame.png"
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (60, 80, 3), dtype=np.uint8)).save(path)
-    return path
 
 
 def predict(ckpt, png, instruction="push the button"):
