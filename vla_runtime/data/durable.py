@@ -41,9 +41,20 @@ def commit(tmp: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
+def make_dirs(directory: Path) -> None:
+    """``mkdir -p`` whose new directory entries are themselves fsync-ed (a power cut keeps the folders)."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for created in reversed(missing):
+        created.mkdir(exist_ok=True)
+        fsync_dir(created.parent)
+
+
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """``write(tmp_path)`` produces the file; it then replaces ``path`` atomically and durably."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     tmp = temporary_path(path)
     write(tmp)
     commit(tmp, path)

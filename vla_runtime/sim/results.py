@@ -14,6 +14,7 @@ import os
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from ..data.durable import fsync_dir
 from .evaluate import EpisodeResult
 
 log = logging.getLogger(__name__)
@@ -24,10 +25,13 @@ RESULTS_FILE = "episodes.jsonl"
 def append_result(path: Path, job: int, result: EpisodeResult) -> None:
     """Append one finished episode durably."""
     line = json.dumps({"job": job, **asdict(result)}) + "\n"
+    new = not path.exists()
     with open(path, "a") as f:
         f.write(line)
         f.flush()
         os.fsync(f.fileno())
+    if new:  # the file's own directory entry
+        fsync_dir(path.parent)
     log.info("episode %d result durable: %s seed %d %s", job, result.task, result.seed, "success" if result.success else "failure")
 
 
