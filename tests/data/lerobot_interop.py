@@ -4,9 +4,11 @@
 
 For each of our DATASETs (named by their directory): LeRobot's ``LeRobotDataset`` reads every frame
 (saved to ``OUT/<name>-read.npz`` with the per-frame tasks in ``OUT/<name>-tasks.json``),
-``delete_episodes`` removes episode 1 (``OUT/<name>-deleted``) and ``merge_datasets`` merges the result
-with the original (``OUT/<name>-merged``). Then LeRobot writes a dataset of its own
+``delete_episodes`` removes episode 1 (``OUT/<name>-deleted``), ``merge_datasets`` merges the result
+with the original (``OUT/<name>-merged``, episodes packed into shared files) and ``delete_episodes`` removes
+episodes 1 and 3 of that (``OUT/<name>-merged-deleted``: re-encodes parts of shared video files). Then LeRobot writes a dataset of its own
 (``OUT/lerobot-written``, AV1 video, two episodes; the frames it was given in ``OUT/lerobot-written.npz``).
+Frames are 64x64: the SVT-AV1 inside LeRobot's PyAV wheel dies with SIGFPE encoding 16x16 frames.
 No pickles: numpy ``.npz`` of plain arrays and JSON.
 """
 
@@ -37,7 +39,7 @@ def read_all(ds: LeRobotDataset) -> tuple[dict, list[str]]:
 def write_lerobot_dataset(root: Path) -> dict:
     rng = np.random.default_rng(7)
     features = {
-        CAMERA: {"dtype": "video", "shape": (16, 16, 3), "names": ["height", "width", "channels"]},
+        CAMERA: {"dtype": "video", "shape": (64, 64, 3), "names": ["height", "width", "channels"]},
         "observation.state": {"dtype": "float32", "shape": (2,), "names": ["s0", "s1"]},
         "action": {"dtype": "float32", "shape": (3,), "names": ["a0", "a1", "a2"]},
     }
@@ -45,7 +47,7 @@ def write_lerobot_dataset(root: Path) -> dict:
     given = {"action": [], "state": [], "images": [], "lengths": [3, 4]}
     for n, task in zip(given["lengths"], ["pick the cube", "place the cube"]):
         for _ in range(n):
-            frame = {CAMERA: rng.integers(0, 256, (16, 16, 3), dtype=np.uint8),
+            frame = {CAMERA: rng.integers(0, 256, (64, 64, 3), dtype=np.uint8),
                      "observation.state": rng.normal(size=2).astype(np.float32),
                      "action": rng.normal(size=3).astype(np.float32), "task": task}
             given["action"].append(frame["action"])
@@ -66,7 +68,10 @@ def main(out: Path, datasets: list[Path]) -> None:
         np.savez(out / f"{name}-read.npz", **arrays)
         (out / f"{name}-tasks.json").write_text(json.dumps(tasks))
         deleted = delete_episodes(ds, episode_indices=[1], output_dir=out / f"{name}-deleted", repo_id=f"local/{name}-deleted")
-        merge_datasets([deleted, ds], output_repo_id=f"local/{name}-merged", output_dir=out / f"{name}-merged")
+        merged = merge_datasets([deleted, ds], output_repo_id=f"local/{name}-merged", output_dir=out / f"{name}-merged")
+        # merging packs the episodes into shared files; deleting from those re-encodes the kept parts of a file with
+        # the encoder settings info.json records
+        delete_episodes(merged, episode_indices=[1, 3], output_dir=out / f"{name}-merged-deleted", repo_id=f"local/{name}-md")
     np.savez(out / "lerobot-written.npz", **write_lerobot_dataset(out / "lerobot-written"))
     print("lerobot interop: done", flush=True)
 
