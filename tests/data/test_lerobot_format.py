@@ -12,12 +12,12 @@ from vla_runtime.data import VIDEO_CODECS, DatasetFeatures, Episode, LeRobotData
 from vla_runtime.data.video import probe
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "lerobot_v0.6.1" / "dataset"
-FEATURES = DatasetFeatures(cameras={"cam": (16, 16)}, state_names=["s0", "s1"], action_names=["a0", "a1", "a2"])
+FEATURES = DatasetFeatures(cameras={"cam": (64, 64)}, state_names=["s0", "s1"], action_names=["a0", "a1", "a2"])
 
 
 def episodes():
     rng = np.random.default_rng(0)
-    return [Episode({"cam": rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8)}, rng.normal(size=(n, 2)).astype(np.float32),
+    return [Episode({"cam": rng.integers(0, 256, (n, 64, 64, 3), dtype=np.uint8)}, rng.normal(size=(n, 2)).astype(np.float32),
                     rng.normal(size=(n, 3)).astype(np.float32), task) for n, task in ((3, "pick the cube"), (4, "place the cube"))]
 
 
@@ -62,7 +62,8 @@ def test_writer_output_matches_lerobot_0_6_1_key_for_key(tmp_path):
 
     data, want = (pq.read_schema(r / "data/chunk-000/file-000.parquet") for r in (root, FIXTURE))
     assert [(f.name, f.type) for f in data] == [(f.name, f.type) for f in want]
-    assert json.loads(data.metadata[b"huggingface"]) == json.loads(want.metadata[b"huggingface"])  # `List`, not `Sequence`
+    # `List`, not `Sequence` (datasets' `fingerprint` beside `info` is a content hash of theirs, not a format key)
+    assert json.loads(data.metadata[b"huggingface"])["info"] == json.loads(want.metadata[b"huggingface"])["info"]
     assert json.loads((root / "meta/stats.json").read_text()).keys() == json.loads((FIXTURE / "meta/stats.json").read_text()).keys()
 
 
@@ -73,5 +74,5 @@ def test_reads_the_lerobot_fixture(tmp_path):
     actions = np.stack(table.column("action").to_pylist()).astype(np.float32)
     for i, n in enumerate((3, 4)):
         ep = ds.episode(i)
-        assert ep.images["cam"].shape == (n, 16, 16, 3) and ep.task == ds.tasks[i]
+        assert ep.images["cam"].shape == (n, 64, 64, 3) and ep.task == ds.tasks[i]
         np.testing.assert_array_equal(ep.action, actions[3 * i: 3 * i + n])
