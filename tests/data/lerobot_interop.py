@@ -1,6 +1,6 @@
 """Runs under LeRobot 0.6.1's own interpreter (``LEROBOT_PYTHON``), driven by ``test_lerobot_interop.py``.
 
-    $LEROBOT_PYTHON tests/data/lerobot_interop.py OUT DATASET...
+    $LEROBOT_PYTHON tests/data/lerobot_interop.py OUT DATASET... [--read-only DATASET...]
 
 For each of our DATASETs (named by their directory): LeRobot's ``LeRobotDataset`` reads every frame
 (saved to ``OUT/<name>-read.npz`` with the per-frame tasks in ``OUT/<name>-tasks.json``),
@@ -8,12 +8,13 @@ For each of our DATASETs (named by their directory): LeRobot's ``LeRobotDataset`
 with the original (``OUT/<name>-merged``, episodes packed into shared files) and ``delete_episodes`` removes
 episodes 1 and 3 of that (``OUT/<name>-merged-deleted``: re-encodes parts of shared video files). Then LeRobot writes a dataset of its own
 (``OUT/lerobot-written``, AV1 video, two episodes; the frames it was given in ``OUT/lerobot-written.npz``).
+``--read-only`` datasets (a dataset a kill interrupted) are only read.
 Frames are 64x64: the SVT-AV1 inside LeRobot's PyAV wheel dies with SIGFPE encoding 16x16 frames.
 No pickles: numpy ``.npz`` of plain arrays and JSON.
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -59,14 +60,27 @@ def write_lerobot_dataset(root: Path) -> dict:
     return {k: np.asarray(v) for k, v in given.items()}
 
 
-def main(out: Path, datasets: list[Path]) -> None:
+def read(root: Path, out: Path) -> LeRobotDataset:
+    ds = LeRobotDataset(f"local/{root.name}", root=root)
+    arrays, tasks = read_all(ds)
+    np.savez(out / f"{root.name}-read.npz", **arrays)
+    (out / f"{root.name}-tasks.json").write_text(json.dumps(tasks))
+    return ds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("datasets", type=Path, nargs="+")
+    parser.add_argument("--read-only", type=Path, nargs="*", default=[])
+    args = parser.parse_args()
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    for root in datasets:
+    for root in args.read_only:
+        read(root, out)
+    for root in args.datasets:
         name = root.name
-        ds = LeRobotDataset(f"local/{name}", root=root)
-        arrays, tasks = read_all(ds)
-        np.savez(out / f"{name}-read.npz", **arrays)
-        (out / f"{name}-tasks.json").write_text(json.dumps(tasks))
+        ds = read(root, out)
         deleted = delete_episodes(ds, episode_indices=[1], output_dir=out / f"{name}-deleted", repo_id=f"local/{name}-deleted")
         merged = merge_datasets([deleted, ds], output_repo_id=f"local/{name}-merged", output_dir=out / f"{name}-merged")
         # merging packs the episodes into shared files; deleting from those re-encodes the kept parts of a file with
@@ -77,4 +91,4 @@ def main(out: Path, datasets: list[Path]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
+    main()
