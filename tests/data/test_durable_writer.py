@@ -97,3 +97,13 @@ def test_a_started_dataset_needs_resume_and_matching_flags(tmp_path):
     with pytest.raises(ValueError, match="holds notes.txt, which the dataset writer did not create"):
         LeRobotWriter(other, FEATURES, WriterConfig(fps=10), resume=True)
     assert (other / "notes.txt").read_text() == "mine"
+
+
+def test_a_data_file_without_its_footer_is_a_clear_error(tmp_path):
+    root = tmp_path / "ds"
+    with LeRobotWriter(root, FEATURES, WriterConfig(fps=10)) as writer:
+        writer.add_episode(EPISODES[0])
+    data = root / "data/chunk-000/file-000.parquet"
+    data.write_bytes(data.read_bytes()[:-100])  # cut off the footer
+    with pytest.raises(ValueError, match=f"data file {data} of episode 0 is not a readable parquet file: .*magic bytes"):
+        LeRobotDataset(root).episode(0)

@@ -150,7 +150,10 @@ class LeRobotDataset:
         if not path.is_file():
             raise FileNotFoundError(f"data file {path} for episode {ep} does not exist")
         if self._data_cache is None or self._data_cache[0] != path:
-            self._data_cache = (path, pq.read_table(path))
+            try:
+                self._data_cache = (path, pq.read_table(path))
+            except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+                raise ValueError(f"data file {path} of episode {ep} is not a readable parquet file: {e}") from e
         table = self._data_cache[1]
         return table.filter(pc.equal(table.column("episode_index"), ep))
 
