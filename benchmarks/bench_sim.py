@@ -94,7 +94,7 @@ def fidelity(args) -> dict:
     out = {}
     tmp = Path(tempfile.mkdtemp())
     try:
-        for name, codec in {"png in parquet": None, "h264_lossless mp4": "h264_lossless", "h264 mp4 (yuv420p)": "h264", "av1 mp4": "av1"}.items():
+        for name, codec in {"png in parquet": None, "hevc_lossless mp4": "hevc_lossless", "h264 mp4 (yuv420p)": "h264", "av1 mp4": "av1"}.items():
             root = tmp / name.replace(" ", "_")
             t0 = time.perf_counter()
             with LeRobotWriter(root, features, WriterConfig(fps=80, video_codec=codec)) as w:

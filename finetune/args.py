@@ -8,9 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import yaml
-
-from vla_runtime.config import HISTORY_MODES, from_dict
+from vla_runtime.config import HISTORY_MODES, from_dict, read_yaml_mapping
 from vla_runtime.device import DTYPES
 
 from .config import LORA_SHORTHANDS, LR_SCHEDULES, PRECISIONS, TRAINABLE_KV_MODES, FinetuneConfig
@@ -107,12 +105,7 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
     values = vars(args)
     data: dict = {}
     if values.get("config") is not None:
-        path = values["config"]
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a mapping of FinetuneConfig fields")
+        data = read_yaml_mapping(values["config"])
     for key, value in values.items():
         if key in ("config", "func", "command", "verbose"):
             continue

@@ -43,11 +43,24 @@ CROP_AREA = 0.9  # OpenVLA's image_aug random resized crop (and the eval centre 
 
 @dataclass(frozen=True)
 class Window:
-    """Steps ``start .. start + steps - 1`` of ``episode``."""
+    """Steps ``start .. start + steps - 1`` of ``episode`` (an index into ``task_segments``: an episode, or the
+    part of one with a single task)."""
 
     episode: int
     start: int
     steps: int
+
+
+def task_segments(decoded: DecodedDataset) -> list[tuple[int, int, str]]:
+    """(first frame, length, task) of every run of frames with one task inside one episode, in order."""
+    segments = []
+    for offset, length in zip(decoded.offsets, decoded.lengths):
+        start = offset
+        for t in range(offset + 1, offset + length + 1):
+            if t == offset + length or decoded.tasks[t] != decoded.tasks[start]:
+                segments.append((start, t - start, decoded.tasks[start]))
+                start = t
+    return segments
 
 
 def window_starts(length: int, window: int, stride: int) -> list[int]:
@@ -134,25 +147,29 @@ class TrainingData:
         if self.has_proprio:
             proprio_stats = ActionStats.from_dict(entry["proprio"], what="proprio")
             self.proprio = proprio_stats.normalize(decoded.states.astype(np.float64)).astype(np.float32)  # [F, P]
+        # windows never cross a change of task: each run of frames with one task is a segment with its own prompt
+        # (at inference a new instruction starts a new session); Window.episode indexes these segments
+        self.segments = task_segments(decoded)
         prompts: dict[str, PromptIds] = {}
-        self.prompts = [prompts.setdefault(t, policy.tokenizer.prompt(t)) for t in decoded.tasks]
+        self.prompts = [prompts.setdefault(task, policy.tokenizer.prompt(task)) for _, _, task in self.segments]
         steps, stride = (window, stride) if history else (1, 1)
         self.windows: list[Window] = []
         short = 0
-        for e, length in enumerate(decoded.lengths):
+        for segment, (_, length, _) in enumerate(self.segments):
             starts = window_starts(length, steps, stride)
             short += not starts
-            self.windows += [Window(e, s, steps) for s in starts]
+            self.windows += [Window(segment, s, steps) for s in starts]
+        longest = max(length for _, length, _ in self.segments)
         if not self.windows:
             raise ValueError(
-                f"the history window ({window} steps) is longer than every episode (longest: {max(decoded.lengths)} steps); "
+                f"the history window ({window} steps) is longer than every episode (longest: {longest} steps); "
                 "lower `data.window`"
             )
         if short:
             log.warning(
-                "%d of %d episodes are shorter than the %d-step window and are not used",
+                "%d of %d episodes are shorter than the %d-step window and are not used (an episode whose task changes counts once per task)",
                 short,
-                len(decoded.lengths),
+                len(self.segments),
                 window,
             )
         self.buckets: dict[tuple, list[int]] = {}
@@ -190,7 +207,7 @@ class TrainingData:
         return len(self.prompts[w.episode].instruction), w.steps, self.history and w.start > 0
 
     def _frames(self, w: Window) -> slice:
-        first = self.decoded.offsets[w.episode] + w.start
+        first = self.segments[w.episode][0] + w.start
         return slice(first, first + w.steps)
 
     def _layout(self, w: Window) -> tuple[FlatLayout, list[int]]:

@@ -5,7 +5,8 @@ per step. The cache holds, for one dataset and camera:
 
 - ``frames.npy``: uint8 [F, H, W, 3], every episode's frames back to back (memory-mapped when read);
 - ``actions.npy`` [F, A] float32, ``states.npy`` [F, P] float32 (when the dataset has a state);
-- ``episodes.json``: per episode its task and frame count, plus the feature names.
+- ``episodes.json``: per episode its frame count, per frame its task (a frame's own ``task_index``), plus
+  the feature names.
 
 The cache directory name is a hash of the dataset's files (paths, sizes, modification times) and the
 camera, so a changed dataset is decoded again. Rank 0 builds it; other ranks wait and read it.
@@ -30,7 +31,7 @@ from vla_runtime.data import layout as lerobot
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when the cache layout changes
+FORMAT = 2  # bump when the cache layout changes (2: tasks per frame)
 
 
 @dataclass
@@ -41,7 +42,7 @@ class DecodedDataset:
         frames: uint8 [F, H, W, 3], episode after episode.
         actions: [F, A] float32. states: [F, P] float32 or ``None``.
         lengths: frames per episode (``offsets[e]``, derived, is episode e's first frame).
-        tasks: instruction per episode.
+        tasks: instruction per frame [F].
         action_names, state_names: feature names from ``info.json`` (``None`` when unnamed).
     """
 
@@ -106,7 +107,7 @@ def build_cache(ds: LeRobotDataset, camera: str, directory: Path, *, progress: b
         actions[offset : offset + n] = ep.action
         if states is not None:
             states[offset : offset + n] = ep.state
-        tasks.append(ep.task)
+        tasks += ep.tasks_per_frame()
         offset += n
     frames.flush()
     del frames

@@ -63,6 +63,13 @@ def validate_image(image: object, name: str = PRIMARY_CAMERA) -> np.ndarray:
     return image
 
 
+def validate_instruction(instruction: object) -> str:
+    """The instruction a session starts with: a string with some non-whitespace text, else ``ValueError``."""
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise ValueError(f"instruction must be a non-empty task description, got {instruction!r}")
+    return instruction
+
+
 class EpisodeSession(abc.ABC):
     """Single-episode state: the KV cache, gate state, action queue / ensemble. ``reset`` starts a new episode."""
 
@@ -102,7 +109,8 @@ class Policy(abc.ABC):
         return 1
 
     @abc.abstractmethod
-    def new_session(self, instruction: str, config: SessionConfig | None = None) -> EpisodeSession: ...
+    def new_session(self, instruction: str, config: SessionConfig | None = None) -> EpisodeSession:
+        """A new episode for ``instruction`` (``validate_instruction``: empty or whitespace-only is a ``ValueError``)."""
 
     @abc.abstractmethod
     def info(self) -> dict:

@@ -83,11 +83,24 @@ def _default_values(f: dataclasses.Field) -> dict[str, Any]:
     return {g.name: getattr(default, g.name) for g in dataclasses.fields(default) if g.init}
 
 
-def load_yaml(cls: type[T], path: str | Path) -> T:
-    """Load a dataclass config from a YAML file (top-level mapping = the dataclass fields)."""
+def read_yaml_mapping(path: str | Path) -> dict:
+    """A YAML file's top-level mapping (empty file: ``{}``); a missing file, a YAML syntax error (with its line and
+    column) or a non-mapping top level is a one-line ``FileNotFoundError``/``ValueError`` naming the file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
-    with path.open() as f:
-        data = yaml.safe_load(f) or {}
-    return from_dict(cls, data)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"config file {path} is not valid YAML{where}: {problem}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of field names to values, got {type(data).__name__}")
+    return data
+
+
+def load_yaml(cls: type[T], path: str | Path) -> T:
+    """Load a dataclass config from a YAML file (top-level mapping = the dataclass fields)."""
+    return from_dict(cls, read_yaml_mapping(path))

@@ -1,6 +1,5 @@
 """LeRobot v3 writer/reader: exact round trips, valid metadata, v2.1 reading, clear errors."""
 
-import importlib.util
 import json
 
 import numpy as np
@@ -52,7 +51,7 @@ def assert_same(read, written):
         np.testing.assert_array_equal(read.images[cam], written.images[cam])
 
 
-@pytest.mark.parametrize("codec", [None, "h264_lossless"])
+@pytest.mark.parametrize("codec", [None, "hevc_lossless"])
 def test_round_trip_is_exact(tmp_path, episodes, codec):
     ds = write(tmp_path / "ds", episodes, video_codec=codec)
     assert len(ds) == 3 and ds.fps == 10 and ds.cameras == ["front", "wrist"]
@@ -62,7 +61,7 @@ def test_round_trip_is_exact(tmp_path, episodes, codec):
 
 def test_metadata_follows_lerobot_v3_layout(tmp_path, episodes):
     root = tmp_path / "ds"
-    write(root, episodes, video_codec="h264_lossless")
+    write(root, episodes, video_codec="hevc_lossless")
     info = json.loads((root / "meta/info.json").read_text())
     assert info["codebase_version"] == "v3.0" and info["fps"] == 10 and info["robot_type"] == "sawyer"
     assert (info["total_episodes"], info["total_frames"], info["total_tasks"]) == (3, 19, 2)
@@ -84,19 +83,20 @@ def test_metadata_follows_lerobot_v3_layout(tmp_path, episodes):
     assert list(eps.episode_index) == [0, 1, 2] and list(eps.length) == [6, 9, 4]
     assert list(eps.dataset_from_index) == [0, 6, 15] and list(eps.dataset_to_index) == [6, 15, 19]
     assert [list(t) for t in eps.tasks] == [["open the drawer"], ["press the button"], ["open the drawer"]]
-    # episodes sit back to back in one mp4 per camera
-    np.testing.assert_allclose(eps["videos/observation.images.front/from_timestamp"], [0.0, 0.6, 1.5])
-    np.testing.assert_allclose(eps["videos/observation.images.front/to_timestamp"], [0.6, 1.5, 1.9])
+    # each episode has its own data parquet and mp4 per camera (written once, durable before the next episode)
+    assert list(eps["data/file_index"]) == [0, 1, 2] and list(eps["videos/observation.images.front/file_index"]) == [0, 1, 2]
+    np.testing.assert_allclose(eps["videos/observation.images.front/from_timestamp"], [0.0, 0.0, 0.0])
+    np.testing.assert_allclose(eps["videos/observation.images.front/to_timestamp"], [0.6, 0.9, 0.4])
     assert list(eps["stats/action/count"].map(lambda c: c[0])) == [6, 9, 4]
 
-    data = pq.read_table(root / "data/chunk-000/file-000.parquet")
+    data = pa.concat_tables([pq.read_table(root / f"data/chunk-000/file-00{i}.parquet") for i in range(3)])
     assert data.schema.field("observation.state").type == pa.list_(pa.float32(), 4)
     np.testing.assert_array_equal(data.column("index").to_numpy(), np.arange(19))
     np.testing.assert_array_equal(data.column("task_index").to_numpy(), [0] * 6 + [1] * 9 + [0] * 4)
     frame_index = data.column("frame_index").to_numpy()
     np.testing.assert_array_equal(data.column("timestamp").to_numpy(), (frame_index / 10).astype(np.float32))
     hf = json.loads(data.schema.metadata[b"huggingface"])["info"]["features"]
-    assert hf["action"] == {"feature": {"dtype": "float32", "_type": "Value"}, "length": 7, "_type": "Sequence"}
+    assert hf["action"] == {"feature": {"dtype": "float32", "_type": "Value"}, "length": 7, "_type": "List"}
 
 
 def test_stats_are_exact_with_quantiles(tmp_path, episodes):
@@ -119,19 +119,33 @@ def test_stats_are_exact_with_quantiles(tmp_path, episodes):
     assert ds.stats["index"]["max"].tolist() == [18]
 
 
-def test_files_roll_over_by_size(tmp_path):
+def test_reads_several_episodes_per_file(tmp_path):
+    """LeRobot's own writer packs many episodes into one data parquet and one mp4: we read that layout too."""
     rng = np.random.default_rng(1)
-    big = DatasetFeatures(cameras={"cam": (96, 96)}, state_names=None, action_names=["a"])
-    eps = [Episode({"cam": rng.integers(0, 256, (40, 96, 96, 3), dtype=np.uint8)}, None, rng.normal(size=(40, 1)).astype(np.float32), "t")
-           for _ in range(3)]
+    feats = DatasetFeatures(cameras={"cam": (16, 16)}, state_names=None, action_names=["a"])
+    eps = [Episode({"cam": rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8)}, None, rng.normal(size=(n, 1)).astype(np.float32), "t")
+           for n in (3, 5)]
     root = tmp_path / "ds"
-    with LeRobotWriter(root, big, WriterConfig(fps=5, data_files_size_in_mb=1)) as writer:
+    with LeRobotWriter(root, feats, WriterConfig(fps=5, video_codec="hevc_lossless")) as writer:
         for ep in eps:
             writer.add_episode(ep)
-    files = sorted(p.name for p in (root / "data/chunk-000").iterdir())
-    assert files == ["file-000.parquet", "file-001.parquet", "file-002.parquet"]  # ~1.1 MB of noise per episode
+    # merge into file-000 as LeRobot lays it out: rows back to back, frames back to back, time ranges in the index
+    data = pa.concat_tables([pq.read_table(root / f"data/chunk-000/file-00{i}.parquet") for i in range(2)])
+    pq.write_table(data, root / "data/chunk-000/file-000.parquet")
+    (root / "data/chunk-000/file-001.parquet").unlink()
+    video = VideoWriter(root / "merged.mp4", fps=5, height=16, width=16, codec=VIDEO_CODECS["hevc_lossless"])
+    video.write(np.concatenate([ep.images["cam"] for ep in eps]))
+    video.close()
+    videos = root / "videos/observation.images.cam/chunk-000"
+    (videos / "file-001.mp4").unlink()
+    (root / "merged.mp4").replace(videos / "file-000.mp4")
+    index = root / "meta/episodes/chunk-000/file-000.parquet"
+    rows = pq.read_table(index).to_pylist()
+    rows[1].update({"data/file_index": 0, "videos/observation.images.cam/file_index": 0,
+                    "videos/observation.images.cam/from_timestamp": 0.6, "videos/observation.images.cam/to_timestamp": 1.6})
+    pq.write_table(pa.Table.from_pylist(rows), index)
     ds = LeRobotDataset(root)
-    assert ds.episode(2).state is None
+    assert ds.episode(1).state is None
     for i, ep in enumerate(eps):
         np.testing.assert_array_equal(ds.episode(i).images["cam"], ep.images["cam"])
         np.testing.assert_array_equal(ds.episode(i).action, ep.action)
@@ -183,7 +197,7 @@ def test_reads_lerobot_v21_layout(tmp_path, episodes):
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, path)
         video = VideoWriter(root / f"videos/chunk-000/observation.images.front/episode_{i:06d}.mp4", fps=10, height=24, width=32,
-                            codec=VIDEO_CODECS["h264_lossless"])
+                            codec=VIDEO_CODECS["hevc_lossless"])
         video.write(ep.images["front"])
         video.close()
         start += n
@@ -199,7 +213,7 @@ def test_errors_name_the_problem(tmp_path, episodes):
         LeRobotDataset(tmp_path / "nothing")
     root = tmp_path / "ds"
     write(root, episodes[:1])
-    with pytest.raises(FileExistsError, match="exists and is not empty"):
+    with pytest.raises(FileExistsError, match="exists and is not empty; pass --resume"):
         LeRobotWriter(root, FEATURES, WriterConfig(fps=10))
     info = json.loads((root / "meta/info.json").read_text())
     (root / "meta/info.json").write_text(json.dumps({**info, "codebase_version": "v1.6"}))
@@ -220,23 +234,5 @@ def test_errors_name_the_problem(tmp_path, episodes):
         writer.close()
     with pytest.raises(ValueError, match="`fps` must be a positive integer"):
         WriterConfig(fps=12.5)
-    with pytest.raises(KeyError, match="unknown video codec 'mjpeg'; available: av1, h264, h264_lossless"):
+    with pytest.raises(KeyError, match="unknown video codec 'mjpeg'; available: av1, h264, hevc_lossless"):
         WriterConfig(fps=10, video_codec="mjpeg")
-
-
-@pytest.mark.skipif(importlib.util.find_spec("lerobot") is None, reason="LeRobot is not installed (it pins another torch)")
-def test_lerobot_loader_reads_our_dataset(tmp_path, episodes):
-    """LeRobot's own LeRobotDataset loads what we write, frame for frame (runs where lerobot is installed)."""
-    from lerobot.datasets.lerobot_dataset import LeRobotDataset as UpstreamDataset
-
-    write(tmp_path / "ds", episodes)
-    upstream = UpstreamDataset("local/vla-runtime-test", root=tmp_path / "ds")
-    assert len(upstream) == 19 and upstream.meta.total_episodes == 3
-    starts = np.cumsum([0] + [len(ep) for ep in episodes])
-    for i, ep in enumerate(episodes):
-        for t in range(len(ep)):
-            item = upstream[int(starts[i] + t)]
-            assert item["task"] == ep.task and int(item["frame_index"]) == t
-            np.testing.assert_array_equal(item["action"].numpy(), ep.action[t])
-            image = (item["observation.images.front"].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
-            np.testing.assert_array_equal(image, ep.images["front"][t])

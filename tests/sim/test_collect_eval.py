@@ -39,7 +39,7 @@ def test_collect_writes_a_valid_dataset(demos):
     assert [(r.kept, r.failed) for r in results.values()] == [(2, 0), (2, 0)]
     ds = LeRobotDataset(root)
     info = json.loads((root / "meta/info.json").read_text())
-    assert info["fps"] == 80 and info["total_episodes"] == 4 and info["vla_runtime"]["episode_seeds"] == [5, 6, 5, 6]
+    assert info["fps"] == 80 and info["total_episodes"] == 4 and ds.extra["per_episode"]["episode_seeds"] == [5, 6, 5, 6]
     assert info["features"]["action"]["names"] == ["dx", "dy", "dz", "droll", "dpitch", "dyaw", "gripper"]
     assert info["features"]["observation.state"]["names"] == ["hand_x", "hand_y", "hand_z", "gripper_opening"]
     assert ds.tasks == ["Press the button from the top", "Press the button"]
@@ -55,7 +55,7 @@ def test_stored_actions_reproduce_the_recorded_episode(demos):
     """The 7-D actions in the dataset, executed through the 7 -> 4 mapping, replay frames and states exactly."""
     root, _ = demos
     ds = LeRobotDataset(root)
-    seeds = json.loads((root / "meta/info.json").read_text())["vla_runtime"]["episode_seeds"]
+    seeds = ds.extra["per_episode"]["episode_seeds"]
     ep = ds.episode(3)
     with MetaWorldEnv(ENV) as env:
         obs = env.reset(TASKS[1], seeds[3])
@@ -71,7 +71,7 @@ def test_collect_skips_and_counts_failed_expert_episodes(tmp_path):
     config = CollectConfig(tasks=["reach-v3"], episodes=2, out=tmp_path / "ds", seed=0, env=MetaWorldConfig(resolution=(16, 16), max_steps=40))
     results = collect(config, progress=False)
     assert (results["reach-v3"].kept, results["reach-v3"].failed) == (2, 2)
-    assert json.loads((tmp_path / "ds/meta/info.json").read_text())["vla_runtime"]["episode_seeds"] == [2, 3]
+    assert LeRobotDataset(tmp_path / "ds").extra["per_episode"]["episode_seeds"] == [2, 3]
     assert [len(ep) for ep in LeRobotDataset(tmp_path / "ds")] == [34, 40]
 
 
@@ -105,6 +105,14 @@ def test_eval_cli_end_to_end(demos, tmp_path, monkeypatch, capsys):
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert len(frames) == first["steps"] + 1 and frames[0].shape == (40, 48, 3)
     assert first["video"].endswith(f"{TASKS[0]}.mp4")
+
+    # the same --out again: a one-line error naming --resume; with --resume nothing is left to run, the report is rebuilt
+    assert main(["eval", "--checkpoint", str(root), "--sim", "metaworld", "--tasks", ",".join(TASKS), "--out", str(out)]) == 2
+    assert "episodes.jsonl exists: pass --resume to continue that run" in capsys.readouterr().err
+    (out / "report.json").unlink()
+    assert main(["eval", "--checkpoint", str(root), "--sim", "metaworld", "--tasks", ",".join(TASKS), "--episodes", "2",
+                 "--seed", "5", "--resolution", "40x48", "--kv", "full", "--history", "single", "--out", str(out), "--resume"]) == 0
+    assert json.loads((out / "report.json").read_text())["summary"] == summary
 
 
 def test_eval_parallel_workers_with_action_chunks(demos, capfd):

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from ..models.llama import LlamaConfig, LlamaForCausalLM
-from .safetensors_io import weight_files
+from .safetensors_io import open_safetensors, weight_files
 
 
 @dataclass
@@ -33,7 +32,8 @@ class CausalLM:
 def load_state_dict(root: str | Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(root):
-        state.update(load_file(str(f)))
+        with open_safetensors(f) as handle:
+            state.update({name: handle.get_tensor(name) for name in handle.keys()})
     return state
 
 

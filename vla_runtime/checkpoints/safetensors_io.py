@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 WEIGHTS_NAME = "model.safetensors"
@@ -43,12 +43,22 @@ def read_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
     """Tensor name -> (shape, file), from the headers. A name stored twice raises ``ValueError``."""
     out: dict[str, tuple[tuple[int, ...], Path]] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 if name in out:
                     raise ValueError(f"tensor `{name}` is stored in both {out[name][1].name} and {file.name}")
                 out[name] = (tuple(f.get_slice(name).get_shape()), file)
     return out
+
+
+def open_safetensors(file: Path):
+    """``safe_open`` on CPU; a truncated or corrupt file is a ``ValueError`` naming it (safetensors checks the
+    header and that the data section covers every tensor's offsets, so a file cut short fails here)."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as e:
+        size = file.stat().st_size
+        raise ValueError(f"{file} is not a readable safetensors file ({size} bytes; truncated or corrupt): {e}") from e
 
 
 def iter_tensors(names: Mapping[str, Path], *, device: torch.device | str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -57,7 +67,7 @@ def iter_tensors(names: Mapping[str, Path], *, device: torch.device | str, dtype
     for name, file in names.items():
         by_file.setdefault(file, []).append(name)
     for file, group in by_file.items():
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             for name in group:
                 yield name, f.get_tensor(name).to(device=device, dtype=dtype)
 

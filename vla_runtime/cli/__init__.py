@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
         # user errors: one clear line, no traceback (run with -v for one)
         if args.verbose:
             raise

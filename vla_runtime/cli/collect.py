@@ -2,6 +2,7 @@
 
     vla-runtime collect --sim metaworld --tasks reach-v3,button-press-v3 --episodes 20 --out runs/mw-demos
     vla-runtime collect --sim metaworld --tasks memory --episodes 50 --resolution 84 --out runs/mw-memory
+    vla-runtime collect ... --out runs/mw-demos --resume      # after a crash: same flags plus --resume
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("collect", help="record scripted-expert episodes into a LeRobot v3 dataset")
     add_sim_args(p, sims=("metaworld",))
     p.add_argument("--episodes", type=int, required=True, help="successful episodes per task")
-    p.add_argument("--out", required=True, help="new dataset directory")
+    p.add_argument("--out", required=True, help="new dataset directory (or, with --resume, an interrupted one)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the interrupted dataset in --out: keep its finished episodes, go on with the next seeds")
     p.add_argument(
         "--video-codec", choices=sorted(VIDEO_CODECS), default=None,
-        help="store frames as mp4 with this codec (default: lossless PNG inside the parquet; only h264_lossless is also exact)",
+        help="store frames as mp4 with this codec (default: lossless PNG inside the parquet; only hevc_lossless is also exact)",
     )
     p.set_defaults(func=run)
 
@@ -34,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         env=sim_config(args, tasks),
         video_codec=args.video_codec,
+        resume=args.resume,
     )
     results = collect(config)
     print(f"{'task':<32} {'kept':>5} {'failed':>7} {'frames':>8}")

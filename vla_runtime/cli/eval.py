@@ -6,7 +6,10 @@
     vla-runtime eval --checkpoint ckpt/ --sim metaworld --tasks memory --history history \
         --kv sink_window --kv-window 48 --kv-match-chunks 32
 
-Writes ``report.json``, ``summary.png`` and ``videos/<task>.mp4`` (first episode of each task).
+Writes ``episodes.jsonl`` (one line per finished episode, durable as it ends), ``report.json`` and
+``summary.png`` (both rebuilt from ``episodes.jsonl`` alone) and ``videos/<task>.mp4`` (first episode of
+each task). After a crash, the same command with ``--resume`` runs only the episodes not yet in
+``episodes.jsonl``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ..sim.base import check_task
 from ..sim.evaluate import EvalConfig, evaluate
 from ..sim.rlbench_env import import_rlbench
 from ..sim.report import format_table, plot_summary, summarize, write_report
+from ..sim.results import RESULTS_FILE, append_result, load_results, read_results
 from .sim_args import add_sim_args, parse_tasks, sim_config
 
 
@@ -49,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="policy dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--out", default=None, help="output directory (default: runs/eval-<time>)")
     p.add_argument("--no-video", action="store_true", help="skip the per-task videos")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run in --out: skip the episodes its episodes.jsonl already holds")
     p.set_defaults(func=run)
 
 
@@ -72,7 +78,14 @@ def run(args: argparse.Namespace) -> int:
                         out=None if args.no_video else out)
     env_config = sim_config(args, tasks)
     policy_factory = partial(load_policy, args.checkpoint, device=args.device, dtype=args.dtype)
-    results = evaluate(policy_factory, partial(make_env, args.sim, env_config), config)
+    results_path = out / RESULTS_FILE
+    if results_path.exists() and not args.resume:
+        raise FileExistsError(f"{results_path} exists: pass --resume to continue that run, or choose a new --out directory")
+    out.mkdir(parents=True, exist_ok=True)
+    finished = read_results(results_path) if args.resume else {}
+    evaluate(policy_factory, partial(make_env, args.sim, env_config), config, finished=finished,
+             on_result=partial(append_result, results_path))
+    results = load_results(results_path)
     summary = summarize(results)
     meta = {
         "checkpoint": str(args.checkpoint),

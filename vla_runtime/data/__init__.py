@@ -6,8 +6,9 @@
 from __future__ import annotations
 
 from .episode import Episode
+from .features import DatasetFeatures
 from .reader import LeRobotDataset
 from .video import VIDEO_CODECS
-from .writer import DatasetFeatures, LeRobotWriter, WriterConfig
+from .writer import LeRobotWriter, WriterConfig
 
 __all__ = ["VIDEO_CODECS", "DatasetFeatures", "Episode", "LeRobotDataset", "LeRobotWriter", "WriterConfig"]

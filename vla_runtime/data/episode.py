@@ -15,16 +15,23 @@ class Episode:
         images: camera name -> uint8 [T, H, W, 3] RGB.
         state: [T, S] float32 proprioception (``None`` for datasets without ``observation.state``).
         action: [T, A] float32, the action taken after seeing frame t.
-        task: the instruction in natural language.
+        task: the instruction in natural language (the first frame's, when ``frame_tasks`` is given).
+        frame_tasks: one instruction per frame, for episodes whose task changes part-way (LeRobot's per-frame
+            ``task_index``); ``None``: every frame has ``task``.
     """
 
     images: dict[str, np.ndarray]
     state: np.ndarray | None
     action: np.ndarray
     task: str
+    frame_tasks: list[str] | None = None
 
     def __len__(self) -> int:
         return int(self.action.shape[0])
+
+    def tasks_per_frame(self) -> list[str]:
+        """The instruction of every frame."""
+        return list(self.frame_tasks) if self.frame_tasks is not None else [self.task] * len(self)
 
     def validate(self) -> None:
         """``ValueError`` naming the first field whose dtype or shape is inconsistent."""
@@ -34,6 +41,11 @@ class Episode:
         if not isinstance(action, np.ndarray) or action.ndim != 2 or action.shape[0] < 1:
             raise ValueError(f"episode `action` must be an array [T >= 1, A], got {getattr(action, 'shape', type(action))}")
         n = action.shape[0]
+        if self.frame_tasks is not None:
+            if len(self.frame_tasks) != n or not all(isinstance(t, str) and t for t in self.frame_tasks):
+                raise ValueError(f"episode `frame_tasks` must be {n} non-empty strings, one per frame")
+            if self.frame_tasks[0] != self.task:
+                raise ValueError(f"episode `task` {self.task!r} must be the first frame's task {self.frame_tasks[0]!r}")
         arrays = {"action": action} if self.state is None else {"action": action, "state": self.state}
         for name, value in arrays.items():
             if not isinstance(value, np.ndarray) or value.ndim != 2 or value.shape[0] != n:

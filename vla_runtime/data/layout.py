@@ -12,6 +12,8 @@ LEGACY_VERSIONS = ("v2.0", "v2.1")
 
 INFO_PATH = "meta/info.json"
 STATS_PATH = "meta/stats.json"
+EXTRA_PATH = "meta/vla_runtime.json"  # our own metadata: a file of its own, which LeRobot neither reads nor rewrites
+PER_EPISODE_KEY = "per_episode"  # in EXTRA_PATH: name -> one value per episode
 TASKS_PATH = "meta/tasks.parquet"
 EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"

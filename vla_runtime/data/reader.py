@@ -2,7 +2,8 @@
 
     ds = LeRobotDataset("runs/mw")            # a local dataset directory
     ds.fps, ds.features, ds.tasks, ds.stats   # metadata (stats: {feature: {stat: ndarray}})
-    ep = ds.episode(0)                        # Episode(images={camera: [T,H,W,3] uint8}, state, action, task)
+    ds.extra                                  # our own metadata (meta/vla_runtime.json; {} for other datasets)
+    ep = ds.episode(0)                        # Episode(images={camera: [T,H,W,3] uint8}, state, action, task, frame_tasks)
     for ep in ds: ...
 
 Images come from PNG/JPEG structs in the parquet (``image`` dtype) or from the mp4s (``video``
@@ -54,6 +55,7 @@ class LeRobotDataset:
         self.features: dict = self.info["features"]
         self.camera_keys = [k for k, ft in self.features.items() if ft["dtype"] in ("image", "video")]
         self._episodes, self.tasks = self._load_index()
+        self.extra = self._load_extra()
         stats_path = self.root / layout.STATS_PATH
         self.stats = from_json(json.loads(stats_path.read_text())) if stats_path.is_file() else None
         self._data_cache: tuple[Path, object] | None = None
@@ -69,6 +71,8 @@ class LeRobotDataset:
             if not paths:
                 raise FileNotFoundError(f"{self.root}/meta/episodes has no parquet files")
             rows = pd.concat([pd.read_parquet(p) for p in paths]).sort_values("episode_index")
+            # info.json is a writer's commit point: a row past total_episodes is an episode a kill interrupted
+            rows = rows[rows["episode_index"] < int(self.info["total_episodes"])]
             keep = [c for c in rows.columns if not c.startswith("stats/")]
             episodes = rows[keep].to_dict("records")
         else:
@@ -79,6 +83,16 @@ class LeRobotDataset:
         if len(episodes) != self.info["total_episodes"]:
             raise ValueError(f"{self.root}: info.json says {self.info['total_episodes']} episodes, the episode index has {len(episodes)}")
         return episodes, tasks
+
+    def _load_extra(self) -> dict:
+        """Our own metadata (datasets we wrote); per-episode lists cut back to the committed episodes."""
+        path = self.root / layout.EXTRA_PATH
+        if not path.is_file():
+            return {}
+        extra = json.loads(path.read_text())
+        n = len(self._episodes)
+        extra[layout.PER_EPISODE_KEY] = {k: v[:n] for k, v in extra.get(layout.PER_EPISODE_KEY, {}).items()}
+        return extra
 
     def __len__(self) -> int:
         return len(self._episodes)
@@ -108,8 +122,10 @@ class LeRobotDataset:
             else:
                 images[layout.camera_name(key)] = self._video_frames(row, key, len(table))
         state = self._vector(table, layout.STATE_KEY) if layout.STATE_KEY in self.features else None
-        task_index = int(table.column("task_index")[0].as_py())
-        return Episode(images=images, state=state, action=self._vector(table, layout.ACTION_KEY), task=self.tasks[task_index])
+        frame_tasks = [self.tasks[i] for i in table.column("task_index").to_pylist()]  # each frame its own task_index's
+        uniform = len(set(frame_tasks)) == 1
+        return Episode(images=images, state=state, action=self._vector(table, layout.ACTION_KEY), task=frame_tasks[0],
+                       frame_tasks=None if uniform else frame_tasks)
 
     def __iter__(self):
         for i in range(len(self)):
@@ -134,7 +150,10 @@ class LeRobotDataset:
         if not path.is_file():
             raise FileNotFoundError(f"data file {path} for episode {ep} does not exist")
         if self._data_cache is None or self._data_cache[0] != path:
-            self._data_cache = (path, pq.read_table(path))
+            try:
+                self._data_cache = (path, pq.read_table(path))
+            except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+                raise ValueError(f"data file {path} of episode {ep} is not a readable parquet file: {e}") from e
         table = self._data_cache[1]
         return table.filter(pc.equal(table.column("episode_index"), ep))
 

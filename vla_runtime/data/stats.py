@@ -60,8 +60,9 @@ class ImageStats:
             # smallest level whose cumulative share reaches q (the lower quantile of the pixel distribution)
             out[key] = levels[(cdf < q).sum(axis=1)]
         stats = {k: v.reshape(3, 1, 1) for k, v in out.items()}
-        stats["count"] = np.array([self.frames])
-        return stats
+        # LeRobot's key order: min, max, mean, std, count, quantiles
+        return {**{k: stats[k] for k in ("min", "max", "mean", "std")}, "count": np.array([self.frames]),
+                **{k: stats[k] for k in QUANTILES}}
 
 
 def to_json(stats: dict[str, dict[str, np.ndarray]]) -> dict:

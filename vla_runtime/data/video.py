@@ -4,10 +4,16 @@ A ``VideoWriter`` appends the frames of many episodes to one mp4 (LeRobot v3 con
 an episode is the time range [from_timestamp, to_timestamp) in the file). Frame k has pts k with
 time base 1/fps, so frame times are exact multiples of 1/fps.
 
-Codecs (``VIDEO_CODECS``): ``h264`` is what players and LeRobot's tools expect (yuv420p, lossy:
-colours are subsampled, so frames do NOT read back bit-identically); ``h264_lossless`` (libx264rgb,
-qp 0, RGB planes) reads back bit-identically but files are several times larger and many players
-cannot show it; ``av1`` is LeRobot's default (libsvtav1, yuv420p, lossy).
+Codecs (``VIDEO_CODECS``): ``h264`` is what players expect (yuv420p, lossy: colours are subsampled,
+so frames do NOT read back bit-identically); ``hevc_lossless`` (libx265 in lossless mode on planar RGB,
+``gbrp``, every frame a keyframe) reads back bit-identically, files are several times larger and fewer players show it; ``av1``
+is LeRobot's default (libsvtav1, yuv420p, lossy).
+
+Each codec's settings are the fields LeRobot records under ``info.json`` ``features[key]["info"]``
+(``video.codec``/``video.pix_fmt`` as PyAV reports the stream, ``video.g``, ``video.crf``,
+``video.preset``, ``video.extra_options``) and re-encodes with when it edits a dataset
+(``delete_episodes``, merge): with ``VideoCodec.info`` in ``info.json``, its re-encode reproduces ours,
+lossless included (LeRobot maps ``hevc`` to libx265 and passes ``x265-params`` through).
 """
 
 from __future__ import annotations
@@ -21,18 +27,62 @@ import numpy as np
 
 @dataclass(frozen=True)
 class VideoCodec:
-    """An encoder with its pixel format and options (``lossless``: frames read back bit-identically)."""
+    """An encoder and the stream it writes.
+
+    Args:
+        encoder: the PyAV/ffmpeg encoder name.
+        stream_codec: the codec PyAV reports for the written stream (``codec.canonical_name``).
+        pix_fmt: the stream's pixel format as PyAV reports it (``stream.pix_fmt``).
+        g: keyframe interval; crf, preset: rate/speed settings (``None``: the encoder's default).
+        extra_options: further encoder options, passed as given.
+        lossless: frames read back bit-identically.
+    """
 
     encoder: str
+    stream_codec: str
     pix_fmt: str
-    options: dict = field(default_factory=dict)
+    g: int = 2
+    crf: int | None = None
+    preset: int | str | None = None
+    extra_options: dict = field(default_factory=dict)
     lossless: bool = False
+
+    def options(self) -> dict[str, str]:
+        """Encoder options, as LeRobot builds them from the same fields."""
+        opts = {"g": str(self.g)}
+        if self.crf is not None:
+            opts["crf"] = str(self.crf)
+        if self.preset is not None:
+            opts["preset"] = str(self.preset)
+        return {**opts, **{k: str(v) for k, v in self.extra_options.items() if k not in opts}}
+
+    def info(self, height: int, width: int, fps: int) -> dict:
+        """The ``info`` block LeRobot 0.6.1 writes for a video feature encoded this way (same keys, same order)."""
+        return {
+            "video.height": height,
+            "video.width": width,
+            "video.codec": self.stream_codec,
+            "video.pix_fmt": self.pix_fmt,
+            "video.fps": int(fps),
+            "video.channels": 3,
+            "has_audio": False,
+            "video.g": self.g,
+            "video.crf": self.crf,
+            "video.preset": self.preset,
+            "video.fast_decode": 0,
+            "video.video_backend": "pyav",
+            "video.extra_options": dict(self.extra_options),
+            "is_depth_map": False,
+        }
 
 
 VIDEO_CODECS: dict[str, VideoCodec] = {
-    "h264": VideoCodec("libx264", "yuv420p", {"crf": "18", "g": "2"}),
-    "h264_lossless": VideoCodec("libx264rgb", "rgb24", {"qp": "0", "g": "2"}, lossless=True),
-    "av1": VideoCodec("libsvtav1", "yuv420p", {"crf": "30", "g": "2"}),
+    "h264": VideoCodec("libx264", "h264", "yuv420p", crf=18),
+    # intra-only (g=1): x265's lossless inter frames decode a few pixels off in FFmpeg's HEVC decoder (measured on
+    # random 16x16 and 64x64 frames); intra frames decode bit-exactly
+    "hevc_lossless": VideoCodec("libx265", "hevc", "gbrp", g=1, preset="ultrafast",
+                                extra_options={"x265-params": "lossless=1:log-level=error"}, lossless=True),
+    "av1": VideoCodec("libsvtav1", "av1", "yuv420p", crf=30, preset=12),
 }
 
 
@@ -40,6 +90,16 @@ def get_codec(name: str) -> VideoCodec:
     if name not in VIDEO_CODECS:
         raise KeyError(f"unknown video codec {name!r}; available: {', '.join(sorted(VIDEO_CODECS))}")
     return VIDEO_CODECS[name]
+
+
+def probe(path: Path) -> dict:
+    """What PyAV reports for the first video stream of ``path``: codec, pix_fmt, height, width, fps."""
+    import av
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        return {"video.codec": stream.codec.canonical_name, "video.pix_fmt": stream.pix_fmt, "video.height": stream.height,
+                "video.width": stream.width, "video.fps": int(stream.base_rate)}
 
 
 class VideoWriter:
@@ -53,13 +113,13 @@ class VideoWriter:
         self.fps = fps
         self.codec = codec
         self.frames_written = 0
-        self._container = av.open(str(path), mode="w")
+        self._container = av.open(str(path), mode="w", format="mp4")  # format named: the path may end in .tmp
         self._stream = self._container.add_stream(codec.encoder, rate=fps)
         self._stream.width, self._stream.height = width, height
         self._stream.pix_fmt = codec.pix_fmt
         self._stream.time_base = Fraction(1, fps)
         self._stream.codec_context.time_base = Fraction(1, fps)
-        self._stream.options = dict(codec.options)
+        self._stream.options = codec.options()
 
     def write(self, frames: np.ndarray) -> None:
         """frames: uint8 [T, H, W, 3]."""

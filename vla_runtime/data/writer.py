@@ -1,4 +1,4 @@
-"""Write episodes as a LeRobot v3.0 dataset.
+"""Write episodes as a LeRobot v3.0 dataset, every finished episode durable before the next starts.
 
     features = DatasetFeatures(cameras={"corner2": (224, 224)}, state_names=[...], action_names=[...])
     with LeRobotWriter(out_dir, features, WriterConfig(fps=80, robot_type="sawyer")) as writer:
@@ -8,8 +8,15 @@ Layout (LeRobot's rules, codebase v3.0): ``meta/info.json`` (schema, counters, p
 ``meta/stats.json`` (min/max/mean/std/count/q01/q10/q50/q90/q99 per feature), ``meta/tasks.parquet``
 (index = task string, column ``task_index``), ``meta/episodes/chunk-000/file-000.parquet`` (one row
 per episode: length, tasks, global frame range, file indices, video time ranges, per-episode stats),
-``data/chunk-XXX/file-YYY.parquet`` (frames of many episodes, a new file past 100 MB) and, for video
-storage, ``videos/<key>/chunk-XXX/file-YYY.mp4`` (episodes back to back, a new file past 200 MB).
+``data/chunk-XXX/file-YYY.parquet`` and, for video storage, ``videos/<key>/chunk-XXX/file-YYY.mp4``.
+
+Durability: each episode gets its own data parquet and its own mp4 per camera (LeRobot v3 allows any
+number of files per chunk; ``meta/episodes`` names each episode's file indices). ``add_episode``
+writes them, then rewrites ``meta/`` — every file through write-to-temp, fsync and atomic rename
+(``durable.py``), ``info.json`` last. ``info.json`` is the commit point: its ``total_episodes``
+episodes are complete, whatever else a kill left behind (a stray ``*.tmp``, the files of the
+episode in progress, an episode row past ``total_episodes``). ``resume=True`` reopens such a
+dataset, removes the leftovers and appends after its last finished episode.
 
 Images are stored as PNG inside the data parquet by default (LeRobot's ``image`` dtype, the
 Hugging Face ``Image`` struct ``{bytes, path}``): lossless, so frames read back bit-identically.
@@ -19,7 +26,6 @@ are lossless.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 from dataclasses import dataclass, field
@@ -27,37 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-from . import layout
+from . import durable, layout
 from .episode import Episode
+from .features import DatasetFeatures
+from .schema import arrow_schema, frame_table, info_features
 from .stats import ImageStats, to_json, vector_stats
 from .video import VideoWriter, get_codec
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DatasetFeatures:
-    """What every frame of the dataset holds.
-
-    Args:
-        cameras: camera name -> (height, width).
-        state_names: one name per state dimension (``None``: no ``observation.state``).
-        action_names: one name per action dimension.
-    """
-
-    cameras: dict[str, tuple[int, int]]
-    state_names: list[str] | None
-    action_names: list[str]
-
-    def __post_init__(self) -> None:
-        self.cameras = {str(k): (int(v[0]), int(v[1])) for k, v in self.cameras.items()}
-        for camera, (h, w) in self.cameras.items():
-            if "/" in camera or not camera:
-                raise ValueError(f"camera name {camera!r} must be non-empty and contain no '/'")
-            if min(h, w) < 1:
-                raise ValueError(f"camera {camera!r} size must be (height, width) >= 1, got {(h, w)}")
-        if not self.action_names:
-            raise ValueError("`action_names` must name at least one action dimension")
 
 
 @dataclass
@@ -68,8 +51,11 @@ class WriterConfig:
         fps: frames per second (timestamps are ``frame_index / fps``).
         robot_type: free-form robot name for ``info.json``.
         video_codec: ``None`` = PNG images in the parquet (lossless); else a ``VIDEO_CODECS`` name.
-        data_files_size_in_mb: start a new data parquet past this size.
-        video_files_size_in_mb: start a new mp4 past this size.
+        data_files_size_in_mb, video_files_size_in_mb: recorded in ``info.json`` for LeRobot's own
+            tools (they roll files over past these sizes when they merge or edit); we write one file per
+            episode so that a finished episode is never rewritten.
+        extra_info: our own metadata, stored in ``meta/vla_runtime.json`` (LeRobot warns about, then drops, unknown
+            ``info.json`` keys; a file of its own it leaves alone).
     """
 
     fps: int
@@ -89,142 +75,127 @@ class WriterConfig:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
 
 
-def _png(frame: np.ndarray) -> bytes:
-    """Lossless PNG; zlib level 1: ~3x faster than PIL's default level 6 for ~8% more bytes on rendered frames."""
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(frame).save(buf, format="PNG", compress_level=1)
-    return buf.getvalue()
-
-
 class LeRobotWriter:
-    """Streams episodes into a new LeRobot v3.0 dataset directory; ``close`` writes the metadata."""
+    """Appends episodes to a LeRobot v3.0 dataset directory, durably one by one.
 
-    def __init__(self, root: str | Path, features: DatasetFeatures, config: WriterConfig) -> None:
-        import pyarrow as pa
+    Args:
+        root: a new (or empty) directory; with ``resume=True`` also one an earlier writer left.
+        resume: continue the dataset in ``root`` after its last finished episode.
+    """
 
+    def __init__(self, root: str | Path, features: DatasetFeatures, config: WriterConfig, *, resume: bool = False) -> None:
         self.root = Path(root)
-        if self.root.exists() and any(self.root.iterdir()):
-            raise FileExistsError(f"dataset directory {self.root} exists and is not empty; choose a new --out directory")
+        started = self.root.exists() and any(self.root.iterdir())
+        if started and not resume:
+            raise FileExistsError(
+                f"dataset directory {self.root} exists and is not empty; pass --resume to continue it, or choose a new --out directory"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         self.features = features
         self.config = config
-        self._pa = pa
         self._codec = get_codec(config.video_codec) if config.video_codec else None
-        self._info_features = self._feature_schema()
+        self._info_features = info_features(features, self._codec, config.fps)
+        self._schema = arrow_schema(self._info_features)
         self._tasks: dict[str, int] = {}
         self._episodes: list[dict] = []
+        self._per_episode: dict[str, list] = {}
         self._total_frames = 0
         self._numeric: dict[str, list[np.ndarray]] = {}
         self._image_stats = {cam: ImageStats() for cam in features.cameras}
-        self._data_writer = None
-        self._data_file = (0, 0)
-        self._videos: dict[str, VideoWriter] = {}
-        self._video_files = {cam: (0, 0) for cam in features.cameras}
+        self._next_file = (0, 0)
         self._closed = False
-
-    # -- schema -----------------------------------------------------------------------------------
-    def _feature_schema(self) -> dict:
-        out = {}
-        for cam, (h, w) in self.features.cameras.items():
-            entry = {"dtype": "video" if self._codec else "image", "shape": [h, w, 3], "names": ["height", "width", "channels"]}
-            if self._codec:
-                entry["info"] = {
-                    "video.height": h,
-                    "video.width": w,
-                    "video.codec": "h264" if self._codec.encoder.startswith("libx264") else "av1",
-                    "video.pix_fmt": self._codec.pix_fmt,
-                    "video.is_depth_map": False,
-                    "video.fps": int(self.config.fps),
-                    "video.channels": 3,
-                    "has_audio": False,
-                }
-            out[layout.image_key(cam)] = entry
-        if self.features.state_names is not None:
-            names = list(self.features.state_names)
-            out[layout.STATE_KEY] = {"dtype": "float32", "shape": [len(names)], "names": names}
-        names = list(self.features.action_names)
-        out[layout.ACTION_KEY] = {"dtype": "float32", "shape": [len(names)], "names": names}
-        out.update({k: dict(v) for k, v in layout.DEFAULT_FEATURES.items()})
-        return out
-
-    def _arrow_schema(self):
-        pa = self._pa
-        fields, hf = [], {}
-        for key, ft in self._info_features.items():
-            if ft["dtype"] == "video":
-                continue
-            if ft["dtype"] == "image":
-                fields.append(pa.field(key, pa.struct([("bytes", pa.binary()), ("path", pa.string())])))
-                hf[key] = {"_type": "Image"}
-            elif key in layout.DEFAULT_FEATURES:
-                fields.append(pa.field(key, pa.float32() if ft["dtype"] == "float32" else pa.int64()))
-                hf[key] = {"dtype": ft["dtype"], "_type": "Value"}
-            else:
-                fields.append(pa.field(key, pa.list_(pa.float32(), ft["shape"][0])))
-                hf[key] = {"feature": {"dtype": "float32", "_type": "Value"}, "length": ft["shape"][0], "_type": "Sequence"}
-        return pa.schema(fields, metadata={"huggingface": json.dumps({"info": {"features": hf}})})
+        if started:
+            self._resume()
 
     # -- writing ----------------------------------------------------------------------------------
-    def add_episode(self, episode: Episode) -> int:
-        """Append one episode; returns its episode_index."""
+    def add_episode(self, episode: Episode, *, per_episode: dict | None = None) -> int:
+        """Append one episode and make it durable; returns its episode_index.
+
+        ``per_episode``: values of our own per-episode metadata (e.g. ``{"episode_seeds": 7}``), appended to
+        the lists of the same names under ``"per_episode"`` in ``meta/vla_runtime.json``.
+        """
         if self._closed:
             raise RuntimeError("the writer is closed")
         self._check(episode)
-        pa = self._pa
-        n = len(episode)
         ep_index = len(self._episodes)
-        task_index = self._tasks.setdefault(episode.task, len(self._tasks))
+        log.info("writing episode %d (%d frames)", ep_index, len(episode))
+        columns, row = self._register(episode, ep_index)
+        chunk, file = self._next_file
+        images = {} if self._codec else episode.images
+        table = frame_table(self._schema, columns, images)
+        data_path = self.root / layout.DATA_PATH.format(chunk_index=chunk, file_index=file)
+        durable.write_atomic(data_path, lambda tmp: _write_parquet(table, tmp))
+        if self._codec:
+            for cam, frames in episode.images.items():
+                self._write_video(cam, frames, chunk, file)
+        self._next_file = layout.next_chunk_file(chunk, file)
+        for key, value in (per_episode or {}).items():
+            self._per_episode.setdefault(key, []).append(value)
+        self._episodes.append(row)
+        self._total_frames += len(episode)
+        self._write_meta()
+        log.info("episode %d durable (%d episodes, %d frames in %s)", ep_index, len(self._episodes), self._total_frames, self.root)
+        return ep_index
+
+    def _register(self, episode: Episode, ep_index: int) -> tuple[dict[str, np.ndarray], dict]:
+        """The episode's per-frame columns and its ``meta/episodes`` row; adds it to the running statistics."""
+        n = len(episode)
         start = self._total_frames
+        frame_tasks = episode.tasks_per_frame()
+        task_index = np.array([self._tasks.setdefault(t, len(self._tasks)) for t in frame_tasks], dtype=np.int64)
         columns = {
             "timestamp": (np.arange(n) / self.config.fps).astype(np.float32),
             "frame_index": np.arange(n, dtype=np.int64),
             "episode_index": np.full(n, ep_index, dtype=np.int64),
             "index": np.arange(start, start + n, dtype=np.int64),
-            "task_index": np.full(n, task_index, dtype=np.int64),
+            "task_index": task_index,
             layout.ACTION_KEY: episode.action.astype(np.float32),
         }
         if episode.state is not None:
             columns[layout.STATE_KEY] = episode.state.astype(np.float32)
-        row = {"episode_index": ep_index, "tasks": [episode.task], "length": n}
-        row.update(self._write_images(episode))
-
-        schema = self._arrow_schema()
-        arrays = []
-        for f in schema:
-            if f.name in columns and columns[f.name].ndim == 2:
-                values = columns[f.name]
-                arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(values.ravel(), pa.float32()), values.shape[1]))
-            elif f.name in columns:
-                arrays.append(pa.array(columns[f.name], f.type))
-            else:  # PNG images
-                cam = layout.camera_name(f.name)
-                arrays.append(pa.array([{"bytes": _png(fr), "path": None} for fr in episode.images[cam]], f.type))
-        self._write_data(pa.Table.from_arrays(arrays, schema=schema))
-        row.update({
-            "data/chunk_index": self._data_file[0],
-            "data/file_index": self._data_file[1],
+        chunk, file = self._next_file
+        row = {
+            "episode_index": ep_index,
+            "tasks": list(dict.fromkeys(frame_tasks)),
+            "length": n,
+            "data/chunk_index": chunk,
+            "data/file_index": file,
             "dataset_from_index": start,
             "dataset_to_index": start + n,
-            "meta/episodes/chunk_index": 0,
-            "meta/episodes/file_index": 0,
-        })
+        }
+        if self._codec:
+            for cam in episode.images:
+                key = layout.image_key(cam)
+                row.update({f"videos/{key}/chunk_index": chunk, f"videos/{key}/file_index": file,
+                            f"videos/{key}/from_timestamp": 0.0, f"videos/{key}/to_timestamp": n / self.config.fps})
         ep_stats = {}
-        for key, values in columns.items():
-            self._numeric.setdefault(key, []).append(values)
-            ep_stats[key] = vector_stats(values)
         for cam, frames in episode.images.items():
             s = ImageStats()
             s.update(frames)
             self._image_stats[cam].update(frames)
             ep_stats[layout.image_key(cam)] = s.stats()
+        for key, values in columns.items():
+            self._numeric.setdefault(key, []).append(values)
+            ep_stats[key] = vector_stats(values)
+        ep_stats = {key: ep_stats[key] for key in self._info_features}  # LeRobot's order: the features'
         for key, stats in to_json(ep_stats).items():
             for name, value in stats.items():
                 row[f"stats/{key}/{name}"] = value
-        self._episodes.append(row)
-        self._total_frames += n
-        return ep_index
+        row.update({"meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0})  # LeRobot's column order
+        return columns, row
+
+    def _write_video(self, cam: str, frames: np.ndarray, chunk: int, file: int) -> None:
+        path = self.root / layout.VIDEO_PATH.format(video_key=layout.image_key(cam), chunk_index=chunk, file_index=file)
+        h, w = self.features.cameras[cam]
+
+        def encode(tmp: Path) -> None:
+            writer = VideoWriter(tmp, fps=self.config.fps, height=h, width=w, codec=self._codec)
+            try:
+                writer.write(frames)
+            finally:
+                writer.close()
+
+        durable.write_atomic(path, encode)
 
     def _check(self, episode: Episode) -> None:
         episode.validate()
@@ -240,99 +211,79 @@ class LeRobotWriter:
         if episode.action.shape[1] != len(self.features.action_names):
             raise ValueError(f"episode action has {episode.action.shape[1]} dims, action_names has {len(self.features.action_names)}")
 
-    def _write_data(self, table) -> None:
-        import pyarrow.parquet as pq
-
-        path = self.root / layout.DATA_PATH.format(chunk_index=self._data_file[0], file_index=self._data_file[1])
-        if self._data_writer is not None and path.stat().st_size / 2**20 >= self.config.data_files_size_in_mb:
-            self._data_writer.close()
-            self._data_writer = None
-            self._data_file = layout.next_chunk_file(*self._data_file)
-            path = self.root / layout.DATA_PATH.format(chunk_index=self._data_file[0], file_index=self._data_file[1])
-        if self._data_writer is None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._data_writer = pq.ParquetWriter(path, table.schema, compression="snappy")
-        self._data_writer.write_table(table)
-
-    def _write_images(self, episode: Episode) -> dict:
-        if self._codec is None:
-            return {}
-        row = {}
-        for cam, frames in episode.images.items():
-            writer = self._videos.get(cam)
-            if writer is not None and writer.size_mb() >= self.config.video_files_size_in_mb:
-                writer.close()
-                writer = None
-                self._video_files[cam] = layout.next_chunk_file(*self._video_files[cam])
-            if writer is None:
-                key = layout.image_key(cam)
-                chunk, file = self._video_files[cam]
-                path = self.root / layout.VIDEO_PATH.format(video_key=key, chunk_index=chunk, file_index=file)
-                h, w = self.features.cameras[cam]
-                writer = self._videos[cam] = VideoWriter(path, fps=self.config.fps, height=h, width=w, codec=self._codec)
-            start = writer.frames_written
-            writer.write(frames)
-            key = layout.image_key(cam)
-            row[f"videos/{key}/chunk_index"], row[f"videos/{key}/file_index"] = self._video_files[cam]
-            row[f"videos/{key}/from_timestamp"] = start / self.config.fps
-            row[f"videos/{key}/to_timestamp"] = writer.frames_written / self.config.fps
-        return row
-
     # -- metadata ---------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Finish the files and write ``meta/``; a dataset without episodes is an error."""
-        if self._closed:
-            return
-        self._close_files()
-        if not self._episodes:
-            raise ValueError(f"no episodes were written to {self.root}; the dataset is empty")
+    def _write_meta(self) -> None:
+        """Rewrite ``meta/`` for the episodes so far; ``info.json`` last (the commit point)."""
         import pandas as pd
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
-        meta = self.root / "meta"
-        meta.mkdir(exist_ok=True)
-        tasks = pd.DataFrame({"task_index": list(self._tasks.values())}, index=list(self._tasks))
-        tasks.to_parquet(self.root / layout.TASKS_PATH)
-        episodes_path = self.root / layout.EPISODES_PATH.format(chunk_index=0, file_index=0)
-        episodes_path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.Table.from_pylist(self._episodes), episodes_path, compression="snappy")
-
+        tasks = pd.DataFrame({"task_index": list(self._tasks.values())}, index=pd.Index(list(self._tasks), name="task"))
+        durable.write_atomic(self.root / layout.TASKS_PATH, lambda tmp: tasks.to_parquet(tmp))
+        episodes = pa.Table.from_pylist(self._episodes)
+        durable.write_atomic(self.root / layout.EPISODES_PATH.format(chunk_index=0, file_index=0), lambda tmp: _write_parquet(episodes, tmp))
         stats = {key: vector_stats(np.concatenate(parts)) for key, parts in self._numeric.items()}
         stats.update({layout.image_key(cam): s.stats() for cam, s in self._image_stats.items()})
-        (self.root / layout.STATS_PATH).write_text(json.dumps(to_json(stats), indent=2))
+        durable.write_text_atomic(self.root / layout.STATS_PATH, json.dumps(to_json(stats), indent=2))
+        durable.write_text_atomic(self.root / layout.EXTRA_PATH, json.dumps(self._extra(), indent=2))
+        durable.write_text_atomic(self.root / layout.INFO_PATH, json.dumps(self._info(), indent=4))
 
-        info = {
+    def _info(self) -> dict:
+        """``info.json`` with the keys LeRobot 0.6.1 writes, in its order."""
+        n = len(self._episodes)
+        return {
             "codebase_version": layout.CODEBASE_VERSION,
-            "robot_type": self.config.robot_type,
-            "total_episodes": len(self._episodes),
+            "fps": int(self.config.fps),
+            "features": self._info_features,
+            "total_episodes": n,
             "total_frames": self._total_frames,
             "total_tasks": len(self._tasks),
             "chunks_size": layout.CHUNKS_SIZE,
             "data_files_size_in_mb": self.config.data_files_size_in_mb,
             "video_files_size_in_mb": self.config.video_files_size_in_mb,
-            "fps": int(self.config.fps),
-            "splits": {"train": f"0:{len(self._episodes)}"},
             "data_path": layout.DATA_PATH,
             "video_path": layout.VIDEO_PATH if self._codec else None,
-            "features": self._info_features,
-            **self.config.extra_info,
+            "robot_type": self.config.robot_type,
+            "splits": {"train": f"0:{n}"},
         }
-        (self.root / layout.INFO_PATH).write_text(json.dumps(info, indent=4))
-        log.info("wrote %d episodes, %d frames to %s", len(self._episodes), self._total_frames, self.root)
 
-    def _close_files(self) -> None:
-        self._closed = True
-        if self._data_writer is not None:
-            self._data_writer.close()
-            self._data_writer = None
-        for writer in self._videos.values():
-            writer.close()
-        self._videos.clear()
+    def _extra(self) -> dict:
+        return {**self.config.extra_info, layout.PER_EPISODE_KEY: self._per_episode}
+
+    # -- resuming ---------------------------------------------------------------------------------
+    def _resume(self) -> None:
+        """Take over the finished episodes of the dataset in ``root``; delete everything else a killed writer left."""
+        from .resume import finished_state
+
+        state = finished_state(self.root, self._info(), self._codec is not None)
+        for ep_index, (episode, row) in enumerate(zip(state.episodes, state.rows)):
+            self._register(episode, ep_index)  # rebuilds tasks and statistics exactly as the first run did
+            self._episodes.append(row)
+            self._total_frames += len(episode)
+            self._next_file = layout.next_chunk_file(int(row["data/chunk_index"]), int(row["data/file_index"]))
+        self._per_episode = state.per_episode
+        log.info("resuming %s after %d finished episodes (%d frames)", self.root, len(self._episodes), self._total_frames)
 
     @property
     def num_episodes(self) -> int:
         return len(self._episodes)
+
+    @property
+    def episode_lengths(self) -> list[int]:
+        return [int(row["length"]) for row in self._episodes]
+
+    @property
+    def per_episode(self) -> dict[str, list]:
+        """Our per-episode metadata so far (``add_episode(per_episode=...)``), restored on resume."""
+        return {k: list(v) for k, v in self._per_episode.items()}
+
+    def close(self) -> None:
+        """Every episode is already durable; a dataset without episodes is an error."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._episodes:
+            raise ValueError(f"no episodes were written to {self.root}; the dataset is empty")
+        log.info("wrote %d episodes, %d frames to %s", len(self._episodes), self._total_frames, self.root)
 
     def __enter__(self) -> "LeRobotWriter":
         return self
@@ -340,5 +291,11 @@ class LeRobotWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:  # leave no open handles; without meta/info.json the directory is visibly incomplete
-            self._close_files()
+        else:  # the finished episodes stay durable and resumable
+            self._closed = True
+
+
+def _write_parquet(table, path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, path, compression="snappy")

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import KVConfig
@@ -267,7 +268,10 @@ def load_gate(directory: str | Path, *, device: torch.device | str = "cpu") -> t
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{directory / GATE_CONFIG} is not a gate config ({e!r}); expected keys 'kv' and 'gate'") from e
     gate = ChunkGate(gate_cfg)
-    tensors = load_file(str(directory / GATE_WEIGHTS))
+    try:
+        tensors = load_file(str(directory / GATE_WEIGHTS))
+    except SafetensorError as e:
+        raise ValueError(f"{directory / GATE_WEIGHTS} is not a readable safetensors file (truncated or corrupt): {e}") from e
     expected = gate.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))

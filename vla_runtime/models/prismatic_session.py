@@ -25,7 +25,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..api import PRIMARY_CAMERA, EpisodeSession, Observation, StepResult
+from ..api import PRIMARY_CAMERA, EpisodeSession, Observation, StepResult, validate_instruction
 from ..config import SessionConfig
 from ..device import synchronize
 from ..kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make_cache
@@ -94,6 +94,7 @@ class PrismaticPolicy:
         return self.kv_gate
 
     def new_session(self, instruction: str, config: SessionConfig | None = None) -> "PrismaticSession":
+        validate_instruction(instruction)
         config = config or SessionConfig(kv=self.kv, unnorm_key=self.unnorm_key)
         if config.unnorm_key is None and self.unnorm_key is not None:
             config = replace(config, unnorm_key=self.unnorm_key)

@@ -5,6 +5,11 @@ policy uses: the expert's 4-D action is converted to the 7-D policy convention, 
 (what the dataset stores) and executed from that stored value, so the recorded actions reproduce
 the recorded trajectory exactly. Episodes where the expert fails within the step limit are
 skipped and counted; the next seed is tried (up to ``max_attempts_factor * episodes`` per task).
+
+Every kept episode is durable before the next rollout starts (``LeRobotWriter``); ``resume=True``
+continues a killed run: it keeps the finished episodes, and for each task goes on from the seed after
+its last kept one, so interrupted-then-resumed and uninterrupted runs with the same flags write the
+same episodes.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class CollectConfig:
         env: the simulator's rendering and step limit.
         video_codec: ``None`` stores lossless PNG frames; a ``VIDEO_CODECS`` name stores mp4.
         max_attempts_factor: give up on a task after ``max_attempts_factor * episodes`` attempts.
+        resume: continue the (interrupted) dataset in ``out`` instead of requiring a new directory.
     """
 
     tasks: list[str]
@@ -46,6 +52,7 @@ class CollectConfig:
     env: MetaWorldConfig = field(default_factory=MetaWorldConfig)
     video_codec: str | None = None
     max_attempts_factor: int = 3
+    resume: bool = False
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -98,7 +105,6 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
     from tqdm.auto import tqdm
 
     results = {task: TaskCollection() for task in config.tasks}
-    seeds: list[int] = []
     started = time.perf_counter()
     with MetaWorldEnv(config.env) as env:
         h, w = config.env.resolution
@@ -107,15 +113,16 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
             state_names=env.state_names,
             action_names=list(POLICY_ACTION_NAMES),
         )
-        # `seeds` fills up while recording; info.json is written when the writer closes
-        extra = {"vla_runtime": {"sim": env.name, "action_convention": "ee_delta_7d_gripper_open_1", "episode_seeds": seeds}}
+        extra = {"sim": env.name, "action_convention": "ee_delta_7d_gripper_open_1"}
         writer_config = WriterConfig(fps=env.fps, robot_type="sawyer", video_codec=config.video_codec, extra_info=extra)
-        with LeRobotWriter(config.out, features, writer_config) as writer, tqdm(
+        with LeRobotWriter(config.out, features, writer_config, resume=config.resume) as writer, tqdm(
             total=config.episodes * len(config.tasks), desc="collect", unit="ep", disable=not progress
         ) as bar:
+            first_attempt = _restore_progress(writer, config, results)
+            bar.update(sum(r.kept for r in results.values()))
             for task in config.tasks:
                 result = results[task]
-                for attempt in range(config.max_attempts_factor * config.episodes):
+                for attempt in range(first_attempt[task], config.max_attempts_factor * config.episodes):
                     if result.kept == config.episodes:
                         break
                     seed = config.seed + attempt
@@ -125,12 +132,30 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
                         log.info("expert failed %s seed %d within %d steps; skipped", task, seed, env.max_steps)
                         bar.set_postfix(failed=sum(r.failed for r in results.values()))
                         continue
-                    writer.add_episode(episode)
-                    seeds.append(seed)
+                    writer.add_episode(episode, per_episode={"episode_seeds": seed, "episode_sim_tasks": task})
                     result.kept += 1
                     result.frames += len(episode)
                     bar.update(1)
                 if result.kept < config.episodes:
                     log.warning("%s: only %d of %d episodes after %d expert failures", task, result.kept, config.episodes, result.failed)
-    log.info("collected %d episodes in %.1f s", len(seeds), time.perf_counter() - started)
+            kept = writer.num_episodes
+    log.info("collected %d episodes in %.1f s", kept, time.perf_counter() - started)
     return results
+
+
+def _restore_progress(writer: LeRobotWriter, config: CollectConfig, results: dict[str, TaskCollection]) -> dict[str, int]:
+    """Count the episodes a resumed dataset already holds into ``results``; returns each task's first attempt
+    (the one after its last kept seed: the failed attempts before it fail again, deterministically)."""
+    first = {task: 0 for task in config.tasks}
+    if writer.num_episodes == 0:
+        return first
+    recorded = writer.per_episode
+    if len(recorded.get("episode_sim_tasks", [])) != writer.num_episodes:
+        raise ValueError(f"cannot resume {config.out}: its info.json does not record the task and seed of each episode")
+    for task, seed, length in zip(recorded["episode_sim_tasks"], recorded["episode_seeds"], writer.episode_lengths):
+        if task not in results:
+            raise ValueError(f"cannot resume {config.out}: it holds episodes of {task!r}, which --tasks does not name")
+        results[task].kept += 1
+        results[task].frames += length
+        first[task] = seed - config.seed + 1
+    return first

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 PolicyFactory = Callable[[], Policy]
 EnvFactory = Callable[[], SimEnv]
+ResultSink = Callable[[int, "EpisodeResult"], None]
 
 
 @dataclass
@@ -172,24 +173,51 @@ def _episode_jobs(config: EvalConfig) -> list[tuple[str, int, Path | None]]:
 
 
 def evaluate(
-    policy_factory: PolicyFactory, env_factory: EnvFactory, config: EvalConfig, *, progress: bool = True
+    policy_factory: PolicyFactory,
+    env_factory: EnvFactory,
+    config: EvalConfig,
+    *,
+    progress: bool = True,
+    finished: dict[int, EpisodeResult] | None = None,
+    on_result: ResultSink | None = None,
 ) -> list[EpisodeResult]:
-    """Run every (task, seed) episode; results in job order (task-major, then seed)."""
+    """Run every (task, seed) episode; results in job order (task-major, then seed).
+
+    ``finished``: job index -> result of episodes an interrupted run already finished (not run again).
+    ``on_result(job, result)`` is called as each episode ends (``results.append_result`` makes it durable).
+    """
     from tqdm.auto import tqdm
 
     jobs = _episode_jobs(config)
     results: list[EpisodeResult | None] = [None] * len(jobs)
-    bar = tqdm(total=len(jobs), desc="eval", unit="ep", disable=not progress)
-    successes = 0
+    for i, result in (finished or {}).items():
+        if i >= len(jobs) or (result.task, result.seed) != jobs[i][:2]:
+            raise ValueError(f"finished episode {i} ({result.task}, seed {result.seed}) is not job {i} of this run; "
+                             "resume with the --tasks, --episodes and --seed of the interrupted run")
+        results[i] = result
+    todo = [i for i in range(len(jobs)) if results[i] is None]
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="eval", unit="ep", disable=not progress)
+    successes = sum(r.success for r in results if r is not None)
+
+    def done(i: int, result: EpisodeResult) -> None:
+        nonlocal successes
+        results[i] = result
+        if on_result is not None:
+            on_result(i, result)
+        successes += result.success
+        bar.update(1)
+        bar.set_postfix(success=f"{successes}/{bar.n}")
+
+    if not todo:
+        bar.close()
+        return results
     if config.workers == 1:
         policy, env = policy_factory(), env_factory()
         try:
             check_policy_action_dim(policy.action_dim, env.name)
-            for i, (task, seed, video) in enumerate(jobs):
-                results[i] = run_episode(env, policy, task, seed, config.session, video_path=video)
-                successes += results[i].success
-                bar.update(1)
-                bar.set_postfix(success=f"{successes}/{i + 1}")
+            for i in todo:
+                task, seed, video = jobs[i]
+                done(i, run_episode(env, policy, task, seed, config.session, video_path=video))
         finally:
             env.close()
             bar.close()
@@ -201,13 +229,10 @@ def evaluate(
         initializer=_init_worker,
         initargs=(policy_factory, env_factory, threads),
     ) as pool:
-        futures = {pool.submit(_worker_episode, task, seed, config.session, video): i for i, (task, seed, video) in enumerate(jobs)}
+        futures = {pool.submit(_worker_episode, *jobs[i][:2], config.session, jobs[i][2]): i for i in todo}
         try:
-            for n, future in enumerate(as_completed(futures), 1):
-                results[futures[future]] = future.result()
-                successes += results[futures[future]].success
-                bar.update(1)
-                bar.set_postfix(success=f"{successes}/{n}")
+            for future in as_completed(futures):
+                done(futures[future], future.result())
         finally:
             bar.close()
     return results

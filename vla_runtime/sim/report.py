@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data.durable import write_atomic, write_text_atomic
 from .evaluate import EpisodeResult, episode_record
 from .memory import chance_level
 
@@ -84,8 +85,7 @@ def write_report(path: Path, results: list[EpisodeResult], summary: dict, meta: 
         "summary": summary,
         "episodes": [episode_record(r) for r in results],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str))
+    write_text_atomic(path, json.dumps(report, indent=2, default=str))
     return path
 
 
@@ -128,7 +128,6 @@ def plot_summary(path: Path, summary: dict, title: str) -> Path | None:
         ax.set_xticklabels(tasks, rotation=30, ha="right", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
     return path

@@ -96,7 +96,16 @@ class ViTConfig:
                 raise ValueError(f"vision tower {self.timm_id}: tensor `{name}` is missing from the checkpoint")
             return tuple(shapes[name])
 
+        if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1):
+            raise ValueError(f"config.json `vision_num_heads` has {num_heads!r}; expected a positive integer per tower (or null)")
         embed_dim, _, patch, _ = shape("patch_embed.proj.weight")
+        if num_heads is None and embed_dim != self.embed_dim:
+            # the table's head count belongs to the table's width: for another width it would be a guess, and a
+            # wrong head count changes every output without failing
+            raise ValueError(
+                f"vision tower {self.timm_id} is {embed_dim} wide (timm's {self.timm_id} is {self.embed_dim} wide with "
+                f"{self.num_heads} heads), so its head count is unknown; set config.json `vision_num_heads`"
+            )
         blocks = {int(k.split(".")[1]) for k in shapes if k.startswith("blocks.")}
         cfg = replace(
             self,
@@ -427,8 +436,9 @@ class OpenVLAConfig:
             "use_fused_vision_backbone": self.vision.fused,
             "vision_backbone_id": self.vision.backbone_id,
         }
-        table_heads = [TIMM_VITS[t.timm_id].num_heads for t in self.vision.towers]
-        if [t.num_heads for t in self.vision.towers] != table_heads:
+        # written whenever a tower is not the timm id's standard one: its head count cannot be read from the weights
+        standard = [(TIMM_VITS[t.timm_id].num_heads, TIMM_VITS[t.timm_id].embed_dim) for t in self.vision.towers]
+        if [(t.num_heads, t.embed_dim) for t in self.vision.towers] != standard:
             out["vision_num_heads"] = [t.num_heads for t in self.vision.towers]
         if self.proprio_dim is not None:
             out["proprio_dim"] = self.proprio_dim

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ...checkpoints.adapter import has_lora, merge_lora
 from ...checkpoints.openvla import OpenVLACheckpoint, load_openvla
-from ...api import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult
+from ...api import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_instruction
 from ...config import SessionConfig, from_dict
 from ...device import resolve_device, resolve_dtype, synchronize
 from ...kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make_cache
@@ -118,6 +118,7 @@ class OpenVLAPolicy(Policy):
         return self.kv_gate
 
     def new_session(self, instruction: str, config: SessionConfig | None = None) -> "OpenVLASession":
+        validate_instruction(instruction)
         config = config or replace(self.session, kv=self.kv, unnorm_key=self.unnorm_key)
         if config.unnorm_key is None and self.unnorm_key is not None:
             config = replace(config, unnorm_key=self.unnorm_key)
