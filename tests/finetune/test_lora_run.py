@@ -147,8 +147,8 @@ def test_training_form_sees_what_streaming_inference_sees(run):
             parallel = module.decode(module.embed(batch, layout), attn)[:, layout.target_pos]
             assert schedule.n_chunks >= 3
             w = data.windows[index]
-            rows = data._frames(w)
-            prev = int(data.action_ids[rows.start - 1, -1]) if start else None
+            rows = data._rows(w)
+            prev = int(data.action_ids[rows[0] - 1, -1]) if start else None
             forwards = window_forwards(
                 data.prompts[1], data.action_ids[rows].tolist(), history=True, has_proprio=True, prev_token=prev
             )
