@@ -21,6 +21,7 @@ from ..sim.base import check_task
 from ..sim.evaluate import EvalConfig, evaluate
 from ..sim.rlbench_env import import_rlbench
 from ..sim.report import format_table, plot_summary, summarize, write_report
+from ..sim.retention import plot_episodes
 from .sim_args import add_sim_args, parse_tasks, sim_config
 
 
@@ -34,6 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens a cache holds (default: the model's max_position); a full cache in history mode needs "
                         "about steps x tokens per step")
     p.add_argument("--kv-max-chunks", type=int, default=None, help="chunked: retained chunks per layer (default: as many as fit)")
+    p.add_argument("--kv-window", type=int, default=None, help="sink_window / chunked: raw recent window in tokens (default: one step)")
+    p.add_argument("--retention-plots", action="store_true",
+                   help="chunked: write OUT/retention/<task>-seed<N>.png per episode (what the gate kept, by source step)")
+    p.add_argument("--cue-steps", default=None,
+                   help="comma-separated control steps to mark as cues in the retention plots (default: what the task reports)")
     p.add_argument("--history", choices=HISTORY_MODES, default="single", help="context per step (default: %(default)s)")
     p.add_argument("--execution-horizon", type=int, default=None, help="actions executed per predicted chunk (default: whole chunk)")
     p.add_argument("--workers", type=int, default=1, help="parallel episode processes (default: %(default)s)")
@@ -57,10 +63,12 @@ def run(args: argparse.Namespace) -> int:
     from .. import models  # noqa: F401  (registers the policy families detect_family looks through)
 
     family = detect_family(args.checkpoint)  # fail fast on a wrong path, before any process starts
-    session = SessionConfig(kv=KVConfig(mode=args.kv, capacity=args.kv_capacity, max_chunks=args.kv_max_chunks), history=args.history, execution_horizon=args.execution_horizon, seed=args.seed)
+    kv = KVConfig(mode=args.kv, capacity=args.kv_capacity, max_chunks=args.kv_max_chunks, window=args.kv_window)
+    session = SessionConfig(kv=kv, history=args.history, execution_horizon=args.execution_horizon, seed=args.seed)
+    cue_steps = parse_steps(args.cue_steps)
     out = Path(args.out) if args.out else Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
     config = EvalConfig(tasks=tasks, episodes=args.episodes, seed=args.seed, session=session, workers=args.workers,
-                        out=None if args.no_video else out)
+                        out=None if args.no_video else out, trace_retention=args.retention_plots)
     env_config = sim_config(args)
     policy_factory = partial(load_policy, args.checkpoint, device=args.device, dtype=args.dtype)
     results = evaluate(policy_factory, partial(make_env, args.sim, env_config), config)
@@ -82,4 +90,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"plot: {plot}")
     if not args.no_video:
         print(f"videos: {out / 'videos'}")
+    if args.retention_plots:
+        pictures = plot_episodes(results, out / "retention", cue_steps=cue_steps)
+        print(f"retention pictures: {len(pictures)} in {out / 'retention'}")
     return 0
+
+
+def parse_steps(text: str | None) -> list[int] | None:
+    """``--cue-steps 3,7`` -> [3, 7]; ``None`` stays ``None``."""
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as e:
+        raise ValueError(f"--cue-steps {text!r}: expected comma-separated step numbers, e.g. 2,5") from e

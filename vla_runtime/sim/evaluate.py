@@ -25,6 +25,7 @@ from ..api import ActionQueue, Policy
 from ..config import SessionConfig
 from .actions import check_policy_action_dim
 from .base import SimEnv
+from .retention import RetentionTrace
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class EvalConfig:
         session: the runtime session config (KV mode, history mode, execution horizon).
         workers: parallel processes (1 = in this process).
         out: directory for videos (first episode of each task); ``None`` = no videos.
+        trace_retention: record what the chunked cache holds after every step (``EpisodeResult.retention``).
     """
 
     tasks: list[str]
@@ -51,6 +53,7 @@ class EvalConfig:
     session: SessionConfig = field(default_factory=SessionConfig)
     workers: int = 1
     out: Path | None = None
+    trace_retention: bool = False
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -65,7 +68,8 @@ class EvalConfig:
 
 @dataclass
 class EpisodeResult:
-    """One episode's outcome and timings (milliseconds)."""
+    """One episode's outcome and timings (milliseconds); ``retention`` when traced; ``cue_steps`` when the
+    task reports them (``StepInfo.extra["cue_steps"]``, memory tasks)."""
 
     task: str
     seed: int
@@ -79,13 +83,19 @@ class EpisodeResult:
     kv_final: dict
     error: str | None = None
     video: str | None = None
+    retention: RetentionTrace | None = None
+    cue_steps: list[int] | None = None
 
 
 def run_episode(
-    env: SimEnv, policy: Policy, task: str, seed: int, session_config: SessionConfig, *, video_path: Path | None = None
+    env: SimEnv, policy: Policy, task: str, seed: int, session_config: SessionConfig, *, video_path: Path | None = None,
+    trace_retention: bool = False,
 ) -> EpisodeResult:
-    """Run one closed-loop episode; ``video_path`` records the primary camera to an mp4 (or gif)."""
+    """Run one closed-loop episode; ``video_path`` records the primary camera to an mp4 (or gif);
+    ``trace_retention`` records the chunks the cache holds after every inference step."""
     obs = env.reset(task, seed)
+    trace = RetentionTrace() if trace_retention else None
+    cue_steps = None
     session = policy.new_session(obs.instruction, session_config)
     queue = ActionQueue(session, horizon=session_config.execution_horizon)
     frames = [next(iter(obs.images.values()))] if video_path is not None else None
@@ -103,6 +113,8 @@ def run_episode(
             inference_ms.append((t1 - t0) * 1e3)
             kv_max = max(kv_max, int(result.kv.bytes))
             kv_final = result.kv.as_dict()
+            if trace is not None:
+                trace.record(session.retained_chunks(), result.kv.tokens_seen)
         try:
             obs, done, success, info = env.step(action)
         except ValueError as e:  # an action the simulator cannot take (wrong shape, NaN): a failed episode, not a crash
@@ -112,6 +124,7 @@ def run_episode(
         env_s += time.perf_counter() - t1
         steps = info.step
         error = info.extra.get("error", error)
+        cue_steps = info.extra.get("cue_steps", cue_steps)
         if frames is not None:
             frames.append(next(iter(obs.images.values())))
     video = None
@@ -119,7 +132,10 @@ def run_episode(
         from .media import write_preview
 
         video = str(write_preview(video_path, np.stack(frames), fps=env.fps))
-    return EpisodeResult(task, seed, success, steps, policy_s, env_s, step_ms, inference_ms, kv_max, kv_final, error, video)
+    return EpisodeResult(
+        task, seed, success, steps, policy_s, env_s, step_ms, inference_ms, kv_max, kv_final, error, video, trace,
+        None if cue_steps is None else [int(c) for c in cue_steps],
+    )  # fmt: skip
 
 
 # -- worker processes --------------------------------------------------------------------------
@@ -133,7 +149,9 @@ def _init_worker(policy_factory: PolicyFactory, env_factory: EnvFactory, threads
     _worker["factories"] = (policy_factory, env_factory)
 
 
-def _worker_episode(task: str, seed: int, session_config: SessionConfig, video_path: Path | None) -> EpisodeResult:
+def _worker_episode(
+    task: str, seed: int, session_config: SessionConfig, video_path: Path | None, trace_retention: bool
+) -> EpisodeResult:
     # built on the first episode rather than in the initializer: an error here (bad checkpoint, unmappable
     # action space) reaches the caller as itself instead of as a broken process pool
     if "policy" not in _worker:
@@ -145,7 +163,9 @@ def _worker_episode(task: str, seed: int, session_config: SessionConfig, video_p
             env.close()
             raise
         _worker["policy"], _worker["env"] = policy, env
-    return run_episode(_worker["env"], _worker["policy"], task, seed, session_config, video_path=video_path)
+    return run_episode(
+        _worker["env"], _worker["policy"], task, seed, session_config, video_path=video_path, trace_retention=trace_retention
+    )
 
 
 def _episode_jobs(config: EvalConfig) -> list[tuple[str, int, Path | None]]:
@@ -172,7 +192,9 @@ def evaluate(
         try:
             check_policy_action_dim(policy.action_dim, env.name)
             for i, (task, seed, video) in enumerate(jobs):
-                results[i] = run_episode(env, policy, task, seed, config.session, video_path=video)
+                results[i] = run_episode(
+                    env, policy, task, seed, config.session, video_path=video, trace_retention=config.trace_retention
+                )
                 successes += results[i].success
                 bar.update(1)
                 bar.set_postfix(success=f"{successes}/{i + 1}")
@@ -187,7 +209,10 @@ def evaluate(
         initializer=_init_worker,
         initargs=(policy_factory, env_factory, threads),
     ) as pool:
-        futures = {pool.submit(_worker_episode, task, seed, config.session, video): i for i, (task, seed, video) in enumerate(jobs)}
+        futures = {
+            pool.submit(_worker_episode, task, seed, config.session, video, config.trace_retention): i
+            for i, (task, seed, video) in enumerate(jobs)
+        }
         try:
             for n, future in enumerate(as_completed(futures), 1):
                 results[futures[future]] = future.result()
@@ -200,8 +225,9 @@ def evaluate(
 
 
 def episode_record(result: EpisodeResult) -> dict:
-    """JSON-ready episode record (latency lists summarised)."""
+    """JSON-ready episode record (latency lists summarised; the retention trace is left to its picture)."""
     record = asdict(result)
+    del record["retention"]
     for key in ("step_ms", "inference_ms"):
         values = record.pop(key)
         record[f"{key}_p50"] = float(np.percentile(values, 50)) if values else None
