@@ -64,7 +64,7 @@ FLAGS: list[tuple[str, str, dict, str]] = [
     ("--retention-weight", "gate.retention_weight", _FLOAT, "weight of the retention term (default 1)"),
     ("--gate-lr", "gate.lr", _FLOAT, "learning rate of the aggregator and gate (default 5e-3)"),
     ("--gate-budget", "gate.budget", {"choices": [m.value for m in BudgetMode]},
-     "chunks the --max-chunks budget evicts: soft (relaxed top-M, trains the gate to keep what actions need; default) or hard"),
+     "chunks the --max-chunks budget evicts: hard (masked as inference does; default) or soft (relaxed top-M)"),
     ("--batch-size", "batch_size", _OPT_INT, "windows per micro-batch per process (default 8)"),
     ("--grad-accum", "grad_accum", _OPT_INT, "micro-batches per optimizer step (default 1)"),
     ("--max-steps", "max_steps", _OPT_INT, "optimizer steps (default 1000)"),

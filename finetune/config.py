@@ -139,10 +139,11 @@ class GateTraining:
         retention_weight: weight of ``(mean g - retention_target)^2`` in the loss; 0 = no pull.
         lr: learning rate of the gate and aggregator (the untrained gate keeps every chunk by a margin
             of 3; Adam moves about ``lr`` per step, so the policy's LoRA rate would take thousands of steps).
-        budget: how training treats chunks the ``kv.max_chunks`` budget evicts: ``soft`` (default) shows
-            them with the relaxed top-M bias, so the action loss can pull a needed chunk into the budget;
-            ``hard`` masks them as inference does (no gradient ever asks to keep one). See
-            ``vla_runtime.kv.budget`` and the README's ablation.
+        budget: how training treats chunks the ``kv.max_chunks`` budget evicts: ``hard`` (default) masks
+            them as inference does, and the gate learns to drop what the actions do not need so the budget
+            keeps what they do; ``soft`` shows them with the relaxed top-M bias (a gradient reaches evicted
+            chunks, but training then sees far more chunks than inference; it lost the README's ablation).
+            See ``vla_runtime.kv.budget``.
     """
 
     temperature: float = 1.0
@@ -150,7 +151,7 @@ class GateTraining:
     retention_target: float = 0.5
     retention_weight: float = 1.0
     lr: float = 5e-3
-    budget: BudgetMode = BudgetMode.SOFT
+    budget: BudgetMode = BudgetMode.HARD
 
     def __post_init__(self) -> None:
         _check_positive(self, "temperature", "lr")

@@ -74,7 +74,7 @@ class LossSettings:
     batch_size: int
     retention_target: float
     retention_weight: float
-    budget: BudgetMode = BudgetMode.SOFT
+    budget: BudgetMode = BudgetMode.HARD
 
 
 class PolicyTrainModule(nn.Module):

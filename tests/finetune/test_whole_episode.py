@@ -80,7 +80,7 @@ def test_full_episode_training_form_equals_streaming_under_the_budget(trained):
 
 def test_whole_episode_run_writes_a_budgeted_chunked_policy(trained):
     trainer, out = trained
-    assert trainer.cfg.gate.budget is BudgetMode.SOFT and "budget: soft" in (out / "finetune_config.yaml").read_text()
+    assert trainer.cfg.gate.budget is BudgetMode.HARD and "budget: hard" in (out / "finetune_config.yaml").read_text()
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert log and all(np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in log)
     kv = json.loads((out / "kv_config.json").read_text())["kv"]

@@ -11,15 +11,18 @@ form needs no per-chunk loop (tests hold it equal to ``admit`` replayed chunk by
 
 Training under a budget (``BudgetMode``):
 
-* ``HARD``: the training forward shows exactly what streaming shows; an evicted chunk is masked, so no
-  gradient ever says that keeping it would have helped (an untrained gate ties every score, the rule
-  turns FIFO and the oldest chunks, where a task's cue lives, are gone before the loss can see them).
-* ``SOFT`` (default): a relaxed top-M. Every chunk formed before a forward is shown, with the score
-  bias ``log m`` where ``m = sigmoid((s - theta) / T)`` and ``theta`` is the midpoint between the M-th
-  and (M+1)-th highest kept scores at that forward (``+inf``-free: ``m = 1`` while at most M are kept).
-  A chunk inside the budget gets ``m -> 1``, one outside ``m -> 0`` as T anneals, so the soft form
-  converges to the hard one; before that, the action loss reaches the score of an evicted chunk that
-  the actions needed and pushes it above the threshold.
+* ``HARD`` (default): the training forward shows exactly what streaming shows; an evicted chunk is
+  masked, so no gradient reaches its score. The gate still learns to keep what the actions need, by the
+  other route the rule leaves open: the budget only ranks *kept* chunks, so a gate that drops
+  (``s < tau``) the chunks the loss does not need leaves the needed one inside the budget.
+* ``SOFT``: a relaxed top-M. Every chunk formed before a forward is shown, with the score bias
+  ``log m`` where ``m = sigmoid((s - theta) / T)`` and ``theta`` is the midpoint between the M-th and
+  (M+1)-th highest kept scores at that forward (``m = 1`` while at most M are kept). A chunk inside
+  the budget gets ``m -> 1``, one outside ``m -> 0`` as T anneals, so the soft form converges to the
+  hard one, and the action loss reaches the score of an evicted chunk. But training then attends over
+  every chunk of the episode where inference holds M, and on the recall ablation
+  (``benchmarks/ablate_gate_budget.py``) it learned neither to keep the cue nor to answer, where HARD
+  did both; it stays as an option for budgets where that mismatch is small.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ How it reproduces streaming exactly (hard gates):
 
 Soft gates (training): every formed chunk is a key, with the score bias ``log g``,
 ``g = sigmoid((s - tau) / temperature)``, plus, under a binding budget, the relaxed top-M bias ``log m``
-of ``BudgetMode.SOFT`` (``budget.py``; ``BudgetMode.HARD`` masks evicted chunks instead). Chunks
+of ``BudgetMode.SOFT`` (``budget.py``; the default ``BudgetMode.HARD`` masks evicted chunks instead). Chunks
 streaming would hold keep their hard positions; any other shown chunk is placed half-way between its
 visible neighbours (``P + #visible-before - 0.5``), so visible chunks and raw tokens sit where inference
 puts them and, as the temperature falls, the soft form converges to the hard one. ``soft=False`` gives
@@ -180,7 +180,7 @@ class ParallelChunkedAttention:
         *,
         soft: bool = True,
         temperature: float = 1.0,
-        budget: BudgetMode = BudgetMode.SOFT,
+        budget: BudgetMode = BudgetMode.HARD,
     ) -> None:
         if temperature <= 0:
             raise ValueError(f"`temperature` must be > 0, got {temperature}")
@@ -284,7 +284,7 @@ def parallel_forward(
     *,
     soft: bool = True,
     temperature: float = 1.0,
-    budget: BudgetMode = BudgetMode.SOFT,
+    budget: BudgetMode = BudgetMode.HARD,
 ) -> tuple[torch.Tensor, ParallelAux]:
     """One forward of ``model`` over whole history windows, seeing what streaming inference sees.
 
