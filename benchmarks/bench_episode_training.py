@@ -10,8 +10,8 @@ machine) and the real tokens trained (padding excluded). Minutes per epoch = rea
 epoch (whole episodes: every step once; windows: every window, stride 4) / tokens per CPU-second.
 
 Variants: ``window8`` (8-step windows, batch 8; the demo recipe), ``episode`` (whole episodes, batch
-``--batch-size``, soft budget of ``--max-chunks``), ``episode-hard`` (hard budget), ``episode-ckpt``
-(gradient checkpointing).
+``--batch-size``, a budget of ``--max-chunks``, the default hard budget objective), ``episode-soft``
+(the relaxed top-M budget: every chunk is a key), ``episode-ckpt`` (gradient checkpointing).
 
 usage: python benchmarks/bench_episode_training.py [--threads 1] [--episodes 12] [--repeats 6]
 """
@@ -35,7 +35,7 @@ from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 VARIANTS = {
     "window8": {"data": {"window": 8, "stride": 4}, "batch_size": 8},
     "episode": {},
-    "episode-hard": {"gate": {"budget": "hard"}},
+    "episode-soft": {"gate": {"budget": "soft"}},
     "episode-ckpt": {"gradient_checkpointing": True},
 }
 
