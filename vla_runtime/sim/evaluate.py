@@ -150,7 +150,7 @@ def _init_worker(policy_factory: PolicyFactory, env_factory: EnvFactory, threads
 
 
 def _worker_episode(
-    task: str, seed: int, session_config: SessionConfig, video_path: Path | None, trace_retention: bool
+    task: str, seed: int, session_config: SessionConfig, video_path: Path | None, trace_retention: bool = False
 ) -> EpisodeResult:
     # built on the first episode rather than in the initializer: an error here (bad checkpoint, unmappable
     # action space) reaches the caller as itself instead of as a broken process pool
