@@ -72,13 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def write_dataset(root: Path, *, episodes: int, length: int, image: int, seed: int) -> Path:
+def write_dataset(root: Path, *, lengths: list[int], image: int, seed: int) -> Path:
+    """A LeRobot v3 dataset of ``len(lengths)`` episodes of random frames and smooth actions."""
     rng = np.random.default_rng(seed)
     features = DatasetFeatures(
         cameras={"front": (image, image)}, state_names=list("abcd"), action_names=[f"a{i}" for i in range(7)]
     )
     with LeRobotWriter(root, features, WriterConfig(fps=10)) as writer:
-        for e in range(episodes):
+        for e, length in enumerate(lengths):
             t = np.arange(length)
             action = np.concatenate([0.02 * np.sin(0.3 * t[:, None] + np.arange(6)), (t[:, None] % 10 < 5)], axis=1)
             writer.add_episode(Episode(
@@ -89,18 +90,25 @@ def write_dataset(root: Path, *, episodes: int, length: int, image: int, seed: i
     return root
 
 
+def train_logged(base: dict, overrides: dict, *, warmup: int) -> tuple[Trainer, list[dict]]:
+    """Train ``base`` (a ``FinetuneConfig`` mapping, ``log_every=1``) with ``overrides`` merged one level deep;
+    returns the trainer and its log records after the first ``warmup`` steps."""
+    config = dict(base)
+    for key, value in overrides.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    cfg = from_dict(FinetuneConfig, config)
+    trainer = Trainer(cfg)
+    trainer.train()
+    return trainer, [json.loads(line) for line in (cfg.out / "train_log.jsonl").read_text().splitlines()][warmup:]
+
+
 def run_variant(name: str, args: argparse.Namespace, ckpt: Path, dataset: Path, work: Path) -> dict:
     base = {
         "checkpoint": ckpt, "dataset": dataset, "out": work / name, "batch_size": args.batch_size, "device": args.device,
         "max_steps": args.warmup + args.repeats, "log_every": 1, "save_every": 10**6, "seed": args.seed,
         "kv": {"chunk": args.chunk}, "data": {"window": args.window, "stride": max(1, args.window // 2), "cache_dir": work / "cache"},
     }  # fmt: skip
-    for key, value in VARIANTS[name].items():
-        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
-    cfg = from_dict(FinetuneConfig, base)
-    trainer = Trainer(cfg)
-    trainer.train()
-    records = [json.loads(line) for line in (cfg.out / "train_log.jsonl").read_text().splitlines()][args.warmup :]
+    trainer, records = train_logged(base, VARIANTS[name], warmup=args.warmup)
     times = [1e3 / r["steps_per_s"] for r in records]
     cpu = [r["cpu_ms_per_step"] for r in records]
     layout = next(iter(trainer.data.layouts.values()))
@@ -143,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         ckpt = make_tiny_openvla(work / "ckpt", dtype=torch.float32, image_size=args.image_size, proprio_dim=4)
         dataset = write_dataset(
-            work / "data", episodes=args.episodes, length=args.episode_length, image=args.image_size, seed=args.seed
+            work / "data", lengths=[args.episode_length] * args.episodes, image=args.image_size, seed=args.seed
         )
         results = {name: run_variant(name, args, ckpt, dataset, work) for name in args.variants}
     baseline = results[args.variants[0]]["median_ms"]

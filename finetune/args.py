@@ -10,6 +10,7 @@ from pathlib import Path
 
 from vla_runtime.config import HISTORY_MODES, from_dict, read_yaml_mapping
 from vla_runtime.device import DTYPES
+from vla_runtime.kv.budget import BudgetMode
 
 from .config import LORA_SHORTHANDS, LR_SCHEDULES, PRECISIONS, TRAINABLE_KV_MODES, FinetuneConfig
 
@@ -44,8 +45,10 @@ FLAGS: list[tuple[str, str, dict, str]] = [
     ("--lora-targets", "lora.target_modules", {"nargs": "+", "metavar": "NAME"},
      f"LoRA target layers: a shorthand ({', '.join(LORA_SHORTHANDS)}; default all-linear) or layer names"),
     ("--camera", "data.camera", {"metavar": "NAME"}, "dataset camera used as the primary image (default: the first)"),
-    ("--window", "data.window", _OPT_INT, "control steps per history window (default 8)"),
+    ("--window", "data.window", _OPT_INT, "control steps per history window (default 8; 0 = whole episodes)"),
     ("--stride", "data.stride", _OPT_INT, "steps between window starts (default 4)"),
+    ("--length-bucket", "data.length_bucket", _OPT_INT,
+     "--window 0: pad episodes to a multiple of N steps so similar lengths batch together (default 16)"),
     ("--image-aug", "data.image_aug", {"action": argparse.BooleanOptionalAction},
      "random resized crop of 0.9 area (evaluate with the 0.9 centre crop; default off)"),
     ("--dataset-name", "data.dataset_name", {"metavar": "KEY"}, "key in dataset_statistics.json (default: the directory name)"),
@@ -58,6 +61,8 @@ FLAGS: list[tuple[str, str, dict, str]] = [
     ("--retention-target", "gate.retention_target", _FLOAT, "mean keep probability the retention term pulls toward (default 0.5)"),
     ("--retention-weight", "gate.retention_weight", _FLOAT, "weight of the retention term (default 1)"),
     ("--gate-lr", "gate.lr", _FLOAT, "learning rate of the aggregator and gate (default 5e-3)"),
+    ("--gate-budget", "gate.budget", {"choices": [m.value for m in BudgetMode]},
+     "chunks the --max-chunks budget evicts: hard (masked as inference does; default) or soft (relaxed top-M)"),
     ("--batch-size", "batch_size", _OPT_INT, "windows per micro-batch per process (default 8)"),
     ("--grad-accum", "grad_accum", _OPT_INT, "micro-batches per optimizer step (default 1)"),
     ("--max-steps", "max_steps", _OPT_INT, "optimizer steps (default 1000)"),

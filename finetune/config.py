@@ -14,6 +14,7 @@ from pathlib import Path
 from vla_runtime.config import HISTORY_MODES
 from vla_runtime.device import DTYPES
 from vla_runtime.kv import KVConfig
+from vla_runtime.kv.budget import BudgetMode
 
 # what trains: LoRA + gates (the seed's recipe), the gates alone, or every weight (training from scratch)
 TRAINABLE = ("lora", "gates", "all")
@@ -85,9 +86,13 @@ class DataConfig:
     Args:
         camera: dataset camera fed as the policy's primary image; ``None`` = the dataset's first camera
             (what ``vla-runtime eval`` feeds as ``primary``).
-        window: control steps per history window (``history`` mode; ``single`` mode trains on steps).
+        window: control steps per history window (``history`` mode; ``single`` mode trains on steps);
+            0 = whole episodes, one window each (what a history session sees from the first step to the last).
         stride: steps between consecutive window starts in an episode (the last window always ends at
-            the episode's end, so every step is covered).
+            the episode's end, so every step is covered); unused with ``window: 0``.
+        length_bucket: with ``window: 0``, episodes are padded (last frame repeated, targets masked) up to a
+            multiple of this many steps, so episodes of similar length share a bucket and batch together;
+            causality keeps the padding from changing anything the real steps compute.
         image_aug: random resized crop covering 0.9 of the image area (OpenVLA's ``image_aug`` crop);
             evaluate such a model with ``SessionConfig.center_crop=True``.
         dataset_name: key of the statistics in ``dataset_statistics.json``; ``None`` = the dataset
@@ -102,6 +107,7 @@ class DataConfig:
     camera: str | None = None
     window: int = 8
     stride: int = 4
+    length_bucket: int = 16
     image_aug: bool = False
     dataset_name: str | None = None
     action_mask: list[bool] | None = None
@@ -109,7 +115,9 @@ class DataConfig:
     num_workers: int = 0
 
     def __post_init__(self) -> None:
-        _check_positive(self, "window", "stride")
+        _check_positive(self, "stride", "length_bucket")
+        if self.window < 0:
+            raise ValueError(f"`window` must be >= 0 (0 = whole episodes), got {self.window}")
         if self.num_workers < 0:
             raise ValueError(f"`num_workers` must be >= 0, got {self.num_workers}")
         if self.cache_dir is not None:
@@ -131,6 +139,11 @@ class GateTraining:
         retention_weight: weight of ``(mean g - retention_target)^2`` in the loss; 0 = no pull.
         lr: learning rate of the gate and aggregator (the untrained gate keeps every chunk by a margin
             of 3; Adam moves about ``lr`` per step, so the policy's LoRA rate would take thousands of steps).
+        budget: how training treats chunks the ``kv.max_chunks`` budget evicts: ``hard`` (default) masks
+            them as inference does, and the gate learns to drop what the actions do not need so the budget
+            keeps what they do; ``soft`` shows them with the relaxed top-M bias (a gradient reaches evicted
+            chunks, but training then sees far more chunks than inference; it lost the README's ablation).
+            See ``vla_runtime.kv.budget``.
     """
 
     temperature: float = 1.0
@@ -138,9 +151,11 @@ class GateTraining:
     retention_target: float = 0.5
     retention_weight: float = 1.0
     lr: float = 5e-3
+    budget: BudgetMode = BudgetMode.HARD
 
     def __post_init__(self) -> None:
         _check_positive(self, "temperature", "lr")
+        self.budget = BudgetMode.parse(self.budget)
         if self.temperature_final is not None:
             _check_positive(self, "temperature_final")
         if not 0.0 <= self.retention_target <= 1.0:

@@ -9,7 +9,9 @@ size the model cannot take, windows longer than every episode.
 
 Micro-batches are drawn per bucket (windows whose token layouts coincide: same prompt length, same
 steps, starting at the episode's start or not), because the parallel form runs one schedule per
-forward. An epoch shuffles the windows of every bucket, cuts them into micro-batches of
+forward. Whole-episode windows (``window: 0``) are padded up to a multiple of ``length_bucket`` steps
+(the last frame and action repeated, their targets ``IGNORE``): the schedule is causal, so what the
+real steps compute does not depend on the padding after them. An epoch shuffles the windows of every bucket, cuts them into micro-batches of
 ``batch_size`` (a bucket's last one may be smaller) and shuffles the micro-batches. Optimizer step k
 uses the ``grad_accum * world`` consecutive micro-batches from ``k * grad_accum * world`` on; rank r
 takes ``m * world + r`` for its m-th accumulation step, so 2 ranks x 1 step of accumulation see the
@@ -39,12 +41,13 @@ from .statistics import dataset_statistics, default_action_mask
 log = logging.getLogger(__name__)
 
 CROP_AREA = 0.9  # OpenVLA's image_aug random resized crop (and the eval centre crop)
+IGNORE = -100  # label of a padded step's targets (``F.cross_entropy``'s default ignore_index)
 
 
 @dataclass(frozen=True)
 class Window:
     """Steps ``start .. start + steps - 1`` of ``episode`` (an index into ``task_segments``: an episode, or the
-    part of one with a single task)."""
+    part of one with a single task), laid out padded to ``TrainingData.padded_steps``."""
 
     episode: int
     start: int
@@ -119,6 +122,7 @@ class TrainingData:
         history: bool,
         window: int,
         stride: int,
+        length_bucket: int,
         dataset_name: str,
         action_mask: list[bool],
         image_aug: bool,
@@ -128,6 +132,8 @@ class TrainingData:
         self.processor = policy.image_processor
         self.history = history
         self.image_aug = image_aug
+        self.whole_episodes = history and window == 0
+        self.length_bucket = length_bucket
         self.has_proprio = cfg.proprio_dim is not None
         self.n_image_tokens = cfg.vision.num_patches
         self.action_dim = decoded.actions.shape[1]
@@ -156,6 +162,9 @@ class TrainingData:
         self.windows: list[Window] = []
         short = 0
         for segment, (_, length, _) in enumerate(self.segments):
+            if self.whole_episodes:  # the whole episode, or the whole part of it with one task
+                self.windows.append(Window(segment, 0, length))
+                continue
             starts = window_starts(length, steps, stride)
             short += not starts
             self.windows += [Window(segment, s, steps) for s in starts]
@@ -196,23 +205,31 @@ class TrainingData:
             history=cfg.history == "history",
             window=cfg.data.window,
             stride=cfg.data.stride,
+            length_bucket=cfg.data.length_bucket,
             dataset_name=cfg.data.dataset_name or Path(cfg.dataset).resolve().name,
             action_mask=mask,
             image_aug=cfg.data.image_aug,
         )
 
     # ---- windows -----------------------------------------------------------------------------------
+    def padded_steps(self, w: Window) -> int:
+        """Steps ``w`` is laid out with: whole episodes round up to a multiple of ``length_bucket``."""
+        if not self.whole_episodes:
+            return w.steps
+        return -(-w.steps // self.length_bucket) * self.length_bucket
+
     def bucket_key(self, w: Window) -> tuple[int, int, bool]:
         """Windows with equal keys have equal token layouts."""
-        return len(self.prompts[w.episode].instruction), w.steps, self.history and w.start > 0
+        return len(self.prompts[w.episode].instruction), self.padded_steps(w), self.history and w.start > 0
 
-    def _frames(self, w: Window) -> slice:
+    def _rows(self, w: Window) -> np.ndarray:
+        """Frame indices of the window's laid-out steps, the last one repeated as padding: [padded_steps]."""
         first = self.segments[w.episode][0] + w.start
-        return slice(first, first + w.steps)
+        return first + np.minimum(np.arange(self.padded_steps(w)), w.steps - 1)
 
     def _layout(self, w: Window) -> tuple[FlatLayout, list[int]]:
-        rows = self._frames(w)
-        prev = int(self.action_ids[rows.start - 1, -1]) if self.history and w.start > 0 else None
+        rows = self._rows(w)
+        prev = int(self.action_ids[rows[0] - 1, -1]) if self.history and w.start > 0 else None
         forwards = window_forwards(
             self.prompts[w.episode],
             self.action_ids[rows].tolist(),
@@ -221,6 +238,10 @@ class TrainingData:
             prev_token=prev,
         )
         return flatten(forwards, n_image_tokens=self.n_image_tokens, action_dim=self.action_dim)
+
+    def real_tokens(self, layout: FlatLayout, w: Window) -> int:
+        """Tokens of ``w``'s own steps in its (padded) layout: the prompt forward + ``action_dim`` per step."""
+        return sum(layout.boundaries[: len(layout.boundaries) - (self.padded_steps(w) - w.steps) * self.action_dim])
 
     # ---- one micro-batch ---------------------------------------------------------------------------
     def pixels(self, frame: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
@@ -231,23 +252,28 @@ class TrainingData:
 
     def batch(self, indices: list[int], rng: np.random.Generator) -> dict:
         """Windows (of one bucket) -> tensors: ``pixels`` [B, S, C, H, W], ``proprio`` [B, S, P] (if any),
-        ``text_ids`` [B, Nt], ``labels`` [B, S * A], and the bucket ``key``."""
+        ``text_ids`` [B, Nt], ``labels`` [B, S * A] (``IGNORE`` on padded steps), ``tokens`` (the
+        windows' real tokens, padding excluded) and the bucket ``key``."""
         windows = [self.windows[i] for i in indices]
         key = self.bucket_key(windows[0])
         layout = self.layouts[key]
-        pixels, text, labels, proprio = [], [], [], []
+        pixels, text, labels, proprio, tokens = [], [], [], [], 0
         for w in windows:
             own, ids = self._layout(w)
             if not same_positions(own, layout):
                 raise AssertionError(f"window {w} does not share its bucket's layout")
-            rows = self._frames(w)
+            rows = self._rows(w)
             pixels.append(torch.stack([self.pixels(f, rng) for f in self.decoded.frames[rows]]))
             text.append(ids)
-            labels.append(self.action_ids[rows].reshape(-1))
+            step_labels = self.action_ids[rows].copy()  # [S, A]
+            step_labels[w.steps :] = IGNORE
+            labels.append(step_labels.reshape(-1))
+            tokens += self.real_tokens(layout, w)
             if self.proprio is not None:
                 proprio.append(torch.from_numpy(self.proprio[rows]))
         out = {
             "key": key,
+            "tokens": tokens,
             "pixels": torch.stack(pixels),
             "text_ids": torch.tensor(text, dtype=torch.long),
             "labels": torch.from_numpy(np.stack(labels)).long(),

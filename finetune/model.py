@@ -19,11 +19,13 @@ from torch.utils.checkpoint import checkpoint
 
 from vla_runtime.kv import KVConfig
 from vla_runtime.kv.attention import causal_attention
+from vla_runtime.kv.budget import BudgetMode
 from vla_runtime.kv.chunked_gated import ChunkedGatedConfig
 from vla_runtime.kv.chunked_parallel import ForwardSchedule, ParallelChunkedAttention
 from vla_runtime.kv.gate import ChunkGate, check_gate
 from vla_runtime.kv.rope import RopeConfig, apply_rope, rope_cos_sin
 
+from .data import IGNORE
 from .layout import FlatLayout
 
 
@@ -64,13 +66,15 @@ def head_rows(head: nn.Module, hidden: torch.Tensor, rows: slice) -> torch.Tenso
 class LossSettings:
     """Args: action_range: [first, last] action token ids; action_vocab_loss: CE over those ids only;
     batch_size: the nominal rows per micro-batch (a smaller last micro-batch of a bucket weighs less);
-    retention_target / retention_weight: the pull of the mean keep probability."""
+    retention_target / retention_weight: the pull of the mean keep probability; budget: how the soft
+    form treats chunks the budget evicts."""
 
     action_range: tuple[int, int]
     action_vocab_loss: bool
     batch_size: int
     retention_target: float
     retention_weight: float
+    budget: BudgetMode = BudgetMode.HARD
 
 
 class PolicyTrainModule(nn.Module):
@@ -134,7 +138,8 @@ class PolicyTrainModule(nn.Module):
 
     def forward(self, batch: dict, layout: FlatLayout, *, temperature: float = 1.0) -> dict[str, torch.Tensor]:
         """Returns ``loss`` (to backpropagate), ``ce_sum``, ``correct`` (argmax over the action ids equals
-        the target), ``targets``, ``kept_ratio`` / ``hard_kept`` (mean soft / hard gate; 1 without a gate)."""
+        the target), ``targets`` (padded steps' targets excluded), ``kept_ratio`` / ``hard_kept`` (mean
+        soft / hard gate; 1 without a gate)."""
         x = self.embed(batch, layout)
         b, n = x.shape[:2]
         if self.gate is not None:
@@ -142,20 +147,24 @@ class PolicyTrainModule(nn.Module):
                 layout.boundaries, layout.pinned, window=self.chunked.window, chunk=self.chunked.chunk
             )
             attn = ParallelChunkedAttention(
-                schedule, self.gate, self.chunked, self.vla.language_model.cfg, soft=True, temperature=temperature
-            )
+                schedule, self.gate, self.chunked, self.vla.language_model.cfg, soft=True, temperature=temperature,
+                budget=self.loss.budget,
+            )  # fmt: skip
         else:
             attn = CausalForm(self.vla.language_model.cfg.rope, n, x.device)
         hidden = self.decode(x, attn)[:, layout.target_pos.to(x.device)]  # [B, T, dim]
         logits = self.action_logits(hidden)  # [B, T, V']
         first, last = self.loss.action_range
-        labels = batch["labels"]
+        labels = batch["labels"]  # [B, T], IGNORE on padded steps
+        valid = labels != IGNORE
         target = labels - first if self.loss.action_vocab_loss else labels
-        ce_sum = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+        target = target.masked_fill(~valid, IGNORE)
+        ce_sum = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum", ignore_index=IGNORE)
         action_part = logits if self.loss.action_vocab_loss else logits[..., first : last + 1]
-        correct = (action_part.argmax(-1) + first == labels).sum()
+        correct = ((action_part.argmax(-1) + first == labels) & valid).sum()
+        n_valid = valid.sum()
         rows = b / self.loss.batch_size  # weight of this micro-batch against a full one
-        loss = ce_sum / (self.loss.batch_size * labels.shape[1])
+        loss = rows * ce_sum / n_valid.clamp(min=1)  # the mean over real targets
         one = torch.ones((), device=x.device)
         kept, hard = one, one
         if self.gate is not None:
@@ -168,7 +177,7 @@ class PolicyTrainModule(nn.Module):
             "loss": loss,
             "ce_sum": ce_sum.detach(),
             "correct": correct.detach().float(),
-            "targets": torch.tensor(float(labels.numel()), device=x.device),
+            "targets": n_valid.detach().float(),
             "kept_ratio": kept.detach().float(),
             "hard_kept": hard.detach().float(),
         }

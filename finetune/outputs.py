@@ -15,6 +15,7 @@ out/
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import logging
 import shutil
@@ -47,7 +48,9 @@ RESUMABLE_CHANGES = {
 
 
 def to_plain(obj):
-    """Dataclasses / Paths -> YAML/JSON-safe dicts and strings."""
+    """Dataclasses / Paths / enums -> YAML/JSON-safe dicts and strings."""
+    if isinstance(obj, enum.Enum):
+        return obj.value
     if dataclasses.is_dataclass(obj):
         return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):

@@ -101,8 +101,9 @@ class Trainer:
         self.peft_model = self._trainable()
         first, last = self.policy.config.action_token_range
         loss = LossSettings(
-            (first, last), cfg.action_vocab_loss, cfg.batch_size, cfg.gate.retention_target, cfg.gate.retention_weight
-        )
+            (first, last), cfg.action_vocab_loss, cfg.batch_size, cfg.gate.retention_target, cfg.gate.retention_weight,
+            cfg.gate.budget,
+        )  # fmt: skip
         module = PolicyTrainModule(
             self.policy.model,
             self.gate,
@@ -256,6 +257,7 @@ class Trainer:
 
     def _micro_step(self, batch: dict, temperature: float, last: bool) -> dict[str, float]:
         layout = self.data.layouts[tuple(batch.pop("key"))]
+        tokens = float(batch.pop("tokens"))
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         sync = contextlib.nullcontext() if last or self.env.world == 1 else self.model.no_sync()
         with sync:
@@ -266,7 +268,7 @@ class Trainer:
         return {
             "loss": out["loss"].detach(), "ce_sum": out["ce_sum"], "correct": out["correct"], "targets": out["targets"],
             "kept_ratio": out["kept_ratio"] * b, "hard_kept": out["hard_kept"] * b, "micro": 1.0, "windows": float(b),
-            "tokens": float(b * layout.n_tokens),
+            "tokens": tokens,
         }  # fmt: skip
 
     def _reduce(self, sums: torch.Tensor) -> torch.Tensor:

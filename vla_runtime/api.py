@@ -18,6 +18,7 @@ import numpy as np
 
 from .config import SessionConfig
 from .kv.base import KVStats
+from .kv.chunked_gated import ChunkedGatedCache
 
 PRIMARY_CAMERA = "primary"
 
@@ -84,6 +85,12 @@ class EpisodeSession(abc.ABC):
     @abc.abstractmethod
     def reset(self, instruction: str | None = None) -> None:
         """Forget the episode; optionally switch the instruction."""
+
+    def retained_chunks(self) -> tuple[tuple[int, ...], ...]:
+        """Per layer, the first token of each chunk the chunked cache holds (chronological; tokens counted
+        like ``KVStats.tokens_seen``); ``()`` for other caches. What ``vla_runtime.sim.retention`` draws."""
+        cache = getattr(self, "cache", None)
+        return cache.retained_starts() if isinstance(cache, ChunkedGatedCache) else ()
 
 
 class Policy(abc.ABC):

@@ -40,6 +40,37 @@ def llm_geometry(dim: int, layers: int):
     )  # fmt: skip
 
 
+def add_common_args(p: argparse.ArgumentParser, *, tasks: str | None) -> None:
+    """The flags every Meta-World recipe takes (``tasks=None``: ``--tasks`` is required)."""
+    p.add_argument("--out", type=Path, required=True, help="run directory (data/, init/, model*/, eval-*/)")
+    if tasks is None:
+        p.add_argument("--tasks", required=True, help="comma-separated Meta-World tasks")
+    else:
+        p.add_argument("--tasks", default=tasks, help=f"Meta-World tasks (default {tasks})")
+    p.add_argument("--episodes", type=int, default=50, help="expert episodes per task (default 50: every scene variation)")
+    p.add_argument("--resolution", type=int, default=84, help="camera image side, a multiple of 14 (default 84)")
+    p.add_argument("--camera", default="corner", help="Meta-World camera (default corner)")
+    p.add_argument("--llm-dim", type=int, default=128, help="LLaMA width (default 128)")
+    p.add_argument("--llm-layers", type=int, default=4, help="LLaMA depth (default 4)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, cosine schedule (default 1e-3)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for training (default 2)")
+    p.add_argument("--eval-max-steps", type=int, default=200, help="step limit per evaluation episode (default 200)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def eval_args(args: argparse.Namespace, checkpoint: Path, out: Path, flags: list[str], *, seed: int = 1000, workers: int = 2) -> list[str]:
+    """``vla-runtime eval`` arguments for the recipe's tasks, camera, resolution and step limit, plus ``flags``."""
+    return ["eval", "--checkpoint", str(checkpoint), "--sim", "metaworld", "--tasks", args.tasks, "--episodes", str(args.eval_episodes),
+            "--camera", args.camera, "--resolution", str(args.resolution), "--max-steps", str(args.eval_max_steps),
+            "--seed", str(seed), "--workers", str(workers), *flags, "--out", str(out)]  # fmt: skip
+
+
+def write_results(out: Path, table: str) -> None:
+    """``OUT/results.md``, echoed."""
+    (out / "results.md").write_text(table)
+    print(f"\n{table}")
+
+
 def run_stage(name: str, argv: list[str], log: dict) -> None:
     """Run one stage as a subprocess (its output streams through), record the command and its wall time."""
     print(f"\n== {name}: {shlex.join(argv)}", flush=True)
@@ -67,20 +98,10 @@ def results_table(out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vla_finetune.recipes.metaworld_demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--out", type=Path, required=True, help="run directory (data/, init/, model/, eval-*/)")
-    p.add_argument("--tasks", default=TASKS, help=f"Meta-World tasks (default {TASKS})")
-    p.add_argument("--episodes", type=int, default=50, help="expert episodes per task (default 50: every scene variation)")
-    p.add_argument("--resolution", type=int, default=84, help="camera image side, a multiple of 14 (default 84)")
-    p.add_argument("--camera", default="corner", help="Meta-World camera (default corner)")
-    p.add_argument("--llm-dim", type=int, default=128, help="LLaMA width (default 128)")
-    p.add_argument("--llm-layers", type=int, default=4, help="LLaMA depth (default 4)")
+    add_common_args(p, tasks=TASKS)
     p.add_argument("--max-steps", type=int, default=1500, help="optimizer steps (default 1500)")
     p.add_argument("--batch-size", type=int, default=8, help="history windows per step (default 8)")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, cosine schedule (default 1e-3)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads for training (default 2)")
     p.add_argument("--eval-episodes", type=int, default=20, help="evaluation episodes per task and cache; 0 = skip")
-    p.add_argument("--eval-max-steps", type=int, default=200, help="step limit per evaluation episode (default 200)")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
     import torch
@@ -113,14 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         # the full cache keeps every token of the episode: step limit x (frame + proprio + prompt + 7 actions) + prompt
         kv_capacity = (args.eval_max_steps + 1) * ((args.resolution // 14) ** 2 + 16)
         for kv in ("full", "chunked"):
-            run_stage(f"eval-{kv}", cli + ["eval", "--checkpoint", str(model), "--sim", "metaworld", "--tasks", args.tasks,
-                                           "--episodes", str(args.eval_episodes), "--kv", kv, "--history", "history",
-                                           "--camera", args.camera, "--resolution", str(args.resolution),
-                                           "--max-steps", str(args.eval_max_steps), "--seed", "1000", "--workers", "2",
-                                           "--kv-capacity", str(kv_capacity),
-                                           "--out", str(args.out / f"eval-{kv}")], log)  # fmt: skip
-        (args.out / "results.md").write_text(results_table(args.out))
-        print(f"\n{(args.out / 'results.md').read_text()}")
+            flags = ["--kv", kv, "--history", "history", "--kv-capacity", str(kv_capacity)]
+            run_stage(f"eval-{kv}", cli + eval_args(args, model, args.out / f"eval-{kv}", flags), log)
+        write_results(args.out, results_table(args.out))
     (args.out / "recipe.json").write_text(json.dumps(log, indent=2) + "\n")
     print(f"\nrecipe done: checkpoint {model}, log {args.out / 'recipe.json'}")
     return 0

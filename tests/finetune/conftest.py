@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from vla_finetune.config import FinetuneConfig
+from vla_finetune.layout import window_forwards
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import from_dict
 from vla_runtime.data import DatasetFeatures, Episode, LeRobotWriter, WriterConfig
+from vla_runtime.kv import make_cache
+from vla_runtime.kv.chunked_parallel import ForwardSchedule, ParallelChunkedAttention
 
 TASKS = ("reach the red block", "press the button on the wall")
 ACTION_NAMES = ["dx", "dy", "dz", "droll", "dpitch", "dyaw", "gripper"]
@@ -92,3 +95,32 @@ def make_config(ckpt: Path, dataset: Path, out: Path, **overrides) -> FinetuneCo
         else:
             data[key] = value
     return from_dict(FinetuneConfig, data)
+
+
+@torch.no_grad()
+def training_and_streaming_hidden(trainer, index: int):
+    """Hidden states at window ``index``'s real action targets two ways: the trainer's parallel form at a
+    near-zero temperature (hard gates; padding included, as training runs it) and the runtime's cache fed
+    the window's real forwards one by one. Returns (parallel, streamed, cache, schedule)."""
+    data, module, vla = trainer.data, trainer.module, trainer.policy.model
+    chunked = module.chunked
+    batch = data.batch([index], np.random.default_rng(0))
+    layout = data.layouts[batch.pop("key")]
+    schedule = ForwardSchedule.build(layout.boundaries, layout.pinned, window=chunked.window, chunk=chunked.chunk)
+    attn = ParallelChunkedAttention(schedule, trainer.gate, chunked, vla.language_model.cfg, soft=True, temperature=1e-4)
+    w = data.windows[index]
+    real = layout.target_pos[: w.steps * data.action_dim]
+    parallel = module.decode(module.embed(batch, layout), attn)[:, real]
+    rows = data._rows(w)[: w.steps]
+    prev = int(data.action_ids[rows[0] - 1, -1]) if w.start else None
+    forwards = window_forwards(
+        data.prompts[w.episode], data.action_ids[rows].tolist(), history=True, has_proprio=True, prev_token=prev
+    )
+    images = [vla.embed_image(batch["pixels"][:, s]) for s in range(w.steps)]
+    proprio = [vla.embed_proprio(batch["proprio"][:, s]) for s in range(w.steps)]
+    cache = make_cache(trainer.kv, vla.language_model.cfg, gate=trainer.gate)
+    hidden = [
+        vla.language_model.model(inputs_embeds=vla.embed_forward(f, images=images, proprio=proprio), cache=cache, pin=f.pin)
+        for f in forwards
+    ]
+    return parallel, torch.cat(hidden, dim=1)[:, real], cache, schedule

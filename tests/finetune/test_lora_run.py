@@ -9,15 +9,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vla_finetune.layout import window_forwards
 from vla_finetune.merge import merge_adapter
 from vla_finetune.trainer import Trainer
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.config import SessionConfig
-from vla_runtime.kv import make_cache
-from vla_runtime.kv.chunked_parallel import ForwardSchedule, ParallelChunkedAttention
 
-from .conftest import TASKS, make_config
+from .conftest import TASKS, make_config, training_and_streaming_hidden
 
 STEPS = 30
 
@@ -131,38 +128,11 @@ def test_training_form_sees_what_streaming_inference_sees(run):
     fed forward by forward (``embed_forward`` + ``ChunkedGatedCache`` with the trained gate) give the same
     hidden states at every action target, for windows at an episode's start and in its middle."""
     trainer, _, _ = run
-    data, module, vla = trainer.data, trainer.module, trainer.policy.model
-    chunked = module.chunked
     for start in (0, 4):
-        index = next(i for i, w in enumerate(data.windows) if w.episode == 1 and w.start == start)
-        batch = data.batch([index], np.random.default_rng(0))
-        layout = data.layouts[batch.pop("key")]
-        with torch.no_grad():
-            schedule = ForwardSchedule.build(
-                layout.boundaries, layout.pinned, window=chunked.window, chunk=chunked.chunk
-            )
-            attn = ParallelChunkedAttention(
-                schedule, trainer.gate, chunked, vla.language_model.cfg, soft=True, temperature=1e-4
-            )
-            parallel = module.decode(module.embed(batch, layout), attn)[:, layout.target_pos]
-            assert schedule.n_chunks >= 3
-            w = data.windows[index]
-            rows = data._frames(w)
-            prev = int(data.action_ids[rows.start - 1, -1]) if start else None
-            forwards = window_forwards(
-                data.prompts[1], data.action_ids[rows].tolist(), history=True, has_proprio=True, prev_token=prev
-            )
-            images = [vla.embed_image(batch["pixels"][:, s]) for s in range(w.steps)]
-            proprio = [vla.embed_proprio(batch["proprio"][:, s]) for s in range(w.steps)]
-            cache = make_cache(trainer.kv, vla.language_model.cfg, gate=trainer.gate)
-            hidden = [
-                vla.language_model.model(
-                    inputs_embeds=vla.embed_forward(f, images=images, proprio=proprio), cache=cache, pin=f.pin
-                )
-                for f in forwards
-            ]
-            streamed = torch.cat(hidden, dim=1)[:, layout.target_pos]
+        index = next(i for i, w in enumerate(trainer.data.windows) if w.episode == 1 and w.start == start)
+        parallel, streamed, cache, schedule = training_and_streaming_hidden(trainer, index)
         stats = cache.stats()  # chunk counts are summed over layers
-        assert stats.chunks_retained + stats.chunks_dropped == schedule.n_chunks * vla.language_model.cfg.n_layers
+        assert schedule.n_chunks >= 3
+        assert stats.chunks_retained + stats.chunks_dropped == schedule.n_chunks * cache.model_cfg.n_layers
         assert stats.chunks_dropped > 0  # the trained gate drops chunks: the windows exercise compression
         torch.testing.assert_close(parallel, streamed, atol=1e-4, rtol=1e-4)

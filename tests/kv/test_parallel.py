@@ -1,9 +1,12 @@
 """The parallel (training) form reproduces streaming inference, and trains."""
 
+import bisect
+
 import pytest
 import torch
 
 from vla_runtime.kv import ChunkedGatedCache, ChunkGate, ChunkGateConfig, KVConfig
+from vla_runtime.kv.budget import BudgetMode, beaten_counts, visible_chunks
 from vla_runtime.kv.chunked_parallel import ForwardSchedule, Segment, parallel_forward, step_boundaries
 
 from .cases import PROMPT, episode, kv, run_stream, tiny_model
@@ -124,3 +127,59 @@ def test_bad_input_is_a_clear_error(model):
         parallel_forward(model, x[:, :-1], bounds, PROMPT, gate, KV)
     with pytest.raises(ValueError, match="does not fit|needs"):
         parallel_forward(model, x, bounds, PROMPT, ChunkGate(ChunkGateConfig(n_layers=2, head_dim=16, chunk=8)), KV)
+
+
+def test_whole_episode_parallel_form_equals_streaming_and_reports_the_retained_chunks(model):
+    """A 32-step episode (500 tokens, ~120 chunks per layer): chunks form, the gate drops some, the budget
+    evicts most; the hard parallel form equals streaming at every position, the soft form at a near-zero
+    temperature too (under either budget mode), and the cache's ``retained_starts()`` are the chunks the
+    parallel form says are held at the end."""
+    budget = 3
+    kv_cfg = kv("chunked", "hard", max_chunks=budget, capacity=budget + 40)
+    x, bounds = episode(32, seed=2)
+    gate = dropping_gate(model, kv_cfg, seed=3)
+    cache = ChunkedGatedCache(kv_cfg, model.cfg, gate=gate)
+    streamed = run_stream(model, cache, x, bounds)
+    with torch.no_grad():
+        hard, aux = parallel_forward(model, x, bounds, PROMPT, gate, kv_cfg, soft=False)
+        sharp = {
+            mode: parallel_forward(model, x, bounds, PROMPT, gate, kv_cfg, soft=True, temperature=1e-4, budget=mode)[0]
+            for mode in BudgetMode
+        }
+    torch.testing.assert_close(hard, streamed, atol=1e-4, rtol=1e-4)
+    for out in sharp.values():
+        torch.testing.assert_close(out, hard, atol=1e-4, rtol=1e-4)
+    assert aux.schedule.n_chunks > 100 and int(cache.gate_dropped.sum()) > 0 and int(cache.budget_dropped.sum()) > 100
+    starts = torch.tensor(aux.schedule.chunk_starts)
+    held = tuple(tuple(starts[aux.retained[0, layer]].tolist()) for layer in range(model.cfg.n_layers))
+    assert cache.retained_starts() == held and all(len(layer) == budget for layer in held)
+
+
+def test_soft_budget_lets_the_loss_reach_evicted_chunks(model):
+    """With the budget full, the hard-budget form gives a chunk evicted before any forward saw it no
+    gradient (it is masked); the soft budget does, which lets training pull a needed chunk into the budget."""
+    kv_cfg = kv("chunked", "hard", max_chunks=2, capacity=42)
+    x, bounds = episode(12, seed=4)
+    grads = {}
+    for mode in BudgetMode:
+        gate = dropping_gate(model, kv_cfg, seed=5)
+        scores = {}
+        original = gate.score
+
+        def recording(*args, _orig=original, **kwargs):  # keep each layer's scores to read their gradient
+            s, state = _orig(*args, **kwargs)
+            s.retain_grad()
+            scores[kwargs.get("layers")] = s
+            return s, state
+
+        gate.score = recording
+        logits, aux = parallel_forward(model, x, bounds, PROMPT, gate, kv_cfg, soft=True, budget=mode)
+        logits[:, -1].logsumexp(-1).sum().backward()
+        sched = aux.schedule
+        formed = torch.tensor([bisect.bisect_left(sched.chunk_forward, seg.first_forward) for seg in sched.segments])
+        kept = aux.kept[:, 0]
+        visible = visible_chunks(beaten_counts(aux.scores[:, 0].detach(), kept), kept, formed, 2)  # [1, S, n]
+        never = kept[0] & ~visible[0].any(0) & (torch.arange(sched.n_chunks) < formed[-1])  # evicted unseen
+        grads[mode] = scores[0].grad[0, never].abs()
+    assert grads[BudgetMode.HARD].numel() > 5
+    assert torch.all(grads[BudgetMode.HARD] == 0) and torch.all(grads[BudgetMode.SOFT] > 0)

@@ -28,6 +28,7 @@ from ..sim.evaluate import EvalConfig, evaluate
 from ..sim.rlbench_env import import_rlbench
 from ..sim.report import format_table, plot_summary, summarize, write_report
 from ..sim.results import RESULTS_FILE, append_result, load_results, read_results
+from ..sim.retention import plot_episodes
 from .sim_args import add_sim_args, parse_tasks, sim_config
 
 
@@ -46,6 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-match-chunks", type=int, default=None, metavar="M",
                    help="sink_window: size the window to hold the KV bytes of a chunked cache with M retained chunks "
                         "and the same --kv-window (printed; needs --kv-window)")
+    p.add_argument("--retention-plots", action="store_true",
+                   help="chunked: write OUT/retention/<task>-seed<N>.png per episode (what the gate kept, by source step)")
+    p.add_argument("--cue-steps", default=None,
+                   help="comma-separated control steps to mark as cues in the retention plots (default: what the task reports)")
     p.add_argument("--history", choices=HISTORY_MODES, default="single", help="context per step (default: %(default)s)")
     p.add_argument("--execution-horizon", type=int, default=None, help="actions executed per predicted chunk (default: whole chunk)")
     p.add_argument("--workers", type=int, default=1, help="parallel episode processes (default: %(default)s)")
@@ -73,9 +78,10 @@ def run(args: argparse.Namespace) -> int:
     family = detect_family(args.checkpoint)  # fail fast on a wrong path, before any process starts
     kv = kv_config(args)
     session = SessionConfig(kv=kv, history=args.history, execution_horizon=args.execution_horizon, seed=args.seed)
+    cue_steps = parse_steps(args.cue_steps)
     out = Path(args.out) if args.out else Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
     config = EvalConfig(tasks=tasks, episodes=args.episodes, seed=args.seed, session=session, workers=args.workers,
-                        out=None if args.no_video else out)
+                        out=None if args.no_video else out, trace_retention=args.retention_plots)
     env_config = sim_config(args, tasks)
     policy_factory = partial(load_policy, args.checkpoint, device=args.device, dtype=args.dtype)
     results_path = out / RESULTS_FILE
@@ -83,8 +89,14 @@ def run(args: argparse.Namespace) -> int:
         raise FileExistsError(f"{results_path} exists: pass --resume to continue that run, or choose a new --out directory")
     out.mkdir(parents=True, exist_ok=True)
     finished = read_results(results_path) if args.resume else {}
-    evaluate(policy_factory, partial(make_env, args.sim, env_config), config, finished=finished,
-             on_result=partial(append_result, results_path))
+
+    def finished_episode(job: int, result) -> None:
+        """Durable as it ends: its retention picture first, then its result line (what --resume skips by)."""
+        if args.retention_plots:
+            plot_episodes([result], out / "retention", cue_steps=cue_steps)
+        append_result(results_path, job, result)
+
+    evaluate(policy_factory, partial(make_env, args.sim, env_config), config, finished=finished, on_result=finished_episode)
     results = load_results(results_path)
     summary = summarize(results)
     meta = {
@@ -105,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"plot: {plot}")
     if not args.no_video:
         print(f"videos: {out / 'videos'}")
+    if args.retention_plots:
+        print(f"retention pictures: {len(list((out / 'retention').glob('*.png')))} in {out / 'retention'}")
     return 0
 
 
@@ -134,3 +148,13 @@ def kv_label(kv: KVConfig) -> str:
     if kv.max_chunks is not None and kv.mode == "chunked":
         parts.append(f"M{kv.max_chunks}")
     return " ".join(parts)
+
+
+def parse_steps(text: str | None) -> list[int] | None:
+    """``--cue-steps 3,7`` -> [3, 7]; ``None`` stays ``None``."""
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as e:
+        raise ValueError(f"--cue-steps {text!r}: expected comma-separated step numbers, e.g. 2,5") from e

@@ -200,6 +200,7 @@ class ChunkedGatedCache:
         self.budget_dropped.zero_()
         self.lstm_state = self.gate.init_state(self.batch, self.model_cfg.n_kv_heads, device=self.chunk_valid.device)
         self.chunks_formed = 0
+        self._chunk_token_start: list[int] = []  # first token of every chunk formed, chronological
         self._chunk_slots: list[torch.Tensor] | None = None  # per layer, chronological; rebuilt after changes
         self._plan = None
         self._slots: list[torch.Tensor | slice] = []
@@ -271,6 +272,7 @@ class ChunkedGatedCache:
             for j in range(n):
                 self._admit_one(k_rep[..., j, :], v_rep[..., j, :], scores[:, j], keep[:, j])
         self.gate_dropped += (~keep).sum(1)
+        self._chunk_token_start += range(s.raw_head, s.raw_head + n * c, c)
         s.drop_raw(n * c)
         self._chunk_slots = None
 
@@ -319,6 +321,13 @@ class ChunkedGatedCache:
 
     def retained_per_layer(self) -> list[int]:
         return self.chunk_valid.sum(-1).tolist()
+
+    def retained_starts(self) -> tuple[tuple[int, ...], ...]:
+        """Per layer: the first token (counted from the episode start, like ``KVStats.tokens_seen``) of each
+        retained chunk, chronological; a chunk covers ``cfg.chunk`` tokens from there. One host sync: call
+        it when you want to show what the gate kept, not on every step."""
+        ages = self.chunk_age.masked_fill(~self.chunk_valid, _NEVER).sort(dim=-1).values.tolist()
+        return tuple(tuple(self._chunk_token_start[a] for a in row if a != _NEVER) for row in ages)
 
     def stats(self) -> KVStats:
         s, c = self.store, self.model_cfg

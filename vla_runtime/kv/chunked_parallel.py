@@ -16,20 +16,23 @@ How it reproduces streaming exactly (hard gates):
   compressed state does not change (only raw tokens are appended, which causality handles).
 * Per layer (``ParallelChunkedAttention.attend``): the chunk representatives are the gate's
   aggregate of the chunk tokens' pre-RoPE k/v of this very forward; the LSTM runs over all chunks in
-  order; the hard decisions (``score > tau``) go through the same budget rule as the cache
-  (``admit``), giving each chunk the forwards during which it is visible.
+  order; the hard decisions (``score > tau``) go through the cache's budget rule in closed form
+  (``budget.beaten_counts``: the retained set is the top M of the kept chunks so far), giving each
+  chunk the forwards during which it is visible.
 * Per segment the keys are ``pinned | visible chunks | raw tokens since the segment's raw head``
   with compacted positions ``0..P-1 | P..P+K-1 | P+K..`` exactly as the cache assigns them, and the
   segment's queries sit at ``P+K+(t-head)``. A query's distance to a chunk key and to a raw key thus
   follow different offsets, which is why the scores are computed per segment (a handful per control
-  step) rather than with one global mask.
+  step) rather than with one global mask; ``segment_attention`` pads the segments and runs them as one
+  batched attention call per layer.
 
-Soft gates (training): every formed chunk that the budget has not evicted is a key, with the score
-bias ``log g``, ``g = sigmoid((s - tau) / temperature)``. Kept chunks (``s > tau``) keep their hard
-positions; a chunk the hard gate drops is placed half-way between its kept neighbours
-(``P + #kept-before - 0.5``), so kept chunks and raw tokens sit where inference puts them and, as
-``g`` approaches the hard decision, the soft form converges to the hard one. ``soft=False`` gives
-hard gates (no bias, dropped chunks invisible): equal to streaming (tests hold this at atol 1e-4).
+Soft gates (training): every formed chunk is a key, with the score bias ``log g``,
+``g = sigmoid((s - tau) / temperature)``, plus, under a binding budget, the relaxed top-M bias ``log m``
+of ``BudgetMode.SOFT`` (``budget.py``; the default ``BudgetMode.HARD`` masks evicted chunks instead). Chunks
+streaming would hold keep their hard positions; any other shown chunk is placed half-way between its
+visible neighbours (``P + #visible-before - 0.5``), so visible chunks and raw tokens sit where inference
+puts them and, as the temperature falls, the soft form converges to the hard one. ``soft=False`` gives
+hard gates (no bias, dropped and evicted chunks invisible): equal to streaming (tests hold this at atol 1e-4).
 
 A batch of B windows must share the schedule (same boundaries and ``pinned_len``); decisions are per
 row (the streaming cache shares one decision across its batch rows, so compare them with B = 1).
@@ -52,16 +55,14 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .attention import masked_attention
-from .chunked_gated import ChunkedGatedConfig, admit, apply_admission, chunk_schedule
+from .budget import BudgetMode, beaten_counts, log_membership, visible_chunks
+from .chunked_gated import ChunkedGatedConfig, chunk_schedule
 from .config import KVConfig
 from .gate import ChunkGate, check_gate
-from .rope import apply_rope, rope_cos_sin
+from .segment_attention import SegmentPlan, attend_segments
 
 if TYPE_CHECKING:
     from ..models.llama import LlamaConfig, LlamaForCausalLM
-
-_NEVER = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ class ParallelChunkedAttention:
     """The training form as an object with ``attend``: ``model(inputs_embeds=x, cache=this)`` runs it.
 
     One instance per forward (it collects the gates' outputs for ``aux``). ``end_forward`` is a no-op.
+    ``budget`` says how the soft form treats chunks the budget evicts (``budget.BudgetMode``).
     """
 
     def __init__(
@@ -178,6 +180,7 @@ class ParallelChunkedAttention:
         *,
         soft: bool = True,
         temperature: float = 1.0,
+        budget: BudgetMode = BudgetMode.HARD,
     ) -> None:
         if temperature <= 0:
             raise ValueError(f"`temperature` must be > 0, got {temperature}")
@@ -187,6 +190,10 @@ class ParallelChunkedAttention:
         self.model_cfg = model_cfg
         self.soft = soft
         self.temperature = temperature
+        self.budget = budget
+        # chunks formed before each segment (its keys can only be those)
+        self.formed = [bisect.bisect_left(schedule.chunk_forward, seg.first_forward) for seg in schedule.segments]
+        self._plan: SegmentPlan | None = None  # built on the first layer's device
         self.layers: dict[int, dict[str, torch.Tensor]] = {}
 
     def end_forward(self, *, pin: bool = False) -> None:
@@ -208,33 +215,27 @@ class ParallelChunkedAttention:
         log_g = gate.log_keep_prob(scores, layer, temperature=self.temperature)
         return k_rep.to(k.dtype), v_rep.to(v.dtype), scores, log_g
 
-    @torch.no_grad()
-    def _budget(self, scores: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        """The cache's budget rule replayed per row: [B, n] index of the last forward during which each
-        kept chunk is visible (``_NEVER`` if never evicted; its own formation forward if rejected)."""
-        sched = self.schedule
-        b, n = scores.shape
-        m = self.cfg.max_chunks
-        dev = scores.device
-        valid = torch.zeros(b, m, dtype=torch.bool, device=dev)
-        slot_scores = torch.zeros(b, m, dtype=torch.float32, device=dev)
-        ages = torch.zeros(b, m, dtype=torch.long, device=dev)
-        owner = torch.zeros(b, m, dtype=torch.long, device=dev)  # chunk index held by each slot
-        last = torch.full((b, n), _NEVER, dtype=torch.long, device=dev)
-        rows = torch.arange(b, device=dev)
-        for j in range(n):
-            f = sched.chunk_forward[j]
-            s = scores[:, j].float()
-            adm = admit(valid, slot_scores, ages, s, kept[:, j])
-            if m:
-                old = owner[rows, adm.slot]
-                last[rows, old] = torch.where(adm.write & adm.budget_drop, f, last[rows, old])
-            last[:, j] = torch.where(adm.budget_drop & ~adm.write, f, last[:, j])
-            if m:
-                hit = torch.nn.functional.one_hot(adm.slot, m).bool() & adm.write[:, None]
-                owner = owner.masked_fill(hit, j)
-            valid, slot_scores, ages = apply_admission(adm, valid, slot_scores, ages, s, j)
-        return last
+    def _retention(self, scores: torch.Tensor, log_g: torch.Tensor, kept: torch.Tensor):
+        """Per segment: which chunks streaming holds, which the soft form shows, and their score bias.
+
+        scores, log_g, kept: [B, n]. Returns visible, shown [B, S, n] bool, bias [B, S, n] or ``None``
+        (hard gates), retained [B, n] bool (held after the last forward).
+        """
+        m, n = self.cfg.max_chunks, scores.shape[1]
+        formed = torch.tensor(self.formed + [n], device=scores.device)  # [S + 1]: the end as a last "segment"
+        with torch.no_grad():
+            visible = visible_chunks(beaten_counts(scores.detach(), kept), kept, formed, m)  # [B, S + 1, n]
+        visible, retained = visible[:, :-1], visible[:, -1]
+        if not self.soft:
+            return visible, visible, None, retained
+        before = torch.arange(n, device=scores.device)[None, :] < formed[:-1, None]  # [S, n]
+        bias = log_g[:, None, :].expand(-1, before.shape[0], -1)  # [B, S, n]
+        if self.budget is BudgetMode.SOFT:
+            shown = before[None].expand_as(visible)
+            bias = bias + log_membership(scores, kept, formed[:-1], m, temperature=self.temperature)
+        else:  # HARD: evicted chunks stay masked, gate-dropped ones are shown with log g
+            shown = visible | (~kept[:, None, :] & before[None])
+        return visible, shown, bias, retained
 
     # ---- attention ----------------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -243,58 +244,23 @@ class ParallelChunkedAttention:
         b, hkv, n_tok, d = k_raw.shape
         if n_tok != sched.n_tokens:
             raise ValueError(f"the sequence has {n_tok} tokens but the boundaries cover {sched.n_tokens}")
-        n = sched.n_chunks
+        n, n_seg = sched.n_chunks, len(sched.segments)
         if n:
             k_rep, v_rep, scores, log_g = self._gates(layer, k_raw, v)
             kept = (scores > self.gate.threshold(layer)).detach()
-            last = self._budget(scores.detach(), kept)
+            visible, shown, bias, retained = self._retention(scores, log_g, kept)
         else:
             k_rep = v_rep = k_raw.new_zeros(b, hkv, 0, d)
             scores = log_g = k_raw.new_zeros(b, 0, dtype=torch.float32)
-            kept = torch.zeros(b, 0, dtype=torch.bool, device=k_raw.device)
-            last = torch.zeros(b, 0, dtype=torch.long, device=k_raw.device)
-        self.layers[layer] = dict(
-            keep_prob=log_g.exp(), scores=scores, kept=kept, retained=kept & (last == _NEVER)
+            kept = retained = torch.zeros(b, 0, dtype=torch.bool, device=k_raw.device)
+            visible = shown = torch.zeros(b, n_seg, 0, dtype=torch.bool, device=k_raw.device)
+            bias = None
+        self.layers[layer] = dict(keep_prob=log_g.exp(), scores=scores, kept=kept, retained=retained)
+        if self._plan is None:
+            self._plan = SegmentPlan.build(sched, self.formed, q.device)
+        return attend_segments(
+            self._plan, self.model_cfg.rope, q, k_raw, v, k_rep, v_rep, visible=visible, shown=shown, bias=bias
         )
-        outs = [self._segment(seg, q, k_raw, v, k_rep, v_rep, log_g, kept, last) for seg in sched.segments]
-        return torch.cat(outs, dim=2)
-
-    def _segment(self, seg: Segment, q, k, v, k_rep, v_rep, log_g, kept, last) -> torch.Tensor:
-        """Queries of one segment over pinned | the chunks formed before it | its raw tokens.
-
-        Every chunk formed before the segment is a key slot; the hard-visible ones (kept, not yet evicted)
-        take positions ``P + rank``; in soft mode the gate-dropped ones are shown too, half-way between
-        their kept neighbours; the rest are masked. Returns [B, Hq, T, D].
-        """
-        b = k.shape[0]
-        dev = q.device
-        f0, p = seg.first_forward, seg.pinned
-        n = bisect.bisect_left(self.schedule.chunk_forward, f0)  # chunks formed before this segment
-        kept, last = kept[:, :n], last[:, :n]
-        visible = kept & (last >= f0)  # [B, n]
-        shown = visible | ~kept if self.soft else visible
-        before = visible.long().cumsum(1) - visible.long()  # kept chunks before each chunk
-        c_pos = p + before.float() - 0.5 * (~visible).float()  # [B, n]
-        offset = visible.sum(1, keepdim=True).float() + p - seg.head  # [B, 1]: P + K - head
-        raw_pos = torch.arange(seg.head, seg.end, device=dev, dtype=torch.float32) + offset  # [B, R]
-        q_pos = torch.arange(seg.start, seg.end, device=dev, dtype=torch.float32) + offset  # [B, T]
-        pin_pos = torch.arange(p, device=dev, dtype=torch.float32).expand(b, p)  # [B, P]
-        pos = torch.cat((pin_pos, c_pos, raw_pos), dim=1)  # [B, Nk]
-        ones = lambda m: torch.ones(b, m, dtype=torch.bool, device=dev)  # noqa: E731
-        ok = torch.cat((ones(p), shown, ones(raw_pos.shape[1])), dim=1)  # [B, Nk]
-        keys = torch.cat((k[:, :, :p], k_rep[:, :, :n], k[:, :, seg.head : seg.end]), dim=2)  # [B, Hkv, Nk, D]
-        values = torch.cat((v[:, :, :p], v_rep[:, :, :n], v[:, :, seg.head : seg.end]), dim=2)
-        cos, sin = rope_cos_sin(pos, self.model_cfg.rope)  # [B, Nk, D]
-        keys = apply_rope(keys, cos[:, None], sin[:, None])
-        q_cos, q_sin = rope_cos_sin(q_pos, self.model_cfg.rope)  # [B, T, D]
-        queries = apply_rope(q[:, :, seg.start : seg.end], q_cos[:, None], q_sin[:, None])
-        mask = ok[:, None, None, :] & (pos[:, None, None, :] <= q_pos[:, None, :, None])  # [B, 1, T, Nk]
-        bias = None
-        if self.soft and n:
-            chunk_bias = log_g[:, :n].masked_fill(~shown, 0.0)  # [B, n]
-            zeros = chunk_bias.new_zeros
-            bias = torch.cat((zeros(b, p), chunk_bias, zeros(b, raw_pos.shape[1])), dim=1)[:, None, None, :]
-        return masked_attention(queries, keys, values, mask, bias=bias)
 
     def aux(self) -> ParallelAux:
         layers = [self.layers[i] for i in sorted(self.layers)]
@@ -318,6 +284,7 @@ def parallel_forward(
     *,
     soft: bool = True,
     temperature: float = 1.0,
+    budget: BudgetMode = BudgetMode.HARD,
 ) -> tuple[torch.Tensor, ParallelAux]:
     """One forward of ``model`` over whole history windows, seeing what streaming inference sees.
 
@@ -331,7 +298,8 @@ def parallel_forward(
         kv_cfg: the ``chunked`` KVConfig inference uses (``chunk``, ``window``, ``max_chunks``, ``capacity``).
         soft: ``True`` = soft gates (score bias ``log g``) for training; ``False`` = hard gates, equal to
             a streaming ``ChunkedGatedCache`` run over the same forwards.
-        temperature: of the soft gate ``g = sigmoid((s - tau) / temperature)``.
+        temperature: of the soft gate ``g = sigmoid((s - tau) / temperature)`` and the relaxed budget.
+        budget: how soft gates treat chunks the budget evicts (``BudgetMode``; ignored with hard gates).
 
     Returns:
         logits [B, N, V] float32, and a ``ParallelAux`` (per-chunk gate probabilities, ``kept_ratio``).
@@ -341,7 +309,9 @@ def parallel_forward(
     cfg = ChunkedGatedConfig.from_kv(kv_cfg, model.cfg)
     check_gate(gate, kv_cfg, model.cfg)
     schedule = ForwardSchedule.build(boundaries, pinned_len, window=cfg.window, chunk=cfg.chunk)
-    attn = ParallelChunkedAttention(schedule, gate, cfg, model.cfg, soft=soft, temperature=temperature)
+    attn = ParallelChunkedAttention(
+        schedule, gate, cfg, model.cfg, soft=soft, temperature=temperature, budget=budget
+    )
     logits = model(inputs_embeds=inputs_embeds, cache=attn)
     return logits, attn.aux()
 

@@ -27,6 +27,7 @@ from ..api import ActionQueue, Policy
 from ..config import SessionConfig
 from .actions import check_policy_action_dim
 from .base import SimEnv
+from .retention import RetentionTrace
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class EvalConfig:
         session: the runtime session config (KV mode, history mode, execution horizon).
         workers: parallel processes (1 = in this process).
         out: directory for videos (first episode of each task); ``None`` = no videos.
+        trace_retention: record what the chunked cache holds after every step (``EpisodeResult.retention``).
     """
 
     tasks: list[str]
@@ -54,6 +56,7 @@ class EvalConfig:
     session: SessionConfig = field(default_factory=SessionConfig)
     workers: int = 1
     out: Path | None = None
+    trace_retention: bool = False
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -68,7 +71,8 @@ class EvalConfig:
 
 @dataclass
 class EpisodeResult:
-    """One episode's outcome and timings (milliseconds)."""
+    """One episode's outcome and timings (milliseconds); ``retention`` when traced; ``cue_steps`` when the
+    task reports them (``StepInfo.extra["cue_steps"]``, memory tasks)."""
 
     task: str
     seed: int
@@ -82,13 +86,19 @@ class EpisodeResult:
     kv_final: dict
     error: str | None = None
     video: str | None = None
+    retention: RetentionTrace | None = None
+    cue_steps: list[int] | None = None
 
 
 def run_episode(
-    env: SimEnv, policy: Policy, task: str, seed: int, session_config: SessionConfig, *, video_path: Path | None = None
+    env: SimEnv, policy: Policy, task: str, seed: int, session_config: SessionConfig, *, video_path: Path | None = None,
+    trace_retention: bool = False,
 ) -> EpisodeResult:
-    """Run one closed-loop episode; ``video_path`` records the primary camera to an mp4 (or gif)."""
+    """Run one closed-loop episode; ``video_path`` records the primary camera to an mp4 (or gif);
+    ``trace_retention`` records the chunks the cache holds after every inference step."""
     obs = env.reset(task, seed)
+    trace = RetentionTrace() if trace_retention else None
+    cue_steps = None
     session = policy.new_session(obs.instruction, session_config)
     queue = ActionQueue(session, horizon=session_config.execution_horizon)
     frames = [next(iter(obs.images.values()))] if video_path is not None else None
@@ -106,6 +116,8 @@ def run_episode(
             inference_ms.append((t1 - t0) * 1e3)
             kv_max = max(kv_max, int(result.kv.bytes))
             kv_final = result.kv.as_dict()
+            if trace is not None:
+                trace.record(session.retained_chunks(), result.kv.tokens_seen)
         try:
             obs, done, success, info = env.step(action)
         except ValueError as e:  # an action the simulator cannot take (wrong shape, NaN): a failed episode, not a crash
@@ -115,6 +127,7 @@ def run_episode(
         env_s += time.perf_counter() - t1
         steps = info.step
         error = info.extra.get("error", error)
+        cue_steps = info.extra.get("cue_steps", cue_steps)
         if frames is not None:
             frames.append(next(iter(obs.images.values())))
     video = None
@@ -122,7 +135,10 @@ def run_episode(
         from .media import write_preview
 
         video = str(write_preview(video_path, np.stack(frames), fps=env.fps))
-    return EpisodeResult(task, seed, success, steps, policy_s, env_s, step_ms, inference_ms, kv_max, kv_final, error, video)
+    return EpisodeResult(
+        task, seed, success, steps, policy_s, env_s, step_ms, inference_ms, kv_max, kv_final, error, video, trace,
+        None if cue_steps is None else [int(c) for c in cue_steps],
+    )  # fmt: skip
 
 
 # -- worker processes --------------------------------------------------------------------------
@@ -148,7 +164,9 @@ def _close_worker() -> None:
         env.close()
 
 
-def _worker_episode(task: str, seed: int, session_config: SessionConfig, video_path: Path | None) -> EpisodeResult:
+def _worker_episode(
+    task: str, seed: int, session_config: SessionConfig, video_path: Path | None, trace_retention: bool = False
+) -> EpisodeResult:
     # built on the first episode rather than in the initializer: an error here (bad checkpoint, unmappable
     # action space) reaches the caller as itself instead of as a broken process pool
     if "policy" not in _worker:
@@ -160,7 +178,9 @@ def _worker_episode(task: str, seed: int, session_config: SessionConfig, video_p
             env.close()
             raise
         _worker["policy"], _worker["env"] = policy, env
-    return run_episode(_worker["env"], _worker["policy"], task, seed, session_config, video_path=video_path)
+    return run_episode(
+        _worker["env"], _worker["policy"], task, seed, session_config, video_path=video_path, trace_retention=trace_retention
+    )
 
 
 def _episode_jobs(config: EvalConfig) -> list[tuple[str, int, Path | None]]:
@@ -217,7 +237,8 @@ def evaluate(
             check_policy_action_dim(policy.action_dim, env.name)
             for i in todo:
                 task, seed, video = jobs[i]
-                done(i, run_episode(env, policy, task, seed, config.session, video_path=video))
+                done(i, run_episode(env, policy, task, seed, config.session, video_path=video,
+                                    trace_retention=config.trace_retention))
         finally:
             env.close()
             bar.close()
@@ -229,7 +250,7 @@ def evaluate(
         initializer=_init_worker,
         initargs=(policy_factory, env_factory, threads),
     ) as pool:
-        futures = {pool.submit(_worker_episode, *jobs[i][:2], config.session, jobs[i][2]): i for i in todo}
+        futures = {pool.submit(_worker_episode, *jobs[i][:2], config.session, jobs[i][2], config.trace_retention): i for i in todo}
         try:
             for future in as_completed(futures):
                 done(futures[future], future.result())
@@ -239,8 +260,9 @@ def evaluate(
 
 
 def episode_record(result: EpisodeResult) -> dict:
-    """JSON-ready episode record (latency lists summarised)."""
+    """JSON-ready episode record (latency lists summarised; the retention trace is left to its picture)."""
     record = asdict(result)
+    del record["retention"]
     for key in ("step_ms", "inference_ms"):
         values = record.pop(key)
         record[f"{key}_p50"] = float(np.percentile(values, 50)) if values else None

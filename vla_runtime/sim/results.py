@@ -24,7 +24,9 @@ RESULTS_FILE = "episodes.jsonl"
 
 def append_result(path: Path, job: int, result: EpisodeResult) -> None:
     """Append one finished episode durably."""
-    line = json.dumps({"job": job, **asdict(result)}) + "\n"
+    record = asdict(result)
+    record.pop("retention", None)  # the trace goes into its picture, not the result line
+    line = json.dumps({"job": job, **record}) + "\n"
     new = not path.exists()
     with open(path, "a") as f:
         f.write(line)

@@ -1,0 +1,126 @@
+"""Recipe: the memory-suite policies (issue 15), single-frame vs history with every cache, one command.
+
+Stages, each a command a user can also run by hand (the recipe prints them and records them with their
+wall times in ``OUT/recipe.json``):
+
+1. ``vla-runtime collect`` on ``--tasks`` (the memory tasks, plus Markovian ones if wanted).
+2. a random OpenVLA-architecture checkpoint (``metaworld_demo.llm_geometry``; 84 px, LLaMA 128 x 4).
+3. two trainings from scratch on the same data:
+   (a) ``model-history``: whole episodes (``--window 0``) through the chunked cache's parallel form,
+       the gate trained under the budget inference uses (``--max-chunks``, ``--gate-budget hard``);
+   (b) ``model-single``: stock single-frame OpenVLA (no history).
+4. ``vla-runtime eval`` on held-out seeds: (b) single; (a) with the full cache; (a) with a sliding window
+   (``sink_window``) holding as many tokens as the chunked cache at most does (raw window + a filling
+   chunk + the budget); (a) with the chunked cache (``--retention-plots``: what the gate kept, per episode).
+   ``OUT/results.md`` tables success, control rate, p95 step latency and peak KV side by side.
+
+    python -m vla_finetune.recipes.metaworld_memory --out runs/memory --tasks TASK1,TASK2
+    python -m vla_finetune.recipes.metaworld_memory --out /tmp/m --tasks reach-v3 --episodes 1 --resolution 28 \\
+        --llm-dim 64 --llm-layers 1 --max-steps 2 --eval-episodes 1 --eval-max-steps 4 --eval-workers 1   # smoke
+
+Each training is sized for <= 1 hour on 2 CPU cores at the defaults (whole-episode training runs at
+~2,900 tokens per CPU-second on one thread, demo geometry: ``benchmarks/bench_episode_training.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .metaworld_demo import add_common_args, eval_args, llm_geometry, run_stage, write_results
+
+# the evaluated conditions, in table order (``eval_flags`` says what each runs)
+CONDITIONS = ("single", "history-full", "history-window", "history-chunked")
+CHUNK = 16  # chunk size: KVConfig's default, which `vla-runtime eval --kv chunked` also uses
+
+
+def eval_flags(condition: str, args: argparse.Namespace) -> list[str]:
+    """The ``vla-runtime eval`` flags of one condition (history-window: the chunked cache's token count)."""
+    window = (args.resolution // 14) ** 2 + 16  # one step's tokens (frame + proprio + prompt suffix + actions), upper bound
+    capacity = (args.eval_max_steps + 1) * window  # the full cache holds the whole episode
+    if condition == "single":
+        return ["--history", "single", "--kv", "full"]
+    if condition == "history-full":
+        return ["--history", "history", "--kv", "full", "--kv-capacity", str(capacity)]
+    if condition == "history-window":  # the chunked cache holds <= raw window + a filling chunk + the budget
+        return ["--history", "history", "--kv", "sink_window", "--kv-window", str(window + CHUNK + args.max_chunks)]
+    return ["--history", "history", "--kv", "chunked", "--kv-max-chunks", str(args.max_chunks), "--retention-plots"]
+
+
+def results_table(out: Path) -> str:
+    """Markdown: per task and condition, success, control rate, p95 step latency, peak KV."""
+    rows = ["| task | condition | success | control rate (Hz) | step p95 (ms) | peak KV (KiB) |", "|---|---|---|---|---|---|"]
+    summaries = {c: json.loads((out / f"eval-{c}" / "report.json").read_text())["summary"] for c in CONDITIONS}
+    for task in [*summaries[CONDITIONS[0]]["tasks"], "overall"]:
+        for c, s in summaries.items():
+            m = s["overall"] if task == "overall" else s["tasks"][task]
+            rows.append(f"| {task} | {c} | {m['successes']}/{m['episodes']} ({100 * m['success_rate']:.0f} %) "
+                        f"| {m['control_rate_hz']:.1f} | {m['step_latency_ms']['p95']:.1f} | {m['kv_bytes_max'] / 1024:.0f} |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m vla_finetune.recipes.metaworld_memory", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_common_args(p, tasks=None)
+    p.add_argument("--max-chunks", type=int, default=32, help="retained chunks per layer, training and eval (default 32)")
+    p.add_argument("--max-steps", type=int, default=300, help="optimizer steps of each training (default 300)")
+    p.add_argument("--batch-size", type=int, default=4, help="whole episodes per step (default 4)")
+    p.add_argument("--single-batch-size", type=int, default=64, help="single-frame samples per step (default 64)")
+    p.add_argument("--eval-episodes", type=int, default=30, help="evaluation episodes per task and condition; 0 = skip")
+    p.add_argument("--eval-seed", type=int, default=1000, help="first held-out seed (default 1000)")
+    p.add_argument("--eval-workers", type=int, default=2, help="parallel evaluation processes (default 2)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    cli = [str(Path(sys.executable).with_name("vla-runtime"))]  # the console script beside this interpreter
+    log: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "stages": []}
+    data, init = args.out / "data", args.out / "init"
+    models = {"history": args.out / "model-history", "single": args.out / "model-single"}
+
+    if not (data / "meta" / "info.json").exists():
+        run_stage("collect", cli + ["collect", "--sim", "metaworld", "--tasks", args.tasks, "--episodes", str(args.episodes),
+                                    "--camera", args.camera, "--resolution", str(args.resolution), "--seed", str(args.seed),
+                                    "--out", str(data)], log)  # fmt: skip
+    if not (init / "config.json").is_file():
+        make_tiny_openvla(init, seed=args.seed, image_size=args.resolution, proprio_dim=4,
+                          llm=llm_geometry(args.llm_dim, args.llm_layers), dtype=torch.float32)  # fmt: skip
+    common = ["finetune", "--from-scratch", "--checkpoint", str(init), "--dataset", str(data), "--camera", args.camera,
+              "--dataset-name", "metaworld_memory", "--max-steps", str(args.max_steps), "--lr", str(args.lr),
+              "--lr-schedule", "cosine", "--warmup-steps", str(max(args.max_steps // 20, 1)), "--threads", str(args.threads),
+              "--save-dtype", "bfloat16", "--seed", str(args.seed), "--cache-dir", str(args.out / "frame-cache")]  # fmt: skip
+    flags = {
+        "history": ["--history", "history", "--kv", "chunked", "--window", "0", "--chunk", str(CHUNK),
+                    "--max-chunks", str(args.max_chunks), "--gate-budget", "hard", "--retention-weight", "0",
+                    "--batch-size", str(args.batch_size)],
+        "single": ["--history", "single", "--kv", "full", "--batch-size", str(args.single_batch_size)],
+    }  # fmt: skip
+    for name, model in models.items():
+        if (model / "model.safetensors").is_file():
+            log["stages"].append({"stage": f"train-{name}", "skipped": f"{model} exists"})
+            continue
+        run_stage(f"train-{name}", cli + common + flags[name] + ["--out", str(model)], log)
+
+    if args.eval_episodes > 0:
+        for condition in CONDITIONS:
+            model = models["single" if condition == "single" else "history"]
+            flags = ["--no-video", *eval_flags(condition, args)]
+            argv = eval_args(args, model, args.out / f"eval-{condition}", flags, seed=args.eval_seed, workers=args.eval_workers)
+            run_stage(f"eval-{condition}", cli + argv, log)
+        write_results(args.out, results_table(args.out))
+    (args.out / "recipe.json").write_text(json.dumps(log, indent=2) + "\n")
+    print(f"\nrecipe done: {models['history']} (history, chunked) and {models['single']} (single frame); log {args.out / 'recipe.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

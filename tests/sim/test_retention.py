@@ -1,0 +1,67 @@
+"""The retention picture: its data is the chunked cache's state, mapped to the steps the chunks came from."""
+
+import numpy as np
+import pytest
+import torch
+
+from vla_runtime.api import Observation, load_policy
+from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
+from vla_runtime.config import SessionConfig
+from vla_runtime.kv import ChunkGate, ChunkGateConfig, KVConfig
+from vla_runtime.sim.evaluate import EpisodeResult, episode_record
+from vla_runtime.sim.retention import RetentionTrace, plot_episodes
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """A tiny OpenVLA history session, chunked cache with a budget of 3 and a gate that drops some chunks,
+    traced after every step."""
+    torch.manual_seed(0)
+    policy = load_policy(make_tiny_openvla(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0))
+    kv = KVConfig(mode="chunked", chunk=8, max_chunks=3)
+    gate = ChunkGate(ChunkGateConfig.from_configs(kv, policy.config.llm))
+    with torch.no_grad():
+        gate.readout_weight.normal_(0.0, 3.0)
+        gate.readout_bias.zero_()
+    policy.kv_gate = gate
+    session = policy.new_session("put the red cube in the blue bowl", SessionConfig(kv=kv, history="history"))
+    rng = np.random.default_rng(0)
+    trace, seen = RetentionTrace(), []
+    for _ in range(STEPS):
+        result = session.step(Observation(images={"primary": rng.integers(0, 256, (96, 128, 3), dtype=np.uint8)}))
+        trace.record(session.retained_chunks(), result.kv.tokens_seen)
+        seen.append(result.kv)
+    return session, trace, seen
+
+
+def test_trace_maps_the_held_chunks_to_their_source_steps(traced):
+    session, trace, stats = traced
+    per_step = np.diff(trace.step_ends)
+    assert len(set(per_step.tolist())) == 1  # every step appends the same tokens after the first
+    grid = trace.held_by_step()  # [source step, control step]
+    layers = session.cache.model_cfg.n_layers
+    for x, s in enumerate(stats):
+        assert grid[:, x].sum() == pytest.approx(s.chunks_retained / layers)  # every held chunk, once
+    starts = session.cache.retained_starts()  # the cache's own state after the last step
+    assert starts == trace.retained[-1] and 0 < sum(map(len, starts)) <= 3 * layers
+    first = trace.step_ends[0]  # prompt + step 0
+    expected = np.zeros(STEPS)
+    for layer in starts:
+        for start in layer:  # token -> step by the per-step token count
+            expected[0 if start < first else 1 + (start - first) // per_step[0]] += 1 / layers
+    np.testing.assert_allclose(grid[:, -1], expected)
+    assert np.all(np.diag(grid) == 0)  # a step's own tokens are still raw after it
+    held_step = int(np.argmax(expected))
+    assert trace.cue_held(held_step) == pytest.approx(np.mean([any(trace.source_step(s) == held_step for s in layer) for layer in starts]))
+
+
+def test_one_picture_per_traced_episode_with_the_cues_marked(traced, tmp_path):
+    _, trace, _ = traced
+    result = EpisodeResult("reach-v3", 1000, False, STEPS, 0.0, 0.0, [], [], 0, {}, retention=trace, cue_steps=[1])
+    untraced = EpisodeResult("reach-v3", 1001, True, 3, 0.0, 0.0, [], [], 0, {})
+    paths = plot_episodes([result, untraced], tmp_path)
+    assert paths == [tmp_path / "reach-v3-seed1000.png"]
+    assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths[0].stat().st_size > 5000
+    assert "retention" not in episode_record(result) and episode_record(result)["cue_steps"] == [1]
