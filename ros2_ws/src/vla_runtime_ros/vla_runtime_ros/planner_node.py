@@ -69,6 +69,7 @@ class PlannerNode(Node):
     """Plans the next subtask whenever the goal or the memory changes; publishes it when it changes."""
 
     def __init__(self, node_name: str = "vla_planner", **kwargs) -> None:
+        self._worker: ThreadPoolExecutor | None = None  # destroy_node runs even when __init__ failed
         super().__init__(node_name, **kwargs)
         declare_config(self, PlannerNodeConfig)
         self.cfg = read_config(self, PlannerNodeConfig)
@@ -224,7 +225,8 @@ class PlannerNode(Node):
 
     def destroy_node(self) -> None:
         """Stop planning (a plan in flight finishes, nothing more is published), then destroy the node."""
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)
         super().destroy_node()
 
 

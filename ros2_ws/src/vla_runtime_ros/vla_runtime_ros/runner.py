@@ -127,7 +127,8 @@ def run(make_node: Callable[[Stop], Node], args: list[str] | None = None, *, nam
                     exit_with_parent()
                 node = make_node(stop)
             except (NodeStartError, ValueError, KeyError, OSError, ImportError) as e:
-                logger.fatal(f"could not start: {e}")
+                reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) adds quotes
+                logger.fatal(f"could not start: {reason}")
                 return 1
             _spin_until_stopped(node, stop, threads)
             node.get_logger().info(f"stopping: {stop.reason}")

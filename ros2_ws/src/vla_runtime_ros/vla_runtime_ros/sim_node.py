@@ -66,11 +66,12 @@ class SimNode(Node):
                  on_finished: Callable[[str], object] | None = None, **kwargs) -> None:
         """``env``: a simulator to drive (default: built from the parameters, and closed with the node);
         ``on_finished(summary)`` is called when the last of ``episodes`` episodes ended."""
+        self.env, self._owns_env, self._result_pub = None, False, None  # destroy_node runs even when __init__ failed
         super().__init__(node_name, **kwargs)
         declare_config(self, SimNodeConfig)
         self.cfg = read_config(self, SimNodeConfig)
-        self._owns_env = env is None
         self.env = env if env is not None else build_env(self.cfg, self._env_overrides())
+        self._owns_env = env is None
         self._on_finished = on_finished
         self.camera = self.cfg.camera or self.env.cameras[0]
         if self.camera not in self.env.cameras:
@@ -221,7 +222,8 @@ class SimNode(Node):
 
     def destroy_node(self) -> None:
         """Destroy the node after its episode results reached their subscribers; close a simulator it built."""
-        self._result_pub.wait_for_all_acked(Duration(seconds=RESULT_FLUSH_S))
+        if self._result_pub is not None:
+            self._result_pub.wait_for_all_acked(Duration(seconds=RESULT_FLUSH_S))
         if self._owns_env:
             self.env.close()
         super().destroy_node()
