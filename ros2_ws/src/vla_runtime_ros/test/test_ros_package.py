@@ -165,8 +165,11 @@ def test_a_node_exit_stops_the_launch_with_its_exit_code_and_reason(monkeypatch)
 
     with pytest.raises(NodeFailed, match=r"^/left/vla_policy exited with code 1: could not start: configure failed: no config.json$"):
         node.kwargs["on_exit"](fake_exit(1), None)
-    (shutdown,) = node.kwargs["on_exit"](fake_exit(0), None)  # a node that ended by itself ends the launch
-    assert kind(shutdown) == "Shutdown" and shutdown.kwargs["reason"] == "/left/vla_policy ended"
+    for code in (0, -2):  # a node that ended by itself, or was interrupted while starting, ends the launch
+        (shutdown,) = node.kwargs["on_exit"](fake_exit(code), None)
+        assert kind(shutdown) == "Shutdown" and shutdown.kwargs["reason"] == "/left/vla_policy ended"
+    with pytest.raises(NodeFailed, match="exited with code -9"):  # killed
+        node.kwargs["on_exit"](fake_exit(-9), None)
 
 
 def test_respawn_restarts_instead_of_stopping_but_not_the_simulator(monkeypatch):

@@ -7,7 +7,8 @@ A node started with ``supervised_node``
   exits 1, its last line naming the node, the exit code and the node's last FATAL/ERROR line.
   Upstream ``ros2 launch`` exits 0 whatever its processes did unless an event handler raises, so
   the exit handler raises ``NodeFailed``;
-- exits 0 by itself (the simulator after its last episode): the launch shuts down and exits 0;
+- exits 0 by itself (the simulator after its last episode), or was interrupted by SIGINT before it
+  could handle it (still importing): the launch shuts down and exits 0;
 - with ``respawn:=true`` is started again ``respawn_delay`` seconds after it exits, instead;
 - runs with ``--exit-with-parent``: a ``ros2 launch`` killed by SIGTERM or SIGKILL (which upstream
   launch does not forward) takes its nodes with it instead of leaving them publishing;
@@ -20,6 +21,7 @@ the node is made) and read arguments from ``context.launch_configurations``.
 from __future__ import annotations
 
 import re
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -93,7 +95,7 @@ def supervised_node(context: LaunchContext, *, respawnable: bool = True, **node_
         if respawn:
             return None  # launch starts it again
         name = event.action.node_name
-        if event.returncode == 0:
+        if event.returncode in (0, -signal.SIGINT):
             return [Shutdown(reason=f"{name} ended")]
         raise NodeFailed(f"{name} exited with code {event.returncode}: {problem.line or 'no error line; see its output above'}")
 
