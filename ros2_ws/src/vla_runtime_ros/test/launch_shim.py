@@ -22,7 +22,7 @@ SHIMMED = {
     "launch_ros.substitutions": ["FindPackageShare"],
     "launch_ros.parameter_descriptions": ["ParameterValue"],
 }
-SUPPORT_MODULE = "vla_runtime_ros.launch_support"  # imports launch: re-imported under each shim
+SUPPORT_MODULES = ("vla_runtime_ros.launch_support", "vla_runtime_ros.launch_nodes")  # import launch: re-imported under each shim
 
 
 class Recorded:
@@ -50,7 +50,8 @@ def load_launch(path: Path, monkeypatch) -> Recorded:
     """``generate_launch_description()`` of the launch file at ``path``, built from stand-ins."""
     for name, module in launch_shim().items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.delitem(sys.modules, SUPPORT_MODULE, raising=False)
+    for name in SUPPORT_MODULES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
     spec = importlib.util.spec_from_file_location(path.stem.replace(".", "_"), path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
