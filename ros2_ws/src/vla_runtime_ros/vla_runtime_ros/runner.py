@@ -103,8 +103,8 @@ def run(make_node: Callable[[Stop], Node], args: list[str] | None = None, *, nam
 
     ``name`` names the logger used before the node exists; ``threads`` sizes the executor (1: every
     callback on one thread).
-    ``make_node`` raises ``NodeStartError`` (or ``ValueError``/``KeyError``/``OSError``/``ImportError``
-    for a bad parameter) when the node cannot start.
+    ``make_node`` raises ``NodeStartError`` (or ``ValueError``/``KeyError`` for a bad parameter,
+    ``OSError``/``ImportError``/``RuntimeError`` for a model that does not load) when the node cannot start.
     """
     args = list(sys.argv if args is None else args)
     options = parse_process_args(args)
@@ -126,7 +126,7 @@ def run(make_node: Callable[[Stop], Node], args: list[str] | None = None, *, nam
                 if options.exit_with_parent:
                     exit_with_parent()
                 node = make_node(stop)
-            except (NodeStartError, ValueError, KeyError, OSError, ImportError) as e:
+            except (RuntimeError, ValueError, KeyError, OSError, ImportError) as e:  # NodeStartError is a RuntimeError
                 reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) adds quotes
                 logger.fatal(f"could not start: {reason}")
                 return 1
