@@ -4,46 +4,38 @@
         params_file:=$(ros2 pkg prefix vla_runtime_ros)/share/vla_runtime_ros/config/openvla.yaml \
         namespace:=arm image_topic:=/camera/color/image_raw
 
+A node that fails (a bad checkpoint, a crash) stops the launch, which exits 1 with the node's reason;
+respawn:=true [respawn_delay:=S] restarts it instead (see vla_runtime_ros.launch_support).
+
 Without a launch system: python -m vla_runtime_ros.policy_node --ros-args --params-file FILE -p checkpoint:=DIR
 """
 
 from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument
-from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
-from launch_ros.actions import Node
+from launch.actions import DeclareLaunchArgument, OpaqueFunction
+from launch.substitutions import LaunchConfiguration
 from launch_ros.parameter_descriptions import ParameterValue
-from launch_ros.substitutions import FindPackageShare
+from vla_runtime_ros.launch_nodes import policy_arguments, policy_node
+from vla_runtime_ros.launch_support import supervision_arguments
+
+
+def nodes(context):
+    return policy_node(
+        context,
+        parameters={
+            "autostart": ParameterValue(LaunchConfiguration("autostart"), value_type=bool),
+            "dry_run": ParameterValue(LaunchConfiguration("dry_run"), value_type=bool),
+        },
+        remappings=(("image_raw", LaunchConfiguration("image_topic")),),
+    )
 
 
 def generate_launch_description():
     return LaunchDescription([
-        DeclareLaunchArgument("checkpoint", description="checkpoint directory (OpenVLA HF dir, CogACT/HybridVLA run dir)"),
-        DeclareLaunchArgument(
-            "params_file",
-            default_value=PathJoinSubstitution([FindPackageShare("vla_runtime_ros"), "config", "openvla.yaml"]),
-            description="node parameters (config/openvla.yaml, cogact.yaml, hybridvla.yaml)",
-        ),
+        *policy_arguments(),
         DeclareLaunchArgument("namespace", default_value="", description="namespace of the node and its topics"),
-        DeclareLaunchArgument("device", default_value="auto", description="auto, cpu or cuda[:N]"),
         DeclareLaunchArgument("autostart", default_value="true", description="configure and activate at start-up"),
         DeclareLaunchArgument("dry_run", default_value="false", description="compute actions, publish none"),
         DeclareLaunchArgument("image_topic", default_value="image_raw", description="camera topic (sensor_msgs/Image)"),
-        Node(
-            package="vla_runtime_ros",
-            executable="policy_node",
-            name="vla_policy",
-            namespace=LaunchConfiguration("namespace"),
-            parameters=[
-                LaunchConfiguration("params_file"),
-                {
-                    "checkpoint": LaunchConfiguration("checkpoint"),
-                    "device": LaunchConfiguration("device"),
-                    "autostart": ParameterValue(LaunchConfiguration("autostart"), value_type=bool),
-                    "dry_run": ParameterValue(LaunchConfiguration("dry_run"), value_type=bool),
-                },
-            ],
-            remappings=[("image_raw", LaunchConfiguration("image_topic"))],
-            output="screen",
-            emulate_tty=True,
-        ),
+        *supervision_arguments(),
+        OpaqueFunction(function=nodes),
     ])

@@ -301,14 +301,18 @@ class Diagnostics:
 
 
 class NodeProcess:
-    """``python -m vla_runtime_ros.<module> --ros-args --params-file <yaml>`` in a subprocess."""
+    """``python -m vla_runtime_ros.<module> [process_args] --ros-args --params-file <yaml>`` in a subprocess.
 
-    def __init__(self, module: str, params: dict, tmp: Path, *, name: str, namespace: str = "/", extra_args: tuple = ()) -> None:
+    ``launcher``: a command the node is started through (its parent), e.g. ``(sys.executable, "-c", ...)``.
+    """
+
+    def __init__(self, module: str, params: dict, tmp: Path, *, name: str, namespace: str = "/", extra_args: tuple = (),
+                 process_args: tuple = (), launcher: tuple = ()) -> None:
         self.params_file = tmp / f"{name}_params.yaml"
         self.params_file.write_text(yaml.safe_dump({"/**": {"ros__parameters": params}}))
         self.log_path = tmp / f"{name}.log"
         self.args = [
-            sys.executable, "-m", f"vla_runtime_ros.{module}",
+            *launcher, sys.executable, "-m", f"vla_runtime_ros.{module}", *process_args,
             "--ros-args", "--params-file", str(self.params_file),
             "-r", f"__node:={name}", "-r", f"__ns:={namespace}", *ROS_ARGS_QUIET, *extra_args,
         ]
@@ -335,17 +339,17 @@ class NodeProcess:
         diag.wait(lambda s, v: v.get("state") == "active", PATIENCE.timeout(120.0), what=f"{diag.name} active\n{self.output()}")
         PATIENCE.observe(time.monotonic() - self.started, factor=3.0)
 
-    def interrupt(self, timeout: float = 0.0) -> tuple[int, float]:
-        """SIGINT (Ctrl-C); returns (exit code, seconds it took). Kills it and raises if it hangs."""
+    def interrupt(self, timeout: float = 0.0, signum: int = signal.SIGINT) -> tuple[int, float]:
+        """SIGINT (Ctrl-C) or ``signum``; returns (exit code, seconds it took). Kills it and raises if it hangs."""
         timeout = PATIENCE.timeout(timeout)
         start = time.monotonic()
-        self.proc.send_signal(signal.SIGINT)
+        self.proc.send_signal(signum)
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"{self.args} did not exit within {timeout:.0f} s of SIGINT:\n{self.output()}") from None
+            raise AssertionError(f"{self.args} did not exit within {timeout:.0f} s of {signal.Signals(signum).name}:\n{self.output()}") from None
         return code, time.monotonic() - start
 
     def close(self) -> None:

@@ -8,51 +8,16 @@ import pytest
 
 pytest.importorskip("rclpy")
 
-import torch  # noqa: E402
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from ros_harness import Diagnostics, wait_for  # noqa: E402
+from ros_test_planner import MEMORY, write_tiny_planner  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
 from vla_runtime_ros.planner_node import LATCHED_QOS, UPDATE_QOS, PlannerNode  # noqa: E402
 
 pytestmark = pytest.mark.ros
 
 NS = "/keep"
-MEMORY = {
-    "obj:Apple": "{'object': 'Apple', 'state': 'none', 'position': 'in the fridge'}",
-    "obj:Fridge": "{'object': 'Fridge', 'state': 'closed', 'position': 'in the kitchen'}",
-    "example:0": "Human: put the book on the shelf. Robot: 1. find a book, 2. pick up the book, 3. done.",
-}
-
-
-def write_tiny_planner(root):
-    """A tiny random LLaMA HF directory (config.json, model.safetensors, tokenizer files)."""
-    from safetensors.torch import save_file
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from vla_runtime.models.llama import LlamaConfig, LlamaForCausalLM
-
-    root.mkdir(parents=True)
-    specials = ["<unk>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
-    split = pre_tokenizers.Split(Regex(r"\w+|[^\w]"), "isolated")
-    vocab = {t: i for i, t in enumerate(specials)}
-    for text in [*MEMORY.values(), "Memory: Human: Robot: 1. 2. 3. put the apple on the table; open close pick up"]:
-        for word, _ in split.pre_tokenize_str(text):
-            vocab.setdefault(word, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer, tok.decoder = split, decoders.Fuse()
-    tok.add_special_tokens(specials[1:])
-    cfg = LlamaConfig.from_name("tiny", vocab_size=len(vocab))  # every id the model can emit is a word
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    (root / "config.json").write_text(json.dumps(cfg.to_hf()))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(root / "model.safetensors"))
-    template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-    )
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", chat_template=template).save_pretrained(root)
-    return root
 
 
 def test_planner_node_plans_from_goal_and_memory_and_rejects_bad_updates(harness, tmp_path):

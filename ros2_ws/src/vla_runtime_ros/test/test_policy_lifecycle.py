@@ -134,7 +134,9 @@ def test_configure_fails_cleanly_on_a_bad_checkpoint(tmp_path):
     try:
         assert proc.wait_exit(timeout=60) == 1
         out = proc.output()
-        assert f"configure failed: checkpoint directory {missing} does not exist" in out
+        # the reason is on the process's last FATAL line, which launch_support repeats when it stops the launch
+        fatal = [line for line in out.splitlines() if "[FATAL]" in line]
+        assert fatal and fatal[-1].endswith(f"could not start: configure failed: checkpoint directory {missing} does not exist"), out
         assert "Traceback" not in out
     finally:
         proc.close()

@@ -3,7 +3,7 @@ launch files, parameter YAMLs and the README agree with the code."""
 
 import ast
 import importlib.metadata
-import importlib.util
+import io
 import sys
 import types
 import xml.etree.ElementTree as ET
@@ -15,7 +15,9 @@ import yaml
 
 pytest.importorskip("rclpy")
 
+from launch_shim import Recorded, evaluate, kind  # noqa: E402
 from vla_runtime_ros.params import PlannerNodeConfig, PolicyNodeConfig, SimNodeConfig, config_from_params, param_specs  # noqa: E402
+from vla_runtime_ros.runner import parse_process_args  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parents[1]
 REPO = PACKAGE.parents[2]
@@ -88,42 +90,9 @@ def test_entry_points_name_main_functions_that_exist():
 
 
 # ---------------------------------------------------------------------------------------- launch
-class Recorded:
-    """Stands in for a launch / launch_ros class: records its arguments (the real launch is not on PyPI)."""
-
-    def __init__(self, *args, **kwargs):
-        self.args, self.kwargs = args, kwargs
-
-
-def launch_shim() -> dict[str, types.ModuleType]:
-    names = {
-        "launch": ["LaunchDescription"],
-        "launch.actions": ["DeclareLaunchArgument", "IncludeLaunchDescription", "GroupAction", "SetEnvironmentVariable"],
-        "launch.substitutions": ["LaunchConfiguration", "PathJoinSubstitution", "TextSubstitution"],
-        "launch_ros.actions": ["Node", "LifecycleNode", "PushRosNamespace"],
-        "launch_ros.substitutions": ["FindPackageShare"],
-        "launch_ros.parameter_descriptions": ["ParameterValue"],
-    }
-    modules = {"launch_ros": types.ModuleType("launch_ros")}
-    for module, classes in names.items():
-        mod = modules.setdefault(module, types.ModuleType(module))
-        for cls in classes:
-            setattr(mod, cls, type(cls, (Recorded,), {}))
-    return modules
-
-
-def load_launch(path: Path, monkeypatch):
-    for name, module in launch_shim().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    spec = importlib.util.spec_from_file_location(path.stem.replace(".", "_"), path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.generate_launch_description()
-
-
 def configurations(value) -> set[str]:
     """Names of every LaunchConfiguration inside ``value``."""
-    if type(value).__name__ == "LaunchConfiguration":
+    if kind(value) == "LaunchConfiguration":
         return {value.args[0]}
     if isinstance(value, Recorded):
         return configurations(list(value.args) + list(value.kwargs.values()))
@@ -139,15 +108,13 @@ LAUNCH_FILES = sorted((REPO / "launch").glob("*.launch.py"))
 
 @pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
 def test_launch_file_arguments_map_to_things_that_exist(path, monkeypatch):
-    description = load_launch(path, monkeypatch)
-    actions = description.args[0]
-    declared = {a.args[0]: a for a in actions if type(a).__name__ == "DeclareLaunchArgument"}
-    nodes = [a for a in actions if type(a).__name__ == "Node"]
-    assert {"checkpoint", "params_file", "namespace"} <= set(declared)
-    assert nodes and all(a.kwargs.get("description") for a in declared.values())
+    run = evaluate(path, monkeypatch, **({"sim": "true"} if "bringup" in path.name else {}))
+    declared = run.declared
+    assert {"checkpoint", "params_file", "namespace", "respawn", "respawn_delay"} <= set(declared)
+    assert run.nodes and all(a.kwargs.get("description") for a in declared.values())
 
-    used = set()
-    for node in nodes:
+    used = set(run.configurations.read)
+    for node in run.nodes:
         assert node.kwargs["package"] == "vla_runtime_ros"
         config = NODE_CONFIGS[node.kwargs["executable"]]
         names = {spec.name for spec in param_specs(config)}
@@ -163,10 +130,80 @@ def test_launch_file_arguments_map_to_things_that_exist(path, monkeypatch):
     # default parameter files exist in config/ (FindPackageShare -> share/vla_runtime_ros = this package)
     for name, argument in declared.items():
         default = argument.kwargs.get("default_value")
-        if type(default).__name__ == "PathJoinSubstitution":
+        if kind(default) == "PathJoinSubstitution":
             parts = default.args[0]
-            assert type(parts[0]).__name__ == "FindPackageShare" and parts[0].args[0] == "vla_runtime_ros"
+            assert kind(parts[0]) == "FindPackageShare" and parts[0].args[0] == "vla_runtime_ros"
             assert (PACKAGE / Path(*parts[1:])).is_file(), f"{name} defaults to a missing file {parts[1:]}"
+
+
+@pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
+def test_every_launched_node_is_supervised(path, monkeypatch):
+    """Each node: exit-with-parent (an option its process accepts), no respawn by default, an exit handler."""
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # launch's output redirected
+    run = evaluate(path, monkeypatch)
+    watchers = [a for a in run.actions if kind(a) == "RegisterEventHandler"]
+    for node in run.nodes:
+        assert parse_process_args(["node", *node.kwargs["arguments"]]).exit_with_parent
+        assert node.kwargs["respawn"] is False and callable(node.kwargs["on_exit"])
+        assert node.kwargs["output"] == "screen" and node.kwargs["emulate_tty"] is False
+        assert [w.args[0].kwargs["target_action"] for w in watchers].count(node) == 1, "one output watcher per node"
+
+
+def fake_exit(code: int) -> types.SimpleNamespace:
+    """A launch ProcessExited event of the node /left/vla_policy."""
+    return types.SimpleNamespace(action=types.SimpleNamespace(node_name="/left/vla_policy"), returncode=code)
+
+
+def test_a_node_exit_stops_the_launch_with_its_exit_code_and_reason(monkeypatch):
+    run = evaluate(REPO / "launch" / "vla_policy.launch.py", monkeypatch, namespace="left")
+    (node,) = run.nodes
+    (watcher,) = [a.args[0] for a in run.actions if kind(a) == "RegisterEventHandler"]
+    output = "\x1b[31m[ERROR] [1.5] [left.vla_policy]: configure failed: no config.json\x1b[0m\n[FATAL] [1.6] " \
+        "[left.vla_policy]: could not start: configure failed: no config.json\n[INFO] [1.7] [rcl]: bye\n"
+    watcher.kwargs["on_stderr"](types.SimpleNamespace(text=output.encode()))
+    from vla_runtime_ros.launch_support import NodeFailed
+
+    with pytest.raises(NodeFailed, match=r"^/left/vla_policy exited with code 1: could not start: configure failed: no config.json$"):
+        node.kwargs["on_exit"](fake_exit(1), None)
+    for code in (0, -2):  # a node that ended by itself, or was interrupted while starting, ends the launch
+        (shutdown,) = node.kwargs["on_exit"](fake_exit(code), None)
+        assert kind(shutdown) == "Shutdown" and shutdown.kwargs["reason"] == "/left/vla_policy ended"
+    with pytest.raises(NodeFailed, match="exited with code -9"):  # killed
+        node.kwargs["on_exit"](fake_exit(-9), None)
+
+
+def test_respawn_restarts_instead_of_stopping_but_not_the_simulator(monkeypatch):
+    run = evaluate(REPO / "launch" / "vla_sim.launch.py", monkeypatch, respawn="true", respawn_delay="2.5")
+    nodes = {n.kwargs["executable"]: n for n in run.nodes}
+    policy, sim = nodes["policy_node"], nodes["sim_node"]
+    assert (policy.kwargs["respawn"], policy.kwargs["respawn_delay"]) == (True, 2.5)
+    assert policy.kwargs["on_exit"](fake_exit(1), None) is None  # launch restarts it
+    assert sim.kwargs["respawn"] is False  # the end of the run ends the launch
+    with pytest.raises(ValueError, match="respawn is 'sometimes'; expected true or false"):
+        evaluate(REPO / "launch" / "vla_policy.launch.py", monkeypatch, respawn="sometimes")
+
+
+def test_colour_codes_only_when_launch_writes_to_a_terminal(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    assert all(n.kwargs["emulate_tty"] is True for n in evaluate(REPO / "launch" / "vla_policy.launch.py", monkeypatch).nodes)
+
+
+def test_bringup_wires_planner_to_policy_in_one_namespace(monkeypatch):
+    run = evaluate(REPO / "launch" / "vla_bringup.launch.py", monkeypatch, namespace="left", sim="true")
+    nodes = {n.kwargs["executable"]: n for n in run.nodes}
+    assert set(nodes) == {"planner_node", "policy_node", "sim_node"}
+    assert {run.value(n.kwargs["namespace"]) for n in nodes.values()} == {"left"}
+    # the planner publishes `instruction` and the policy reads `instruction`, both unremapped (relative)
+    assert not nodes["planner_node"].kwargs.get("remappings")
+    assert "instruction" not in dict(run.value(nodes["policy_node"].kwargs["remappings"]))
+    # the simulator's task instruction is the planner's goal, its actions come from the policy
+    assert dict(run.value(nodes["sim_node"].kwargs["remappings"])) == {"instruction": "goal", "action": "vla_policy/action"}
+    assert {n.kwargs["executable"] for n in evaluate(REPO / "launch" / "vla_bringup.launch.py", monkeypatch).nodes} == {
+        "planner_node", "policy_node"}  # sim:=false (the default)
 
 
 # ---------------------------------------------------------------------------------------- params YAML

@@ -29,16 +29,23 @@ def test_policy_node_drives_the_simulator_through_two_episodes(harness, tmp_path
     results = harness.subscribe(DiagnosticStatus, f"{NS}/vla_sim/episode_result", RESULT_QOS)
     env = LineReachEnv()
     sim = None
+    finished = []
     try:
         policy.wait_active(policy_diag)
         sim = SimNode(
-            env, context=harness.context, namespace=NS,
+            env, context=harness.context, namespace=NS, on_finished=finished.append,
             parameter_overrides=[Parameter("task", value=TASK), Parameter("episodes", value=2),
                                  Parameter("camera_rate_hz", value=20.0), Parameter("seed", value=7)],
             cli_args=["--ros-args", "-r", "action:=vla_policy/action"],
         )
         harness.add(sim)
         done = results.wait(2, 60, f"two episode results\n{policy.output()}")
+        # the run is over: the simulator publishes no frame any more, so the policy stops acting
+        wait_for(lambda: finished, what="the end of the run")
+        idle = lambda s, v: v["stepping"] == "False" and v["frames_pending"] == "0"  # noqa: E731
+        _, settled = policy_diag.wait(idle, after=len(policy_diag.statuses), what="the policy idle")
+        _, later = policy_diag.wait(lambda s, v: True, after=len(policy_diag.statuses) + 3, what="three more statuses")
+        assert later["steps"] == settled["steps"] and later["frames_received"] == settled["frames_received"]
     finally:
         if sim is not None:
             harness.remove(sim)
@@ -52,6 +59,8 @@ def test_policy_node_drives_the_simulator_through_two_episodes(harness, tmp_path
         assert values["episode"] == str(episode) and values["seed"] == str(7 + episode)
         assert 2 <= int(values["steps"]) < env.max_steps
     assert env.resets == [(TASK, 7), (TASK, 8)]
+    steps = [int({kv.key: kv.value for kv in r.values}["steps"]) for r in done]
+    assert finished == [f"simulation finished: 2 episodes, 2 successes, mean steps {sum(steps) / 2:.1f}"]
 
     # every executed action is the policy's answer to a frame (and state) the simulator rendered
     cfg = RosTestPolicyConfig()

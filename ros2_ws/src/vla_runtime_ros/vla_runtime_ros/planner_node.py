@@ -37,11 +37,9 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import rclpy
 import torch
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
@@ -61,6 +59,7 @@ from vla_runtime.memory.planner import Planner, PlannerConfig, PlanStep
 
 from . import conversions
 from .params import PlannerNodeConfig, declare_config, read_config
+from .runner import run
 
 LATCHED_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 UPDATE_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
@@ -70,6 +69,7 @@ class PlannerNode(Node):
     """Plans the next subtask whenever the goal or the memory changes; publishes it when it changes."""
 
     def __init__(self, node_name: str = "vla_planner", **kwargs) -> None:
+        self._worker: ThreadPoolExecutor | None = None  # destroy_node runs even when __init__ failed
         super().__init__(node_name, **kwargs)
         declare_config(self, PlannerNodeConfig)
         self.cfg = read_config(self, PlannerNodeConfig)
@@ -224,24 +224,15 @@ class PlannerNode(Node):
         self._diag_pub.publish(msg)
 
     def destroy_node(self) -> None:
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        """Stop planning (a plan in flight finishes, nothing more is published), then destroy the node."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)
         super().destroy_node()
 
 
 def main(args: list[str] | None = None) -> int:
-    """``python -m vla_runtime_ros.planner_node --ros-args -p model:=DIR`` (or ``ros2 run``)."""
-    try:
-        with rclpy.init(args=args):
-            node = PlannerNode()
-            executor = MultiThreadedExecutor(num_threads=3)
-            executor.add_node(node)
-            try:
-                executor.spin()
-            finally:
-                node.destroy_node()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    return 0
+    """``python -m vla_runtime_ros.planner_node --ros-args -p model:=DIR`` (or ``ros2 run``); see ``runner``."""
+    return run(lambda stop: PlannerNode(), args, name="vla_planner", threads=3)
 
 
 if __name__ == "__main__":

@@ -42,14 +42,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
-import rclpy
 import torch
 from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import TwistStamped
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.event_handler import SubscriptionEventCallbacks
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_policy_name_from_kind
 from sensor_msgs.msg import CompressedImage, Image, JointState
@@ -61,6 +59,7 @@ from vla_runtime.kv.base import KVStats
 
 from . import conversions
 from .params import PolicyNodeConfig, declare_config, read_config
+from .runner import NodeStartError, Stop, run
 from .telemetry import PolicyTelemetry
 
 SENSOR_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT, durability=DurabilityPolicy.VOLATILE)
@@ -138,6 +137,7 @@ class PolicyNode(LifecycleNode):
         self._diag_pub = None
         self._reset_srv = None
         self._input_subs: list = []
+        self.configure_error = ""  # why the last configure failed
         super().__init__(node_name, **kwargs)
         declare_config(self, PolicyNodeConfig)
         self.add_on_set_parameters_callback(self._on_set_parameters)
@@ -177,6 +177,7 @@ class PolicyNode(LifecycleNode):
             if cfg.publish_twist and policy.action_dim < 6:
                 raise ValueError(f"publish_twist needs actions of >= 6 values (xyz, rpy); the policy's have {policy.action_dim}")
         except (ValueError, KeyError, OSError, ImportError, RuntimeError) as e:
+            self.configure_error = str(e)
             self.get_logger().error(f"configure failed: {e}")
             return TransitionCallbackReturn.FAILURE
         self._cfg, self._policy, self._device, self._low, self._high = cfg, policy, device, low, high
@@ -243,7 +244,9 @@ class PolicyNode(LifecycleNode):
         return super().on_cleanup(state)
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        """Release everything, the policy included (the node's process is about to end)."""
         self._release()
+        self.get_logger().info(f"shut down from {state.label}: policy released")
         return super().on_shutdown(state)
 
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -298,8 +301,11 @@ class PolicyNode(LifecycleNode):
             torch.cuda.empty_cache()
 
     def destroy_node(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True, cancel_futures=True)
+        """Leave the lifecycle first: deactivate (no more actions), then shut down (release the policy)."""
+        if self._active:
+            self.trigger_deactivate()
+        if self._cfg is not None:
+            self.trigger_shutdown()
         super().destroy_node()
 
     # ------------------------------------------------------------------ parameters
@@ -651,26 +657,20 @@ def action_bounds(cfg: PolicyNodeConfig, action_dim: int) -> tuple[np.ndarray | 
     return np.asarray(cfg.action_low, dtype=np.float32), np.asarray(cfg.action_high, dtype=np.float32)
 
 
+def start_policy_node(stop: Stop) -> PolicyNode:
+    """The node of ``main``: configured and activated unless ``autostart`` is off."""
+    node = PolicyNode()
+    if node.get_parameter("autostart").value:
+        if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
+            node.destroy_node()
+            raise NodeStartError(f"configure failed: {node.configure_error}")
+        node.trigger_activate()
+    return node
+
+
 def main(args: list[str] | None = None) -> int:
-    """``python -m vla_runtime_ros.policy_node --ros-args --params-file FILE`` (or ``ros2 run``)."""
-    try:
-        with rclpy.init(args=args):
-            node = PolicyNode()
-            if node.get_parameter("autostart").value:
-                if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
-                    node.get_logger().fatal("configure failed (see above); exiting")
-                    node.destroy_node()
-                    return 1
-                node.trigger_activate()
-            executor = MultiThreadedExecutor(num_threads=4)
-            executor.add_node(node)
-            try:
-                executor.spin()
-            finally:
-                node.destroy_node()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    return 0
+    """``python -m vla_runtime_ros.policy_node --ros-args --params-file FILE`` (or ``ros2 run``); see ``runner``."""
+    return run(start_policy_node, args, name="vla_policy", threads=4)
 
 
 if __name__ == "__main__":

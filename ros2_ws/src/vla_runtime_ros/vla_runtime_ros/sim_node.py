@@ -16,17 +16,20 @@ srv   ~/reset              std_srvs/Trigger                restart the current e
 cli   policy_reset_service std_srvs/Trigger                called when an episode repeats the last task
 ====  ===================  ==============================  =============================================
 
-The simulator is not thread-safe: every callback runs on one thread (``rclpy.spin``).
+The simulator is not thread-safe: every callback runs on one thread (a one-thread executor).
+
+A run of ``episodes`` > 0 episodes ends: the node logs a summary line (episodes, successes, mean
+steps), publishes no frame after the last step, and ``main`` exits 0. ``episodes`` 0 runs until stopped.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from rclpy.executors import ExternalShutdownException
+from rclpy.duration import Duration
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
@@ -37,10 +40,12 @@ from vla_runtime.sim.memory import MEMORY_CAMERA
 
 from . import conversions
 from .params import SimNodeConfig, declare_config, read_config
+from .runner import run
 
 LATCHED_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 RESULT_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 ACTION_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+RESULT_FLUSH_S = 5.0  # at exit, how long episode results may take to reach their matched subscribers
 
 
 def build_env(cfg: SimNodeConfig, overrides: dict) -> SimEnv:
@@ -58,11 +63,17 @@ def build_env(cfg: SimNodeConfig, overrides: dict) -> SimEnv:
 class SimNode(Node):
     """Steps a ``SimEnv`` once per received action and publishes what its cameras and robot state show."""
 
-    def __init__(self, env: SimEnv | None = None, node_name: str = "vla_sim", **kwargs) -> None:
+    def __init__(self, env: SimEnv | None = None, node_name: str = "vla_sim", *,
+                 on_finished: Callable[[str], object] | None = None, **kwargs) -> None:
+        """``env``: a simulator to drive (default: built from the parameters, and closed with the node);
+        ``on_finished(summary)`` is called when the last of ``episodes`` episodes ended."""
+        self.env, self._owns_env, self._result_pub = None, False, None  # destroy_node runs even when __init__ failed
         super().__init__(node_name, **kwargs)
         declare_config(self, SimNodeConfig)
         self.cfg = read_config(self, SimNodeConfig)
         self.env = env if env is not None else build_env(self.cfg, self._env_overrides())
+        self._owns_env = env is None
+        self._on_finished = on_finished
         self.camera = self.cfg.camera or self.env.cameras[0]
         if self.camera not in self.env.cameras:
             raise ValueError(f"parameter `camera` is {self.camera!r}; the simulator renders {self.env.cameras}")
@@ -70,6 +81,7 @@ class SimNode(Node):
         self.steps = 0
         self.running = False
         self.successes = 0
+        self.episode_steps: list[int] = []  # steps of every finished episode
         self.rejected_actions = 0
         self.idle_actions = 0  # arrived while no episode was running (after the last one)
         self.last_error = ""
@@ -122,6 +134,7 @@ class SimNode(Node):
     def _finish_episode(self, success: bool, info) -> None:
         self.running = False
         self.successes += int(success)
+        self.episode_steps.append(self.steps)
         values = {
             "episode": self.episode,
             "task": self.cfg.task,
@@ -141,6 +154,18 @@ class SimNode(Node):
         self.get_logger().info(result.message)
         if self.cfg.episodes == 0 or self.episode + 1 < self.cfg.episodes:
             self._start_episode(self.episode + 1)
+        else:
+            self._finish_run()
+
+    def _finish_run(self) -> None:
+        episodes = len(self.episode_steps)
+        summary = (
+            f"simulation finished: {episodes} episodes, {self.successes} successes, "
+            f"mean steps {sum(self.episode_steps) / episodes:.1f}"
+        )
+        self.get_logger().info(summary)
+        if self._on_finished is not None:
+            self._on_finished(summary)
 
     # ------------------------------------------------------------------ callbacks
     def _on_action(self, msg: Float32MultiArray) -> None:
@@ -158,9 +183,10 @@ class SimNode(Node):
             self.get_logger().error(f"action rejected: {e}", throttle_duration_sec=1.0)
             return
         self._obs, self.steps = obs, self.steps + 1
-        self._publish_observation()
-        if done:
+        if done:  # the final frame is not published: no policy acts on a finished episode
             self._finish_episode(bool(success), info)
+        else:
+            self._publish_observation()
 
     def _on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         self._start_episode(max(self.episode, 0))
@@ -168,7 +194,7 @@ class SimNode(Node):
         return response
 
     def _publish_observation(self) -> None:
-        if self._obs is None:
+        if self._obs is None or not self.running:
             return
         stamp = self.get_clock().now().to_msg()
         self._image_pub.publish(conversions.array_to_image_msg(self._obs.images[self.camera], stamp=stamp, frame_id=self.cfg.frame_id))
@@ -197,19 +223,18 @@ class SimNode(Node):
         self._diag_pub.publish(msg)
 
 
+    def destroy_node(self) -> None:
+        """Destroy the node after its episode results reached their subscribers; close a simulator it built."""
+        if self._result_pub is not None:
+            self._result_pub.wait_for_all_acked(Duration(seconds=RESULT_FLUSH_S))
+        if self._owns_env:
+            self.env.close()
+        super().destroy_node()
+
+
 def main(args: list[str] | None = None) -> int:
-    """``python -m vla_runtime_ros.sim_node --ros-args -p task:=reach-v3``."""
-    try:
-        with rclpy.init(args=args):
-            node = SimNode()
-            try:
-                rclpy.spin(node)
-            finally:
-                node.env.close()
-                node.destroy_node()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    return 0
+    """``python -m vla_runtime_ros.sim_node --ros-args -p task:=reach-v3``; see ``runner``."""
+    return run(lambda stop: SimNode(on_finished=stop.request), args, name="vla_sim", threads=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,152 @@
+"""How a node's process ends, as its supervisor (``ros2 launch``, systemd, docker, a script) sees it.
+
+SIGINT and SIGTERM make a running policy node leave its lifecycle (deactivate, then shut down, which
+releases the policy) and exit 0 within the time this machine allows (``NodeProcess.interrupt``); a
+node started with ``--exit-with-parent`` does the same when its parent dies; a node that cannot start
+exits 1 with the reason on its last FATAL line; a crash in a callback exits 1 after the node was
+released, and a node asking to end (the simulator after its run) exits 0.
+"""
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("rclpy")
+
+from rclpy.node import Node  # noqa: E402
+from rclpy.qos import qos_profile_sensor_data  # noqa: E402
+from ros_harness import ROS_ARGS_QUIET, Diagnostics, NodeProcess, solid_image, wait_for  # noqa: E402
+from sensor_msgs.msg import Image  # noqa: E402
+from std_msgs.msg import Float32MultiArray  # noqa: E402
+from vla_runtime_ros import conversions  # noqa: E402
+from vla_runtime_ros.runner import run  # noqa: E402
+
+pytestmark = pytest.mark.ros
+
+CAMERA_HZ = 20.0
+# the node's parent in the parent-death test: starts the node, says its pid, waits for it
+LAUNCHER = (
+    sys.executable, "-c",
+    "import subprocess, sys; node = subprocess.Popen(sys.argv[1:]); print(f'node pid {node.pid}', flush=True); node.wait()",
+)
+
+
+class ActivePolicy:
+    """A policy node process (test policy) acting on a streamed camera, and what the harness sees of it."""
+
+    def __init__(self, harness, tmp: Path, checkpoint: Path, ns: str, **process) -> None:
+        params = dict(checkpoint=str(checkpoint), policy_modules=["ros_test_policy"], default_instruction="pick up the cup",
+                      control_rate_hz=20.0, diagnostics_rate_hz=10.0)
+        self.harness = harness
+        self.diag = Diagnostics(harness, f"{ns}/vla_policy")
+        self.actions = harness.subscribe(Float32MultiArray, f"{ns}/vla_policy/action")
+        self.camera = harness.stream(Image, f"{ns}/image_raw", qos_profile_sensor_data, CAMERA_HZ,
+                                     conversions.array_to_image_msg(solid_image(1)))
+        self.proc = NodeProcess("policy_node", params, tmp, name="vla_policy", namespace=ns, **process)
+
+    def wait_acting(self) -> None:
+        self.proc.wait_active(self.diag)
+        self.actions.wait(2, what=f"actions\n{self.proc.output()}")
+
+    def close(self) -> None:
+        self.camera.close(self.harness)
+        self.proc.close()
+
+
+def in_order(text: str, *parts: str) -> bool:
+    """Whether ``parts`` occur in ``text`` one after another."""
+    at = 0
+    for part in parts:
+        at = text.find(part, at)
+        if at < 0:
+            return False
+        at += len(part)
+    return True
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
+def test_a_signal_makes_a_running_node_leave_its_lifecycle_and_exit_0(harness, tmp_path, policy_checkpoints, signum):
+    name = signal.Signals(signum).name
+    node = ActivePolicy(harness, tmp_path, policy_checkpoints["single"], f"/stop_{name.lower()}")
+    try:
+        node.wait_acting()
+        code, _ = node.proc.interrupt(signum=signum)  # raises unless it exits within the machine's patience
+    finally:
+        node.close()
+    out = node.proc.output()
+    assert code == 0, out
+    assert in_order(out, f"stopping: {name} received", "]: inactive", "shut down from inactive: policy released"), out
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of process ``pid`` ('' once it is gone; 'Z' for a zombie nobody reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="--exit-with-parent uses Linux's PR_SET_PDEATHSIG")
+def test_a_node_whose_parent_died_stops_as_on_sigterm(harness, tmp_path, policy_checkpoints):
+    node = ActivePolicy(harness, tmp_path, policy_checkpoints["single"], "/orphan",
+                        launcher=LAUNCHER, process_args=("--exit-with-parent",))
+    try:
+        node.wait_acting()
+        pid = int(next(line for line in node.proc.output().splitlines() if line.startswith("node pid ")).split()[-1])
+        node.proc.proc.kill()  # the parent dies without a word, as `ros2 launch` on SIGKILL (or SIGTERM) does
+        node.proc.proc.wait()
+        wait_for(lambda: _process_state(pid) in ("", "Z"), what=f"the orphaned node to end\n{node.proc.output()}")
+    finally:
+        node.close()
+    out = node.proc.output()
+    assert in_order(out, "stopping: SIGTERM (the parent process ended) received", "]: inactive", "policy released"), out
+
+
+@pytest.mark.parametrize(("module", "params", "reason"), [
+    ("planner_node", {"tick_hz": 10.0}, "parameter `model` is empty; set it to an HF model directory (-p model:=DIR)"),
+    ("sim_node", {"sim": "gazebo"}, "unknown simulator 'gazebo'; available: metaworld, rlbench"),
+], ids=["planner", "sim"])
+def test_a_node_that_cannot_start_exits_1_with_its_reason(tmp_path, module, params, reason):
+    proc = NodeProcess(module, params, tmp_path, name="vla_node", namespace="/nostart")
+    try:
+        code = proc.wait_exit()
+    finally:
+        proc.close()
+    out = proc.output()
+    fatal = [line for line in out.splitlines() if "[FATAL]" in line]
+    assert code == 1 and fatal and fatal[-1].endswith(f"could not start: {reason}"), out
+    assert "Traceback" not in out
+
+
+class EndingNode(Node):
+    """Ends on its first timer tick: by raising (a crash) or by asking the runner to stop."""
+
+    def __init__(self, stop, crash: bool) -> None:
+        super().__init__("ending_node")
+        self.stop, self.crash, self.destroyed = stop, crash, False
+        self.create_timer(0.01, self._tick)
+
+    def _tick(self) -> None:
+        if self.crash:
+            raise RuntimeError("a bug in a callback")
+        self.stop.request("the work is done")
+
+    def destroy_node(self) -> None:
+        self.destroyed = True
+        super().destroy_node()
+
+
+@pytest.mark.parametrize(("crash", "code"), [(True, 1), (False, 0)], ids=["crash", "done"])
+def test_a_crash_exits_1_and_a_finished_node_0_both_after_releasing_it(crash, code):
+    nodes = []
+
+    def make(stop):
+        nodes.append(EndingNode(stop, crash))
+        return nodes[0]
+
+    previous = signal.getsignal(signal.SIGTERM)
+    assert run(make, ["ending_node", "--ros-args", *ROS_ARGS_QUIET], name="ending_node", threads=2) == code
+    assert nodes[0].destroyed
+    assert signal.getsignal(signal.SIGTERM) is previous  # the runner's handlers are gone again

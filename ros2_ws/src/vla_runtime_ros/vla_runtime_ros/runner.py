@@ -1,0 +1,160 @@
+"""The life of a node's process: every node's ``main()`` is ``run(<factory>, args)``.
+
+``run`` starts rclpy without its signal handlers, builds the node, spins it on a background thread
+and waits in the main thread for a reason to stop:
+
+- SIGINT: Ctrl-C, ``ros2 launch`` shutting down, ``docker stop`` / ``systemctl stop`` set up as the
+  README's ROS section shows;
+- SIGTERM: plain ``docker stop`` / ``systemctl stop``, ``kill``, and with ``--exit-with-parent`` the
+  death of the process that started this one (the kernel sends it; see ``exit_with_parent``);
+- the node asking to end (``Stop.request``: the simulator after its last episode);
+- a crash: an exception out of a callback.
+
+Then no callback runs any more (the executor is stopped) and the node is destroyed; nodes release
+what they hold in ``destroy_node`` (the policy node deactivates, so its publishers stop, and shuts
+down, releasing the model). The process exits 0 when told to stop or done, 1 when the node could
+not start or crashed, with the reason on the last FATAL line (``launch_support`` repeats that line
+when it stops ``ros2 launch`` with an error). A second signal while stopping is logged and ignored:
+the stop waits for at most one inference step in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import Callable
+
+import rclpy
+from rclpy.executors import MultiThreadedExecutor, SingleThreadedExecutor
+from rclpy.logging import get_logger
+from rclpy.node import Node
+from rclpy.signals import SignalHandlerOptions
+from rclpy.task import Future
+from rclpy.utilities import remove_ros_args
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class NodeStartError(RuntimeError):
+    """The node could not start (a failed configure, a bad parameter); the message says why."""
+
+
+class Stop:
+    """Why the process ends, set once (the first reason wins) from any thread or a signal handler."""
+
+    def __init__(self) -> None:
+        self.reason = ""
+        self.code = 0
+        self._lock = threading.RLock()  # a signal handler may interrupt request() in the main thread
+        self._event = threading.Event()
+        self.spin_future = Future()  # done at the stop: ends the executor's spin
+
+    def request(self, reason: str, code: int = 0) -> bool:
+        """End the process with exit ``code``; False when a stop was already requested."""
+        with self._lock:
+            if self._event.is_set():
+                return False
+            self.reason, self.code = reason, code
+            self._event.set()
+        self.spin_future.set_result(reason)
+        return True
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        """Block the main thread until a stop is requested (signal handlers run meanwhile)."""
+        self._event.wait()
+
+
+def exit_with_parent() -> None:
+    """Have the kernel send SIGTERM to this process when its parent dies (Linux ``PR_SET_PDEATHSIG``).
+
+    ``ros2 launch`` killed with SIGTERM or SIGKILL leaves its nodes running; with this they stop
+    as they do on ``systemctl stop`` instead of driving the robot on without a supervisor.
+    """
+    if not sys.platform.startswith("linux"):
+        raise OSError(f"--exit-with-parent needs Linux's prctl(PR_SET_PDEATHSIG); this is {sys.platform}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+
+
+def parse_process_args(args: list[str]) -> argparse.Namespace:
+    """The process's own options (those outside ``--ros-args``); ``args[0]`` is the program."""
+    parser = argparse.ArgumentParser(prog=os.path.basename(args[0]) if args else None)
+    parser.add_argument(
+        "--exit-with-parent", action="store_true",
+        help="stop (as on SIGTERM) when the parent process ends; launch files pass it",
+    )
+    return parser.parse_args(remove_ros_args(args)[1:])
+
+
+def run(make_node: Callable[[Stop], Node], args: list[str] | None = None, *, name: str, threads: int) -> int:
+    """Run the node ``make_node(stop)`` builds until a stop (see the module docstring); the exit code.
+
+    ``name`` names the logger used before the node exists; ``threads`` sizes the executor (1: every
+    callback on one thread).
+    ``make_node`` raises ``NodeStartError`` (or ``ValueError``/``KeyError`` for a bad parameter,
+    ``OSError``/``ImportError``/``RuntimeError`` for a model that does not load) when the node cannot start.
+    """
+    args = list(sys.argv if args is None else args)
+    options = parse_process_args(args)
+    stop = Stop()
+    parent = os.getppid()
+
+    def on_signal(signum: int, frame) -> None:
+        reason = signal.Signals(signum).name
+        if signum == signal.SIGTERM and os.getppid() != parent:
+            reason += " (the parent process ended)"
+        if not stop.request(f"{reason} received"):
+            get_logger(name).warning(f"{reason} received while stopping ({stop.reason}); still stopping")
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+    try:
+        with rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO):
+            logger = get_logger(name)
+            try:
+                if options.exit_with_parent:
+                    exit_with_parent()
+                node = make_node(stop)
+            except (RuntimeError, ValueError, KeyError, OSError, ImportError) as e:  # NodeStartError is a RuntimeError
+                reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) adds quotes
+                logger.fatal(f"could not start: {reason}")
+                return 1
+            _spin_until_stopped(node, stop, threads)
+            node.get_logger().info(f"stopping: {stop.reason}")
+            node.destroy_node()
+            if stop.code:
+                node.get_logger().fatal(f"exiting with code {stop.code}: {stop.reason}")
+            return stop.code
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _spin_until_stopped(node: Node, stop: Stop, threads: int) -> None:
+    """Spin ``node`` on a background thread until ``stop``; returns once no callback runs any more."""
+    executor = SingleThreadedExecutor() if threads == 1 else MultiThreadedExecutor(num_threads=threads)
+    executor.add_node(node)
+
+    def spin() -> None:
+        try:
+            executor.spin_until_future_complete(stop.spin_future)
+        except Exception as e:  # noqa: BLE001 - a crash ends the process with code 1, the node released first
+            node.get_logger().error(traceback.format_exc())
+            stop.request(f"crashed: {type(e).__name__}: {e}", code=1)
+
+    thread = threading.Thread(target=spin, name="executor-spin")
+    thread.start()
+    stop.wait()
+    thread.join()
+    executor.shutdown()  # joins the executor's threads: every callback has returned
