@@ -44,8 +44,8 @@ def test_training_windows_carry_their_frames_task(tiny_ckpt, switching, tmp_path
     assert data.decoded.tasks == frame_tasks
     seen = set()
     for w in data.windows:
-        rows = data._frames(w)
-        tasks = set(frame_tasks[rows])
+        rows = data._rows(w)
+        tasks = {frame_tasks[r] for r in rows}
         assert len(tasks) == 1  # no window straddles the switch: a new instruction is a new session
         (task,) = tasks
         assert data.prompts[w.episode] == policy.tokenizer.prompt(task)

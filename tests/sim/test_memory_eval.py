@@ -34,7 +34,7 @@ def memory_demos(tmp_path_factory):
 def test_collect_writes_the_memory_suite(memory_demos):
     ds = LeRobotDataset(memory_demos)
     info = json.loads((memory_demos / "meta/info.json").read_text())
-    assert info["total_episodes"] == 3 and info["vla_runtime"]["episode_seeds"] == [SEED] * 3
+    assert info["total_episodes"] == 3 and ds.extra["per_episode"]["episode_seeds"] == [SEED] * 3
     assert "observation.images.corner" in info["features"]  # the camera the cues are made for, by default
     instructions = [ds.episode(i).task for i in range(3)]
     assert instructions == [MEMORY_TASKS[t].sample(SEED).instruction() for t in TASKS]

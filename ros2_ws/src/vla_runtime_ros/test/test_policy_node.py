@@ -88,7 +88,10 @@ class Rig:
         self.grippers = harness.subscribe(Float32, f"{NODE}/gripper")
         params = dict(
             checkpoint=str(checkpoint), device="cpu", torch_threads=1, history="history",
-            control_rate_hz=RATE_HZ, diagnostics_rate_hz=10.0, max_image_age_s=1.0, max_image_pixels=MAX_PIXELS,
+            control_rate_hz=RATE_HZ, diagnostics_rate_hz=10.0, max_image_pixels=MAX_PIXELS,
+            # a frame goes stale only on a machine far slower than any step here: on a loaded one a first step may
+            # take over a second, and its action must not be withheld (test_policy_lifecycle tests the watchdog)
+            max_image_age_s=60.0,
             use_joint_state=True, joint_names=JOINTS, publish_twist=True,
             action_low=[LOW] * 7, action_high=[HIGH] * 7,
         )
