@@ -73,6 +73,8 @@ FLAGS: list[tuple[str, str, dict, str]] = [
     ("--max-grad-norm", "max_grad_norm", _FLOAT, "gradient clipping norm (default 1)"),
     ("--action-vocab-loss", "action_vocab_loss", {"action": argparse.BooleanOptionalAction},
      "cross-entropy over the action tokens only (default; --no-action-vocab-loss: whole vocabulary, as OpenVLA)"),
+    ("--change-weight", "change_weight", _FLOAT,
+     "history: weight of action tokens that differ from the previous step's (default 1; against copying past actions)"),
     ("--seed", "seed", _OPT_INT, "seed of initialisation, data order and augmentation (default 0)"),
     ("--device", "device", {"metavar": "DEV"}, "cpu / cuda (default: cuda:LOCAL_RANK if available)"),
     ("--precision", "precision", {"choices": PRECISIONS}, "auto (bf16 autocast on CUDA; default), fp32, bf16"),

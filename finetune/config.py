@@ -197,6 +197,10 @@ class FinetuneConfig:
             (default, restricted) greedy decoding makes, computing only those rows of ``lm_head`` (125x
             less head work; on tiny models the head dominates). ``False`` = OpenVLA's cross-entropy over
             the whole vocabulary (use it if you decode with ``restrict_to_action_tokens=False``).
+        change_weight: history mode: weight of an action token that differs from the same dimension's token
+            of the step before (1 = plain cross-entropy). A policy that sees its past actions learns to copy
+            them (the "copycat" failure: it holds still forever because holding was right at the previous
+            step); the steps where the action changes (e.g. the go signal) carry what it must learn.
         seed: seeds initialisation, data order and augmentation (resumed runs repeat them exactly).
         device: ``None`` = CUDA if available (``cuda:LOCAL_RANK`` under torchrun), else CPU.
         precision: ``auto`` = bf16 autocast on CUDA, float32 on CPU; ``fp32``; ``bf16`` (autocast).
@@ -228,6 +232,7 @@ class FinetuneConfig:
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
     action_vocab_loss: bool = True
+    change_weight: float = 1.0
     seed: int = 0
     device: str | None = None
     precision: str = "auto"
@@ -261,6 +266,8 @@ class FinetuneConfig:
                 f"`merge` merges LoRA into the checkpoint; trainable={self.trainable!r} has no LoRA to merge"
             )
         _check_positive(self, "batch_size", "grad_accum", "max_steps", "lr", "log_every", "save_every")
+        if self.change_weight < 1:
+            raise ValueError(f"`change_weight` must be >= 1 (1 = plain cross-entropy), got {self.change_weight}")
         if self.warmup_steps < 0 or self.weight_decay < 0:
             raise ValueError(
                 f"`warmup_steps` and `weight_decay` must be >= 0, got {self.warmup_steps}, {self.weight_decay}"

@@ -75,6 +75,7 @@ class LossSettings:
     retention_target: float
     retention_weight: float
     budget: BudgetMode = BudgetMode.HARD
+    change_weight: float = 1.0
 
 
 class PolicyTrainModule(nn.Module):
@@ -159,12 +160,17 @@ class PolicyTrainModule(nn.Module):
         valid = labels != IGNORE
         target = labels - first if self.loss.action_vocab_loss else labels
         target = target.masked_fill(~valid, IGNORE)
-        ce_sum = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum", ignore_index=IGNORE)
+        ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none", ignore_index=IGNORE).view_as(labels)
+        ce_sum = ce.sum()
         action_part = logits if self.loss.action_vocab_loss else logits[..., first : last + 1]
         correct = ((action_part.argmax(-1) + first == labels) & valid).sum()
         n_valid = valid.sum()
         rows = b / self.loss.batch_size  # weight of this micro-batch against a full one
-        loss = rows * ce_sum / n_valid.clamp(min=1)  # the mean over real targets
+        if self.loss.change_weight == 1.0:
+            loss = rows * ce_sum / n_valid.clamp(min=1)  # the mean over real targets
+        else:  # the weighted mean over real targets
+            weight = change_weights(labels, steps=batch["pixels"].shape[1], weight=self.loss.change_weight) * valid
+            loss = rows * (ce * weight).sum() / weight.sum().clamp(min=1)
         one = torch.ones((), device=x.device)
         kept, hard = one, one
         if self.gate is not None:
@@ -181,3 +187,13 @@ class PolicyTrainModule(nn.Module):
             "kept_ratio": kept.detach().float(),
             "hard_kept": hard.detach().float(),
         }
+
+
+def change_weights(labels: torch.Tensor, *, steps: int, weight: float) -> torch.Tensor:
+    """[B, S * A] target ids -> [B, S * A] loss weights: ``weight`` where a token differs from the same action
+    dimension's token one step earlier, 1 elsewhere (the first step, and padded steps, weigh 1)."""
+    b = labels.shape[0]
+    per_step = labels.view(b, steps, -1)  # [B, S, A]
+    changed = torch.zeros_like(per_step, dtype=torch.bool)
+    changed[:, 1:] = per_step[:, 1:] != per_step[:, :-1]
+    return (1.0 + (weight - 1.0) * changed.float()).view(b, -1)

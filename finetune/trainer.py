@@ -102,7 +102,7 @@ class Trainer:
         first, last = self.policy.config.action_token_range
         loss = LossSettings(
             (first, last), cfg.action_vocab_loss, cfg.batch_size, cfg.gate.retention_target, cfg.gate.retention_weight,
-            cfg.gate.budget,
+            cfg.gate.budget, cfg.change_weight,
         )  # fmt: skip
         module = PolicyTrainModule(
             self.policy.model,

@@ -85,3 +85,41 @@ def test_whole_episode_run_writes_a_budgeted_chunked_policy(trained):
     assert log and all(np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in log)
     kv = json.loads((out / "kv_config.json").read_text())["kv"]
     assert kv["max_chunks"] == 2 and kv["chunk"] == 4 and (out / "model.safetensors").is_file()
+
+
+def test_change_weight_reweights_the_tokens_that_differ_from_the_previous_step(trained, monkeypatch):
+    """``--change-weight W``: the loss is the W-weighted mean of the per-token cross-entropy, where the weight
+    marks tokens that differ from the previous step's (what ``change_weights`` computes)."""
+    from dataclasses import replace
+
+    from vla_finetune.model import change_weights
+
+    trainer, _ = trained
+    module, data = trainer.module, trainer.data
+    batch = data.batch([0, 2], np.random.default_rng(0))
+    layout = data.layouts[batch.pop("key")]
+    batch.pop("tokens")
+    plain = module.loss
+    with torch.no_grad():
+        base = module(batch, layout, temperature=0.5)
+    per_token = {}
+    original = torch.nn.functional.cross_entropy
+
+    def recording(*args, **kwargs):  # the forward's per-token cross-entropy, recorded as computed
+        per_token["ce"] = original(*args, **kwargs)
+        return per_token["ce"]
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", recording)
+    monkeypatch.setattr(module, "loss", replace(plain, change_weight=5.0))
+    with torch.no_grad():
+        weighted = module(batch, layout, temperature=0.5)
+    labels = batch["labels"]
+    valid = labels != IGNORE
+    w = change_weights(labels, steps=batch["pixels"].shape[1], weight=5.0) * valid
+    assert 0 < int((w > 1).sum()) < int(valid.sum())  # some tokens change, most repeat
+    rows = 2 / trainer.cfg.batch_size
+    retention = base["loss"] - rows * base["ce_sum"] / base["targets"]  # the retention term, the same in both
+    expected = rows * (per_token["ce"].view_as(labels) * w).sum() / w.sum() + retention
+    torch.testing.assert_close(weighted["loss"], expected)
+    assert not torch.isclose(weighted["loss"], base["loss"])
+    torch.testing.assert_close(weighted["ce_sum"], base["ce_sum"])  # the logged cross-entropy stays unweighted
