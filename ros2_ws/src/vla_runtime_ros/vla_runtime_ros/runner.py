@@ -147,10 +147,10 @@ def end_process(code: int) -> NoReturn:
     """End this node process with ``code`` now that ``run`` returned: the node is destroyed and rclpy
     shut down, so nothing is left but the interpreter's teardown, which is skipped.
 
-    Freeing every module (torch, transformers, the DDS libraries) took 2 s on an idle 2-core machine
-    and over 5 s on a loaded one, with the default SIGTERM action back in place: ``ros2 launch``
-    escalated its SIGINT to SIGTERM, killed the process (exit code -15) and reported a clean run as a
-    failure. Here stop signals are ignored, logs flushed, and the process exits at once. ``atexit``
+    Freeing every module (torch, transformers, the DDS libraries) took 1.6-2 s for a lone planner node
+    on a 2-core machine busy with a training job, and over 5 s with two bringups running beside it,
+    with the default SIGTERM action back in place: ``ros2 launch`` escalated its SIGINT to SIGTERM,
+    killed the process (exit code -15) and reported a clean run as a failure. Here stop signals are ignored, logs flushed, and the process exits at once. ``atexit``
     handlers do not run: a node releases what it holds in ``destroy_node``.
     """
     for signum in STOP_SIGNALS:
