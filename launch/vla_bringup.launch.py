@@ -7,8 +7,8 @@
 The planner turns the goal (and its memory, fed on memory_update) into the next subtask and publishes
 it on `instruction`, the policy node's input in the same namespace: each new subtask starts a policy
 episode. Every topic is relative, so namespace:=left and namespace:=right run side by side. With
-sim:=true the simulator publishes its task's instruction as the planner's goal and executes the
-policy's actions; after `episodes` episodes it exits and the launch ends. A node that fails stops
+sim:=true the simulator publishes its task's instruction as the planner's goal and its state as the
+policy's joint_states, and executes the policy's actions; after `episodes` episodes it exits and the launch ends. A node that fails stops
 the launch with exit code 1; respawn:=true restarts it instead.
 """
 
@@ -16,14 +16,16 @@ from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, OpaqueFunction
 from launch.substitutions import LaunchConfiguration
 from vla_runtime_ros.launch_nodes import (
-    planner_arguments, planner_node, policy_arguments, policy_node, sim_arguments, sim_node,
+    SIM_STATE, planner_arguments, planner_node, policy_arguments, policy_node, sim_arguments, sim_node,
 )
 from vla_runtime_ros.launch_support import flag, supervision_arguments
 
 
 def nodes(context):
-    arm = planner_node(context) + policy_node(context, remappings=(("image_raw", LaunchConfiguration("image_topic")),))
-    if not flag(context, "sim"):
+    sim = flag(context, "sim")
+    camera = (("image_raw", LaunchConfiguration("image_topic")),)
+    arm = planner_node(context) + policy_node(context, parameters=SIM_STATE if sim else None, remappings=camera)
+    if not sim:
         return arm
     # the task's instruction is the planner's goal; the planner's subtasks drive the policy
     return arm + sim_node(context, remappings=(("instruction", "goal"), ("action", "vla_policy/action")))

@@ -36,8 +36,8 @@ LAUNCHER = (
 class ActivePolicy:
     """A policy node process (test policy) acting on a streamed camera, and what the harness sees of it."""
 
-    def __init__(self, harness, tmp: Path, checkpoint: Path, ns: str, **process) -> None:
-        params = dict(checkpoint=str(checkpoint), policy_modules=["ros_test_policy"], default_instruction="pick up the cup",
+    def __init__(self, harness, tmp: Path, checkpoint: Path, ns: str, modules: tuple = (), **process) -> None:
+        params = dict(checkpoint=str(checkpoint), policy_modules=["ros_test_policy", *modules], default_instruction="pick up the cup",
                       control_rate_hz=20.0, diagnostics_rate_hz=10.0)
         self.harness = harness
         self.diag = Diagnostics(harness, f"{ns}/vla_policy")
@@ -78,6 +78,27 @@ def test_a_signal_makes_a_running_node_leave_its_lifecycle_and_exit_0(harness, t
     out = node.proc.output()
     assert code == 0, out
     assert in_order(out, f"stopping: {name} received", "]: inactive", "shut down from inactive: policy released"), out
+
+
+def test_a_sigterm_while_a_stopped_node_ends_its_process_still_exits_0(harness, tmp_path, policy_checkpoints):
+    """``ros2 launch`` stops a node with SIGINT, then SIGTERM 5 s later, then SIGKILL. Under the real launch on
+    a loaded machine, the planner had stopped on SIGINT but its process was still ending (freeing its
+    modules) when the SIGTERM came: killed with -15, and the launch of a clean run exited 1."""
+    node = ActivePolicy(harness, tmp_path, policy_checkpoints["single"], "/slow_end", modules=("ros_test_slow_exit",))
+    try:
+        node.wait_acting()
+        node.proc.proc.send_signal(signal.SIGINT)
+        # the node stopped and its process is ending (or has ended): then launch's SIGTERM
+        wait_for(lambda: not node.proc.alive() or "slow process end: started" in node.proc.output(),
+                 what=f"the stopped node's process ending\n{node.proc.output()}")
+        if node.proc.alive():
+            node.proc.proc.send_signal(signal.SIGTERM)
+        code = node.proc.wait_exit()
+    finally:
+        node.close()
+    out = node.proc.output()
+    assert code == 0, out
+    assert in_order(out, "stopping: SIGINT received", "]: inactive", "shut down from inactive: policy released"), out
 
 
 def _process_state(pid: int) -> str:

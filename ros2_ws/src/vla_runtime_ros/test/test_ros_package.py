@@ -206,6 +206,27 @@ def test_bringup_wires_planner_to_policy_in_one_namespace(monkeypatch):
         "planner_node", "policy_node"}  # sim:=false (the default)
 
 
+def policy_parameters(run) -> dict:
+    """The parameters a launch file sets on its policy node itself (its dicts, after the parameter files)."""
+    (policy,) = [n for n in run.nodes if n.kwargs["executable"] == "policy_node"]
+    return {k: v for entry in policy.kwargs["parameters"] if isinstance(entry, dict) for k, v in entry.items()}
+
+
+@pytest.mark.parametrize("path, arguments", [("vla_sim.launch.py", {}), ("vla_bringup.launch.py", {"sim": "true"})])
+def test_with_the_simulator_as_the_arm_the_policy_reads_its_state(path, arguments, monkeypatch):
+    """The sim publishes its proprio state on joint_states; a policy with a proprio projector (the shipped
+    demo policy, ``make-tiny --proprio-dim``) fails every step without it, so the sim never steps and
+    ``vla_sim.launch.py episodes:=N`` never ends (seen under the real ``ros2 launch``)."""
+    run = evaluate(REPO / "launch" / path, monkeypatch, **arguments)
+    assert policy_parameters(run).get("use_joint_state") is True
+    policy, sim = ([n for n in run.nodes if n.kwargs["executable"] == exe][0] for exe in ("policy_node", "sim_node"))
+    assert run.value(policy.kwargs["namespace"]) == run.value(sim.kwargs["namespace"])  # same joint_states topic
+    for node in (policy, sim):
+        assert "joint_states" not in dict(run.value(node.kwargs.get("remappings") or []))
+    # a real robot's bringup leaves it to the parameter file
+    assert "use_joint_state" not in policy_parameters(evaluate(REPO / "launch" / "vla_bringup.launch.py", monkeypatch))
+
+
 # ---------------------------------------------------------------------------------------- params YAML
 def flatten(tree: dict, prefix: str = "") -> dict:
     out = {}

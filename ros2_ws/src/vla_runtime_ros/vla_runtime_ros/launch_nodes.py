@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from launch import LaunchContext
 
 
+# The policy's parameters when the simulator is the arm: it reads the simulator's proprio state on
+# joint_states (a checkpoint with a proprio projector fails every step without it, so the sim never
+# steps and its run never ends; one without ignores the state).
+SIM_STATE = {"use_joint_state": True}
+
+
 def config_argument(name: str, config: str, description: str) -> DeclareLaunchArgument:
     """Launch argument ``name``: a parameter file, by default ``config/<config>`` of this package."""
     default = PathJoinSubstitution([FindPackageShare(PACKAGE), "config", config])

@@ -36,6 +36,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NoReturn
 
 import torch
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
@@ -59,7 +60,7 @@ from vla_runtime.memory.planner import Planner, PlannerConfig, PlanStep
 
 from . import conversions
 from .params import PlannerNodeConfig, declare_config, read_config
-from .runner import run
+from .runner import end_process, run
 
 LATCHED_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 UPDATE_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
@@ -230,10 +231,10 @@ class PlannerNode(Node):
         super().destroy_node()
 
 
-def main(args: list[str] | None = None) -> int:
+def main(args: list[str] | None = None) -> NoReturn:
     """``python -m vla_runtime_ros.planner_node --ros-args -p model:=DIR`` (or ``ros2 run``); see ``runner``."""
-    return run(lambda stop: PlannerNode(), args, name="vla_planner", threads=3)
+    end_process(run(lambda stop: PlannerNode(), args, name="vla_planner", threads=3))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -40,6 +40,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ from vla_runtime.kv.base import KVStats
 
 from . import conversions
 from .params import PolicyNodeConfig, declare_config, read_config
-from .runner import NodeStartError, Stop, run
+from .runner import NodeStartError, Stop, end_process, run
 from .telemetry import PolicyTelemetry
 
 SENSOR_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT, durability=DurabilityPolicy.VOLATILE)
@@ -668,10 +669,10 @@ def start_policy_node(stop: Stop) -> PolicyNode:
     return node
 
 
-def main(args: list[str] | None = None) -> int:
+def main(args: list[str] | None = None) -> NoReturn:
     """``python -m vla_runtime_ros.policy_node --ros-args --params-file FILE`` (or ``ros2 run``); see ``runner``."""
-    return run(start_policy_node, args, name="vla_policy", threads=4)
+    end_process(run(start_policy_node, args, name="vla_policy", threads=4))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

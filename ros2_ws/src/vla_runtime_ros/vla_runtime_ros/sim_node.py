@@ -25,7 +25,7 @@ steps), publishes no frame after the last step, and ``main`` exits 0. ``episodes
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NoReturn
 
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
@@ -40,7 +40,7 @@ from vla_runtime.sim.memory import MEMORY_CAMERA
 
 from . import conversions
 from .params import SimNodeConfig, declare_config, read_config
-from .runner import run
+from .runner import end_process, run
 
 LATCHED_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 RESULT_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
@@ -232,10 +232,10 @@ class SimNode(Node):
         super().destroy_node()
 
 
-def main(args: list[str] | None = None) -> int:
+def main(args: list[str] | None = None) -> NoReturn:
     """``python -m vla_runtime_ros.sim_node --ros-args -p task:=reach-v3``; see ``runner``."""
-    return run(lambda stop: SimNode(on_finished=stop.request), args, name="vla_sim", threads=1)
+    end_process(run(lambda stop: SimNode(on_finished=stop.request), args, name="vla_sim", threads=1))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
