@@ -1,0 +1,134 @@
+"""Configuration of the real-time control loop (``vla_runtime.control``).
+
+Strings exist only at the YAML/CLI boundary: ``ControlConfig.from_strings`` turns them into the
+enums below once (an unknown name raises ``KeyError`` listing the valid ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import Enum
+
+
+class Schedule(str, Enum):
+    """When a step starts.
+
+    ``DEADLINE``: as late as possible so that it finishes just before the tick it serves (running step-time
+    quantile + margin), on the newest frame at that moment. ``ASAP``: as soon as a new frame arrives and
+    the queue is empty (the loop before issue 16; kept for comparison).
+    """
+
+    DEADLINE = "deadline"
+    ASAP = "asap"
+
+
+class PublishMode(str, Enum):
+    """``TICK``: one action per control tick. ``IMMEDIATE``: a step's action goes out as soon as it is
+    computed (event-driven controllers); ticks still carry queued chunk actions and the fallback."""
+
+    TICK = "tick"
+    IMMEDIATE = "immediate"
+
+
+class Fallback(str, Enum):
+    """What a tick without a fresh or queued action publishes.
+
+    ``HOLD``: nothing (a position-controlled robot holds its last target). ``ZERO``: a zero action
+    (delta / velocity commands stop), except ``fallback_keep_dims``, which repeat the last action (an
+    absolute gripper). ``REPEAT_LAST``: the last action again (only safe for position targets).
+    """
+
+    HOLD = "hold"
+    ZERO = "zero"
+    REPEAT_LAST = "repeat_last"
+
+
+class Blend(str, Enum):
+    """How two chunks' predictions for the same tick combine.
+
+    ``NONE``: the newest prediction wins. ``TEMPORAL``: ACT's temporal ensembling, weights
+    ``exp(-temporal_coeff * i)`` with ``i = 0`` the oldest prediction. ``ADAPTIVE``: CogACT's adaptive
+    ensemble, weights ``exp(adaptive_alpha * cos(a_i, a_newest))``.
+    """
+
+    NONE = "none"
+    TEMPORAL = "temporal"
+    ADAPTIVE = "adaptive"
+
+
+ENUMS = {"schedule": Schedule, "publish_mode": PublishMode, "fallback": Fallback, "blend": Blend}
+
+
+def parse_enum(kind: type[Enum], value: str | Enum, name: str) -> Enum:
+    """``kind(value)``; ``KeyError`` naming the parameter and the valid values otherwise."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        raise KeyError(f"`{name}` is {value!r}; expected one of {', '.join(m.value for m in kind)}") from None
+
+
+@dataclass
+class ControlConfig:
+    """The control loop's parameters.
+
+    Args:
+        rate_hz: control ticks per second.
+        schedule: when steps start (``Schedule``).
+        publish_mode: when actions go out (``PublishMode``).
+        step_quantile: quantile of recent step times the schedule plans with (0.95: 1 step in 20 may overrun).
+        margin_ms: extra time planned before each tick (timer jitter, publishing).
+        step_window: recent step times kept for the quantile.
+        refill_threshold: chunk policies: a new step is planned to land while this many actions of the
+            current chunk are still queued (0: just in time; more: earlier, and the overlap is blended).
+        latency_skip: chunk policies: action ``i`` of a chunk serves the ``i``-th tick from its frame's
+            arrival; those for ticks already past are skipped. Off: a chunk starts at the next tick.
+        blend: how overlapping chunks combine (``Blend``).
+        temporal_coeff: ``Blend.TEMPORAL``'s m (ACT: 0.01).
+        adaptive_alpha: ``Blend.ADAPTIVE``'s alpha (CogACT: 0.1).
+        fallback: what a tick without an action publishes (``Fallback``).
+        fallback_keep_dims: ``Fallback.ZERO``: dimensions that repeat the last action instead (a gripper).
+    """
+
+    rate_hz: float = 5.0
+    schedule: Schedule = Schedule.DEADLINE
+    publish_mode: PublishMode = PublishMode.TICK
+    step_quantile: float = 0.95
+    margin_ms: float = 3.0
+    step_window: int = 50
+    refill_threshold: int = 1
+    latency_skip: bool = True
+    blend: Blend = Blend.NONE
+    temporal_coeff: float = 0.01
+    adaptive_alpha: float = 0.1
+    fallback: Fallback = Fallback.HOLD
+    fallback_keep_dims: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, kind in ENUMS.items():
+            setattr(self, name, parse_enum(kind, getattr(self, name), name))
+        self.fallback_keep_dims = tuple(self.fallback_keep_dims)
+        if not self.rate_hz > 0:
+            raise ValueError(f"`rate_hz` must be > 0, got {self.rate_hz}")
+        if not 0.0 < self.step_quantile <= 1.0:
+            raise ValueError(f"`step_quantile` must be in (0, 1], got {self.step_quantile}")
+        if self.margin_ms < 0:
+            raise ValueError(f"`margin_ms` must be >= 0, got {self.margin_ms}")
+        if self.step_window < 1:
+            raise ValueError(f"`step_window` must be >= 1, got {self.step_window}")
+        if self.refill_threshold < 0:
+            raise ValueError(f"`refill_threshold` must be >= 0, got {self.refill_threshold}")
+        if self.temporal_coeff < 0 or self.adaptive_alpha < 0:
+            raise ValueError(f"`temporal_coeff` ({self.temporal_coeff}) and `adaptive_alpha` ({self.adaptive_alpha}) must be >= 0")
+        if any(d < 0 for d in self.fallback_keep_dims):
+            raise ValueError(f"`fallback_keep_dims` must be >= 0, got {list(self.fallback_keep_dims)}")
+
+    @property
+    def period(self) -> float:
+        """Seconds between ticks."""
+        return 1.0 / self.rate_hz
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))

@@ -1,0 +1,195 @@
+"""The control loop's decisions, free of threads, ROS and wall clocks.
+
+A driver (the ROS policy node, a simulator, a server) owns the clock, the frames and one worker that
+runs ``session.step``; it asks ``ControlLoop`` three things and does what it says:
+
+    loop = ControlLoop(ControlConfig(rate_hz=10), t0=clock(), chunked=policy.chunk_size > 1)
+    plan = loop.plan(now)            # when the next step should start, and which tick it serves
+    ... at plan.start_at the worker steps on the newest frame ...
+    now_action = loop.on_result(actions, frame_time=t_frame, step_s=dt, now=clock())
+    out = loop.on_tick(clock())      # at every tick: the action to publish (queued or fallback)
+
+Every time is seconds on the driver's monotonic clock; tests pass a fake one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from .broker import ChunkBroker
+from .config import ControlConfig, Fallback, PublishMode, Schedule
+from .timing import StepTimer, TickGrid
+
+
+class Source(str, Enum):
+    """Where a tick's output came from."""
+
+    QUEUE = "queue"  # a step's action (fresh or queued) planned for this tick
+    PUBLISHED = "published"  # nothing to do: an action went out immediately during this period
+    FALLBACK = "fallback"  # no action for this tick: ``ControlConfig.fallback``
+
+
+@dataclass
+class Plan:
+    """The next step: start it at ``start_at`` so that its first action serves tick ``tick``."""
+
+    start_at: float
+    tick: int
+
+
+@dataclass
+class TickOutput:
+    """What tick ``tick`` publishes: ``action`` [action_dim] (``None``: nothing) and why."""
+
+    tick: int
+    action: np.ndarray | None
+    source: Source
+
+
+@dataclass
+class ControlStats:
+    """Counters since the loop was made (reported on ``/diagnostics`` by the node)."""
+
+    ticks: int = 0
+    fallbacks: int = 0  # ticks without an action of their own (whatever the fallback published)
+    steps: int = 0
+    steps_late: int = 0  # a step landed after the tick it was planned for
+    actions_skipped: int = 0  # chunk rows for ticks already past when the chunk landed
+    actions_blended: int = 0  # chunk rows that overlapped a queued prediction
+    immediate: int = 0  # actions published at once (``PublishMode.IMMEDIATE``)
+
+
+class ControlLoop:
+    """Deadline scheduling, chunk placement with latency skipping and blending, and the fallback.
+
+    Args:
+        cfg: the loop's parameters.
+        t0: when tick 0 is due, until ``on_tick`` calls tell: the first call is tick ``0`` (or the one after the
+            last handled), and later ones move the phase to the earliest call seen (timer callbacks run late,
+            never early).
+        chunked: the policy predicts several actions per step (refill and latency skipping apply).
+    """
+
+    def __init__(self, cfg: ControlConfig, *, t0: float, chunked: bool) -> None:
+        self.cfg = cfg
+        self.chunked = chunked
+        self.grid = TickGrid(t0, cfg.period)
+        self.timer = StepTimer(cfg.step_quantile, cfg.step_window)
+        self.broker = ChunkBroker(cfg.blend, temporal_coeff=cfg.temporal_coeff, adaptive_alpha=cfg.adaptive_alpha)
+        self.stats = ControlStats()
+        self.served = -1  # the last tick handled by on_tick (or published immediately)
+        self.last_action: np.ndarray | None = None
+        self._last_immediate = float("-inf")
+        self._planned_tick: int | None = None
+        self.placed_from: int | None = None  # the first tick the last step's actions serve
+        self._calibrated = False  # the grid's phase comes from the first on_tick (then the earliest callback)
+
+    def reset(self) -> None:
+        """A new episode: forget queued actions and the last action (step-time statistics stay)."""
+        self.broker.clear()
+        self.last_action = None
+        self._planned_tick = None
+
+    # ------------------------------------------------------------------ planning
+    def lead(self) -> float:
+        """Seconds planned for a step: the running quantile of step times plus the margin."""
+        return self.timer.estimate() + self.cfg.margin_ms / 1e3
+
+    def plan(self, now: float) -> Plan | None:
+        """When the next step should start (``>= now``); ``None``: no step is needed yet (``ASAP`` with a
+        non-empty queue). The driver starts it at ``start_at`` on the newest frame of that moment."""
+        cfg, lead = self.cfg, self.lead()
+        first_open = self.served + 1
+        earliest = max(first_open, self.grid.at_or_after(now + lead))
+        asap = cfg.schedule is Schedule.ASAP or (cfg.publish_mode is PublishMode.IMMEDIATE and not self.chunked)
+        if asap:
+            if self.broker.queued_from(first_open):
+                return None
+            return Plan(now, earliest)
+        covered = max(self.served, self.broker.last_tick() if len(self.broker) else self.served)
+        threshold = cfg.refill_threshold if self.chunked else 0
+        target = max(covered + 1 - threshold, earliest)
+        return Plan(max(now, self.grid.time(target) - lead), target)
+
+    def started(self, plan: Plan) -> None:
+        """The driver started the step of ``plan`` (to count steps that land late)."""
+        self._planned_tick = plan.tick
+
+    # ------------------------------------------------------------------ results and ticks
+    def on_result(self, actions: np.ndarray, *, frame_time: float, step_s: float, now: float) -> np.ndarray | None:
+        """A step finished: queue its actions [H, action_dim] (H = 1 for single-action policies).
+
+        ``frame_time``: when the frame it saw arrived. Chunk row ``i`` serves the ``i``-th tick from the
+        frame's arrival (``latency_skip``); rows for ticks already served are skipped, overlaps blended.
+        Returns the action to publish at once in ``PublishMode.IMMEDIATE``, else ``None``.
+        """
+        cfg = self.cfg
+        self.timer.add(step_s)
+        self.stats.steps += 1
+        # ticks not handled yet and not long past (a tick skipped while no episode ran is not reopened)
+        first_open = max(self.served + 1, self.grid.nearest(now)) if self._calibrated else self.served + 1
+        if self._planned_tick is not None and self.grid.time(self._planned_tick) < now:
+            self.stats.steps_late += 1
+        self._planned_tick = None
+        actions = np.asarray(actions, dtype=np.float64).reshape(len(actions), -1)  # [H, action_dim]
+        skip = self.chunked and cfg.latency_skip and cfg.schedule is Schedule.DEADLINE
+        k0 = self.grid.at_or_after(frame_time) if skip else first_open
+        if cfg.publish_mode is PublishMode.IMMEDIATE and not self.chunked:
+            self.stats.immediate += 1
+            self._last_immediate = now
+            self.last_action = actions[0]
+            return self.last_action
+        skipped, overlapped = self.broker.place(actions, k0, first_open=first_open)
+        self.placed_from = max(k0, first_open)
+        self.stats.actions_skipped += skipped
+        self.stats.actions_blended += overlapped
+        if cfg.publish_mode is PublishMode.IMMEDIATE:  # a chunk: its action for the coming tick goes now
+            k = max(first_open, self.grid.at_or_after(now))
+            action = self.broker.pop(k)
+            if action is not None:
+                self.served = k
+                self.stats.immediate += 1
+                self._last_immediate = now
+                self.last_action = action
+            return action
+        return None
+
+    def on_tick(self, now: float) -> TickOutput:
+        """Tick due nearest to ``now``: its action, or the fallback. A tick already handled (a late timer
+        callback, or a chunk action published immediately for it) publishes nothing."""
+        k = self.grid.nearest(now) if self._calibrated else self.served + 1
+        if k <= self.served:
+            return TickOutput(k, None, Source.PUBLISHED)
+        # the driver's timer defines the phase: a callback runs at or after its tick, never before
+        self.grid.t0 = min(self.grid.t0, now - k * self.cfg.period) if self._calibrated else now - k * self.cfg.period
+        self._calibrated = True
+        self.served = k
+        self.stats.ticks += 1
+        action = self.broker.pop(k)
+        if action is not None:
+            self.last_action = action
+            return TickOutput(k, action, Source.QUEUE)
+        if self._last_immediate > self.grid.time(k) - self.cfg.period:
+            return TickOutput(k, None, Source.PUBLISHED)
+        self.stats.fallbacks += 1
+        return TickOutput(k, self.fallback_action(), Source.FALLBACK)
+
+    def fallback_action(self) -> np.ndarray | None:
+        """``Fallback.HOLD``: ``None``; ``ZERO``: zeros (``fallback_keep_dims`` from the last action);
+        ``REPEAT_LAST``: the last action. ``None`` too when no action was published yet."""
+        last, mode = self.last_action, self.cfg.fallback
+        if mode is Fallback.HOLD or last is None:
+            return None
+        if mode is Fallback.REPEAT_LAST:
+            return last.copy()
+        zero = np.zeros_like(last)
+        keep = [d for d in self.cfg.fallback_keep_dims if d < len(last)]
+        zero[keep] = last[keep]
+        return zero
+
+    def queued(self) -> int:
+        """Actions queued for ticks not handled yet."""
+        return self.broker.queued_from(self.served + 1)
