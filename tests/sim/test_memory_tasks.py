@@ -42,6 +42,9 @@ def test_expert_succeeds_on_fixed_seeds(blind_env, task):
         success, info = run_expert(blind_env)
         assert success and not info.truncated, (task, seed, blind_env._episode)
         assert info.step < MEMORY_TASKS[task].max_steps and info.extra["success"] == 1.0
+        # the steps whose frames show the cue reach the episode's result (retention pictures mark them)
+        shown = [t for t in range(20) if getattr(blind_env._episode, "cue_markers", lambda t: [])(t)]
+        assert info.extra.get("cue_steps", []) == shown and (task == "memory-counting") == (shown == [])
 
 
 def frames_and_states(env: MetaWorldEnv, episode, steps: int):

@@ -185,6 +185,8 @@ class MetaWorldEnv(SimEnv):
             success = outcome is Outcome.SUCCESS
             self._done = truncated or outcome is not Outcome.RUNNING
             extra = {"success": float(success), **episode.info()}
+            if episode.cue_shown():
+                extra["cue_steps"] = episode.cue_shown()  # what EpisodeResult.cue_steps and retention pictures mark
         return self._observe(), self._done, success, StepInfo(self._steps, truncated, native, extra)
 
     def close(self) -> None:

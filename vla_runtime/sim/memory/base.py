@@ -187,6 +187,11 @@ class MemoryTask(abc.ABC):
             self.outcome = self.judge(t, mw)
         return self.outcome
 
+    def cue_shown(self) -> list[int]:
+        """The observations the cue is drawn into (retention pictures mark them); default: none (a cue
+        that is not a picture, e.g. counting's presses so far)."""
+        return []
+
     def info(self) -> dict[str, float]:
         """Per-step values for ``StepInfo.extra`` (numbers only)."""
         return {}

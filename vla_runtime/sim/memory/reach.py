@@ -67,6 +67,9 @@ class ReachMemoryTask(MemoryTask):
     def cue_markers(self, t: int) -> list[Marker]:
         """The cue drawn into observation ``t`` (empty after the cue phase)."""
 
+    def cue_shown(self) -> list[int]:
+        return [t for t in range(self.cue_steps) if self.cue_markers(t)]
+
     def layout_markers(self) -> list[Marker]:
         """What is drawn in every observation besides the lamp (default: nothing)."""
         return []
