@@ -61,6 +61,9 @@ def test_demo_command_runs_a_closed_loop_episode(tmp_path):
     assert "policy step: p50" in out.stdout and "KV cache at the end" in out.stdout
     assert ("SUCCESS" in out.stdout) or ("failure after 12 steps" in out.stdout)
     assert list(tmp_path.glob("drawer-close-v3-seed1000.*")), out.stdout
+    # the chunked cache's story: KV held against a full cache's, where the retained chunks come from, the picture
+    assert "a full cache would hold" in out.stdout and "retained chunks at the end come from" in out.stdout
+    assert (tmp_path / "drawer-close-v3-seed1000-retention.png").is_file()
 
 
 def test_recipe_collects_and_trains_end_to_end_on_a_tiny_budget(tmp_path):

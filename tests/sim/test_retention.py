@@ -9,7 +9,7 @@ from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import SessionConfig
 from vla_runtime.kv import ChunkGate, ChunkGateConfig, KVConfig
 from vla_runtime.sim.evaluate import EpisodeResult, episode_record
-from vla_runtime.sim.retention import RetentionTrace, plot_episodes
+from vla_runtime.sim.retention import RetentionTrace, describe_sources, plot_episodes
 
 STEPS = 12
 
@@ -55,6 +55,16 @@ def test_trace_maps_the_held_chunks_to_their_source_steps(traced):
     assert np.all(np.diag(grid) == 0)  # a step's own tokens are still raw after it
     held_step = int(np.argmax(expected))
     assert trace.cue_held(held_step) == pytest.approx(np.mean([any(trace.source_step(s) == held_step for s in layer) for layer in starts]))
+
+    held = trace.held_sources()  # the last column, by source step, as the demo prints it
+    assert held == {step: pytest.approx(v) for step, v in enumerate(expected) if v > 0}
+
+
+def test_held_sources_are_described_as_runs_of_steps_with_cues_flagged():
+    held = {0: 0.5, 1: 1.0, 2: 0.25, 3: 2.0, 7: 1.0, 8: 0.5}
+    text = describe_sources(held, cue_steps=[1, 2])
+    assert text == "step 0: 0.5 chunks; steps 1-2 (cue): 1.2 chunks; step 3: 2.0 chunks; steps 7-8: 1.5 chunks"
+    assert describe_sources({}) == "no chunks held"
 
 
 def test_one_picture_per_traced_episode_with_the_cues_marked(traced, tmp_path):

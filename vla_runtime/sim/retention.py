@@ -59,12 +59,41 @@ class RetentionTrace:
                     grid[self.source_step(start), x] += 1.0 / len(layers)
         return grid
 
+    def held_sources(self, *, at: int = -1) -> dict[int, float]:
+        """Source step -> chunks from it held after step ``at`` (default: the last), mean over layers."""
+        layers = self.retained[at] if self.retained else ()
+        held: dict[int, float] = {}
+        for starts in layers:
+            for start in starts:
+                step = self.source_step(start)
+                held[step] = held.get(step, 0.0) + 1.0 / len(layers)
+        return dict(sorted(held.items()))
+
     def cue_held(self, cue_step: int, *, at: int = -1) -> float:
         """Fraction of layers holding at least one chunk from ``cue_step`` after step ``at`` (default: the last)."""
         layers = self.retained[at] if self.retained else ()
         if not layers:
             return 0.0
         return sum(any(self.source_step(s) == cue_step for s in starts) for starts in layers) / len(layers)
+
+
+def describe_sources(held: dict[int, float], cue_steps: Sequence[int] = ()) -> str:
+    """One line: runs of consecutive source steps with the chunks held from them, cue steps flagged,
+    e.g. ``steps 0-5 (cue): 3.5 chunks; steps 40-47: 8.0 chunks``."""
+    if not held:
+        return "no chunks held"
+    cues, runs, steps = set(cue_steps), [], sorted(held)
+    for step in steps:
+        if runs and step == runs[-1][1] + 1 and (step in cues) == (runs[-1][0] in cues):
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    parts = []
+    for first, last in runs:
+        chunks = sum(held[s] for s in range(first, last + 1) if s in held)
+        span = f"step {first}" if first == last else f"steps {first}-{last}"
+        parts.append(f"{span}{' (cue)' if first in cues else ''}: {chunks:.1f} chunks")
+    return "; ".join(parts)
 
 
 def plot_retention(trace: RetentionTrace, path: str | Path, *, cue_steps: Sequence[int] = (), title: str = "") -> Path | None:
