@@ -7,18 +7,20 @@ wall times in ``OUT/recipe.json``):
 2. a random OpenVLA-architecture checkpoint (``metaworld_demo.llm_geometry``; 84 px, LLaMA 128 x 4).
 3. two trainings from scratch on the same data:
    (a) ``model-history``: whole episodes (``--window 0``) through the chunked cache's parallel form,
-       the gate trained under the budget inference uses (``--max-chunks``, ``--gate-budget hard``);
+       the gate trained under the budget inference uses (``--max-chunks``, ``--gate-budget hard``), then
+       continued (``--tune``, each round from the previous one) with ``--change-weight``: trained on plain
+       cross-entropy, the policy copied its past actions and never left the hold at the go lamp;
    (b) ``model-single``: stock single-frame OpenVLA (no history).
 4. ``vla-runtime eval`` on held-out seeds: (b) single; (a) with the full cache; (a) with a sliding window
-   (``sink_window``) holding as many tokens as the chunked cache at most does (raw window + a filling
-   chunk + the budget); (a) with the chunked cache (``--retention-plots``: what the gate kept, per episode).
+   (``sink_window``) holding the KV bytes of the chunked cache at its budget (``--kv-match-chunks``);
+   (a) with the chunked cache (``--retention-plots``: what the gate kept, per episode).
    ``OUT/results.md`` tables success, control rate, p95 step latency and peak KV side by side.
 
     python -m vla_finetune.recipes.metaworld_memory --out runs/memory --tasks TASK1,TASK2
     python -m vla_finetune.recipes.metaworld_memory --out /tmp/m --tasks reach-v3 --episodes 1 --resolution 28 \\
         --llm-dim 64 --llm-layers 1 --max-steps 2 --eval-episodes 1 --eval-max-steps 4 --eval-workers 1   # smoke
 
-Each training is sized for <= 1 hour on 2 CPU cores at the defaults (whole-episode training runs at
+The history training (all rounds) and the single-frame one each fit <= 1 hour on 2 CPU cores at the defaults (whole-episode training runs at
 ~2,900 tokens per CPU-second on one thread, demo geometry: ``benchmarks/bench_episode_training.py``).
 """
 
@@ -36,17 +38,29 @@ CONDITIONS = ("single", "history-full", "history-window", "history-chunked")
 CHUNK = 16  # chunk size: KVConfig's default, which `vla-runtime eval --kv chunked` also uses
 
 
-def eval_flags(condition: str, args: argparse.Namespace) -> list[str]:
-    """The ``vla-runtime eval`` flags of one condition (history-window: the chunked cache's token count)."""
-    window = (args.resolution // 14) ** 2 + 16  # one step's tokens (frame + proprio + prompt suffix + actions), upper bound
-    capacity = (args.eval_max_steps + 1) * window  # the full cache holds the whole episode
+def eval_flags(condition: str, args: argparse.Namespace, window: int) -> list[str]:
+    """The ``vla-runtime eval`` flags of one condition; ``window``: the history model's raw window (tokens)."""
+    capacity = (args.eval_max_steps + 1) * ((args.resolution // 14) ** 2 + 16)  # the full cache holds the episode
     if condition == "single":
         return ["--history", "single", "--kv", "full"]
     if condition == "history-full":
         return ["--history", "history", "--kv", "full", "--kv-capacity", str(capacity)]
-    if condition == "history-window":  # the chunked cache holds <= raw window + a filling chunk + the budget
-        return ["--history", "history", "--kv", "sink_window", "--kv-window", str(window + CHUNK + args.max_chunks)]
-    return ["--history", "history", "--kv", "chunked", "--kv-max-chunks", str(args.max_chunks), "--retention-plots"]
+    budget = [str(window), "--kv-match-chunks" if condition == "history-window" else "--kv-max-chunks", str(args.max_chunks)]
+    if condition == "history-window":  # the same KV bytes as the chunked cache at its budget
+        return ["--history", "history", "--kv", "sink_window", "--kv-window", *budget]
+    return ["--history", "history", "--kv", "chunked", "--kv-window", *budget, "--retention-plots"]
+
+
+def tune_rounds(text: str) -> list[tuple[int, float]]:
+    """``--tune`` ``"300:5e-4,400:3e-4"`` -> [(steps, lr), ...]; ``""`` -> none."""
+    rounds = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        steps, _, lr = part.partition(":")
+        try:
+            rounds.append((int(steps), float(lr)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--tune takes STEPS:LR pairs separated by commas, got {part!r}") from None
+    return rounds
 
 
 def results_table(out: Path) -> str:
@@ -66,7 +80,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_common_args(p, tasks=None)
     p.add_argument("--max-chunks", type=int, default=32, help="retained chunks per layer, training and eval (default 32)")
-    p.add_argument("--max-steps", type=int, default=300, help="optimizer steps of each training (default 300)")
+    p.add_argument("--max-steps", type=int, default=300, help="optimizer steps of each first training (default 300)")
+    p.add_argument("--tune", type=tune_rounds, default=tune_rounds("300:5e-4,400:3e-4"), metavar="STEPS:LR,...",
+                   help="history model: rounds continued from the previous one with --change-weight (default 300:5e-4,400:3e-4)")
+    p.add_argument("--change-weight", type=float, default=5.0, help="loss weight of changing action tokens in the --tune rounds (default 5)")
     p.add_argument("--batch-size", type=int, default=4, help="whole episodes per step (default 4)")
     p.add_argument("--single-batch-size", type=int, default=64, help="single-frame samples per step (default 64)")
     p.add_argument("--eval-episodes", type=int, default=30, help="evaluation episodes per task and condition; 0 = skip")
@@ -109,11 +126,21 @@ def main(argv: list[str] | None = None) -> int:
             log["stages"].append({"stage": f"train-{name}", "skipped": f"{model} exists"})
             continue
         run_stage(f"train-{name}", cli + common + flags[name] + ["--out", str(model)], log)
+    start = models["history"]
+    for i, (steps, lr) in enumerate(args.tune, 1):
+        model = args.out / f"model-history-tune{i}"
+        if not (model / "model.safetensors").is_file():
+            tune = [*common, *flags["history"], "--checkpoint", str(start), "--max-steps", str(steps), "--lr", str(lr),
+                    "--warmup-steps", str(max(steps // 30, 1)), "--seed", str(args.seed + i),
+                    "--change-weight", str(args.change_weight), "--out", str(model)]  # later flags override `common`'s
+            run_stage(f"tune-history-{i}", cli + tune, log)
+        start = models["history"] = model
 
     if args.eval_episodes > 0:
+        window = json.loads((models["history"] / "kv_config.json").read_text())["kv"]["window"]
         for condition in CONDITIONS:
             model = models["single" if condition == "single" else "history"]
-            flags = ["--no-video", *eval_flags(condition, args)]
+            flags = ["--no-video", *eval_flags(condition, args, window)]
             argv = eval_args(args, model, args.out / f"eval-{condition}", flags, seed=args.eval_seed, workers=args.eval_workers)
             run_stage(f"eval-{condition}", cli + argv, log)
         write_results(args.out, results_table(args.out))

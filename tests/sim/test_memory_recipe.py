@@ -13,14 +13,16 @@ def test_memory_recipe_trains_both_policies_and_evaluates_every_condition(tmp_pa
     argv = [sys.executable, "-m", "vla_finetune.recipes.metaworld_memory", "--out", str(tmp_path), "--tasks", "reach-v3",
             "--episodes", "1", "--resolution", "28", "--llm-dim", "64", "--llm-layers", "1", "--max-steps", "2",
             "--batch-size", "1", "--single-batch-size", "4", "--threads", "1", "--max-chunks", "2",
-            "--eval-episodes", "1", "--eval-max-steps", "3", "--eval-workers", "1"]  # fmt: skip
+            "--tune", "1:5e-4", "--eval-episodes", "1", "--eval-max-steps", "3", "--eval-workers", "1"]  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     stages = [s["stage"] for s in json.loads((tmp_path / "recipe.json").read_text())["stages"]]
-    assert stages == ["collect", "train-history", "train-single", "eval-single", "eval-history-full",
+    assert stages == ["collect", "train-history", "train-single", "tune-history-1", "eval-single", "eval-history-full",
                       "eval-history-window", "eval-history-chunked"]  # fmt: skip
     config = (tmp_path / "model-history" / "finetune_config.yaml").read_text()
     assert "window: 0" in config and "budget: hard" in config and "max_chunks: 2" in config
+    tuned = (tmp_path / "model-history-tune1" / "finetune_config.yaml").read_text()
+    assert "change_weight: 5.0" in tuned and "window: 0" in tuned and "max_chunks: 2" in tuned
     assert "history: single" in (tmp_path / "model-single" / "finetune_config.yaml").read_text()
     sessions = {c: json.loads((tmp_path / f"eval-{c}" / "report.json").read_text())["session"]
                 for c in ("single", "history-full", "history-window", "history-chunked")}  # fmt: skip
