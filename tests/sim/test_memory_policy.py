@@ -1,0 +1,48 @@
+"""The shipped memory-suite policy (assets/mw-memory-openvla): complete, small, and acting in range on a
+memory task under the chunked cache's trained budget."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.sim
+
+MEMORY = Path(__file__).resolve().parents[2] / "assets" / "mw-memory-openvla"
+
+
+def test_shipped_memory_policy_is_small_complete_and_carded():
+    names = {p.name for p in MEMORY.iterdir()}
+    for required in ("config.json", "model.safetensors", "dataset_statistics.json", "gates.safetensors", "kv_config.json",
+                     "session_config.json", "tokenizer.json", "README.md"):  # fmt: skip
+        assert required in names, f"{required} missing from {MEMORY}"
+    assert sum(p.stat().st_size for p in MEMORY.rglob("*") if p.is_file()) < 50 * 2**20
+    card = (MEMORY / "README.md").read_text()
+    for task in ("memory-reference", "memory-counting", "memory-order"):
+        assert task in card
+    assert json.loads((MEMORY / "kv_config.json").read_text())["kv"]["max_chunks"] == 32  # the budget it was trained under
+
+
+def test_shipped_memory_policy_acts_in_range_and_holds_its_budget():
+    import torch
+
+    from vla_runtime.api import load_policy
+    from vla_runtime.sim import MetaWorldConfig, make_env
+
+    torch.set_num_threads(1)
+    policy = load_policy(MEMORY, device="cpu")
+    assert policy.kv_gate is not None and policy.session.kv.mode == "chunked" and policy.session.history == "history"
+    (action,) = [v["action"] for v in json.loads((MEMORY / "dataset_statistics.json").read_text()).values()]
+    low, high = np.array(action["q01"]), np.array(action["q99"])
+    layers = policy.info()["llm"]["layers"]
+    with make_env("metaworld", MetaWorldConfig(cameras=("corner",), resolution=(84, 84))) as env:
+        obs = env.reset("memory-order", seed=1000)
+        session = policy.new_session(obs.instruction)  # the session it was trained for: chunked, budget 32
+        for _ in range(30):  # past the budget: 30 steps x 48 tokens form ~90 chunks per layer
+            result = session.step(obs.to_policy())
+            a = result.actions[0]
+            assert a.shape == (7,) and np.all(np.isfinite(a))
+            assert np.all(a[:6] >= low[:6] - 1e-6) and np.all(a[:6] <= high[:6] + 1e-6)
+            obs, *_ = env.step(a)
+        assert result.kv.chunks_retained <= 32 * layers and result.kv.chunks_dropped > 0
