@@ -7,20 +7,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shipped import assert_shipped_checkpoint
+
 pytestmark = pytest.mark.sim
 
 MEMORY = Path(__file__).resolve().parents[2] / "assets" / "mw-memory-openvla"
+MEMORY_TASKS = ("memory-reference", "memory-counting", "memory-order")
 
 
 def test_shipped_memory_policy_is_small_complete_and_carded():
-    names = {p.name for p in MEMORY.iterdir()}
-    for required in ("config.json", "model.safetensors", "dataset_statistics.json", "gates.safetensors", "kv_config.json",
-                     "session_config.json", "tokenizer.json", "README.md"):  # fmt: skip
-        assert required in names, f"{required} missing from {MEMORY}"
-    assert sum(p.stat().st_size for p in MEMORY.rglob("*") if p.is_file()) < 50 * 2**20
-    card = (MEMORY / "README.md").read_text()
-    for task in ("memory-reference", "memory-counting", "memory-order"):
-        assert task in card
+    assert_shipped_checkpoint(MEMORY, MEMORY_TASKS, extra=("gates.safetensors", "kv_config.json", "session_config.json"))
     assert json.loads((MEMORY / "kv_config.json").read_text())["kv"]["max_chunks"] == 32  # the budget it was trained under
 
 
