@@ -2,11 +2,13 @@
 
 SIGINT and SIGTERM make a running policy node leave its lifecycle (deactivate, then shut down, which
 releases the policy) and exit 0 within the time this machine allows (``NodeProcess.interrupt``); a
-node started with ``--exit-with-parent`` does the same when its parent dies; a node that cannot start
+node started with ``--exit-with-parent`` (launch files and the harness pass it) does the same when its
+parent dies; a node that cannot start
 exits 1 with the reason on its last FATAL line; a crash in a callback exits 1 after the node was
 released, and a node asking to end (the simulator after its run) exits 0.
 """
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -109,18 +111,33 @@ def _process_state(pid: int) -> str:
         return ""
 
 
+def _kill_if_left(pid: int) -> None:
+    """SIGKILL the orphan ``pid`` if a failed test left it running (it is not our child: nothing else would)."""
+    if _process_state(pid) not in ("", "Z"):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _node_pid(proc: NodeProcess) -> int:
+    line = wait_for(lambda: next((x for x in proc.output().splitlines() if x.startswith("node pid ")), None),
+                    what=f"the launcher's line naming its node\n{proc.output()}")
+    return int(line.split()[-1])
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="--exit-with-parent uses Linux's PR_SET_PDEATHSIG")
 def test_a_node_whose_parent_died_stops_as_on_sigterm(harness, tmp_path, policy_checkpoints):
-    node = ActivePolicy(harness, tmp_path, policy_checkpoints["single"], "/orphan",
-                        launcher=LAUNCHER, process_args=("--exit-with-parent",))
+    # no process_args: the harness starts every node with --exit-with-parent, as the launch files do
+    node = ActivePolicy(harness, tmp_path, policy_checkpoints["single"], "/orphan", launcher=LAUNCHER)
+    pid = None
     try:
         node.wait_acting()
-        pid = int(next(line for line in node.proc.output().splitlines() if line.startswith("node pid ")).split()[-1])
+        pid = _node_pid(node.proc)
         node.proc.proc.kill()  # the parent dies without a word, as `ros2 launch` on SIGKILL (or SIGTERM) does
         node.proc.proc.wait()
         wait_for(lambda: _process_state(pid) in ("", "Z"), what=f"the orphaned node to end\n{node.proc.output()}")
     finally:
         node.close()
+        if pid is not None:
+            _kill_if_left(pid)
     out = node.proc.output()
     assert in_order(out, "stopping: SIGTERM (the parent process ended) received", "]: inactive", "policy released"), out
 
