@@ -1,6 +1,8 @@
 """Our datasets match LeRobot 0.6.1's output key for key, and info.json describes the streams actually written."""
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,25 @@ def test_info_json_describes_the_stream_in_every_video_file(tmp_path, codec):
     if VIDEO_CODECS[codec].lossless:
         for ep, want in zip(LeRobotDataset(root), episodes()):
             np.testing.assert_array_equal(ep.images["cam"], want.images["cam"])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="scheduling policies are Linux's")
+@pytest.mark.parametrize("codec", sorted(VIDEO_CODECS))
+def test_writing_leaves_the_writers_thread_scheduling_as_it_was(tmp_path, codec):
+    """libsvtav1 (av1) switches the thread that opens it to SCHED_FIFO 99 when run as root (as CI is); every
+    thread and process started from that thread later inherited it. The writing runs on a thread of its own
+    so that a regression cannot leave the test process itself real-time."""
+    seen = {}
+
+    def writer() -> None:
+        seen["before"] = os.sched_getscheduler(0), os.sched_getparam(0).sched_priority
+        write(tmp_path / "ds", codec)
+        seen["after"] = os.sched_getscheduler(0), os.sched_getparam(0).sched_priority
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    thread.join()
+    assert seen["after"] == seen["before"], f"{codec}: (policy, priority) {seen['before']} -> {seen['after']}"
 
 
 def test_writer_output_matches_lerobot_0_6_1_key_for_key(tmp_path):

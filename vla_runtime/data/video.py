@@ -14,10 +14,16 @@ Each codec's settings are the fields LeRobot records under ``info.json`` ``featu
 ``video.preset``, ``video.extra_options``) and re-encodes with when it edits a dataset
 (``delete_episodes``, merge): with ``VideoCodec.info`` in ``info.json``, its re-encode reproduces ours,
 lossless included (LeRobot maps ``hevc`` to libx265 and passes ``x265-params`` through).
+
+Encoding leaves the calling thread's scheduling as it was: libsvtav1 (the ``av1`` encoder, SVT-AV1 4.1 in
+PyAV's wheel) switches the thread that opens it to ``SCHED_FIFO`` at priority 99 when the process runs as
+root, and every thread and process started from that thread afterwards inherits it (see ``same_scheduling``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -86,6 +92,27 @@ VIDEO_CODECS: dict[str, VideoCodec] = {
 }
 
 
+@contextlib.contextmanager
+def same_scheduling():
+    """Restore the calling thread's scheduling policy and priority if the block changed them.
+
+    libsvtav1 switches the thread that opens an encoder to real-time scheduling (``SCHED_FIFO``, priority
+    99) when it runs as root (as CI does), and keeps it there. Threads and processes started from that thread
+    later inherit the policy: a writer's caller that goes on to start workers or ROS nodes would run them
+    all at real-time priority, where a thread that busy-waits for another of equal priority on a busy CPU
+    never lets it run (the hang of issue 13's two-bringup test, which ran after an ``av1`` writer test).
+    """
+    if not hasattr(os, "sched_getscheduler"):  # not Linux: nothing to keep
+        yield
+        return
+    policy, priority = os.sched_getscheduler(0), os.sched_getparam(0).sched_priority
+    try:
+        yield
+    finally:
+        if (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority) != (policy, priority):
+            os.sched_setscheduler(0, policy, os.sched_param(priority))
+
+
 def get_codec(name: str) -> VideoCodec:
     if name not in VIDEO_CODECS:
         raise KeyError(f"unknown video codec {name!r}; available: {', '.join(sorted(VIDEO_CODECS))}")
@@ -129,7 +156,9 @@ class VideoWriter:
             vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
             vf.pts = self.frames_written
             vf.time_base = Fraction(1, self.fps)
-            self._container.mux(self._stream.encode(vf))
+            with same_scheduling():  # the first encode opens the encoder
+                packets = self._stream.encode(vf)
+            self._container.mux(packets)
             self.frames_written += 1
 
     def size_mb(self) -> float:
@@ -137,7 +166,9 @@ class VideoWriter:
 
     def close(self) -> None:
         if self._container is not None:
-            self._container.mux(self._stream.encode())
+            with same_scheduling():
+                packets = self._stream.encode()
+            self._container.mux(packets)
             self._container.close()
             self._container = None
 

@@ -25,9 +25,12 @@ def _import_paths() -> list[Path]:
 # the package yet, the package sources (ros_harness passes the same paths to node subprocesses).
 sys.path[:0] = [str(p) for p in _import_paths()]
 
+from ros_domain import claim_domain  # noqa: E402 - from TEST_DIR, put on the path above
+
 # One DDS domain per test run, discovery on this machine only: parallel runs (several engineers,
 # CI) never see each other's nodes. Child processes inherit both.
-os.environ["ROS_DOMAIN_ID"] = str(1 + os.getpid() % 230)
+DOMAIN, _DOMAIN_CLAIM = claim_domain()
+os.environ["ROS_DOMAIN_ID"] = str(DOMAIN)
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"  # ROS_LOCALHOST_ONLY is deprecated since Jazzy
 os.environ.pop("ROS_LOCALHOST_ONLY", None)
 os.environ.pop("ROS_STATIC_PEERS", None)

@@ -300,8 +300,26 @@ class Diagnostics:
         return self.wait(lambda s, v: True, timeout, after=len(self.statuses))[1]
 
 
+# Node processes start under the default time-sharing policy whatever the test process runs under: a
+# real-time policy (SCHED_FIFO/RR) is inherited by every thread of the node, and rclpy's
+# MultiThreadedExecutor busy-waits for its pool threads (ros2/rclpy#1452), which at equal real-time
+# priority on busy CPUs never run: the node livelocks (issue 13's two-bringup hang). `ros2 launch` from a
+# shell or a service starts them time-shared too. The wrapper resets the policy and execs the node (same pid).
+TIME_SHARING = (
+    (sys.executable, "-S", "-c",
+     "import os, sys; os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0)); os.execv(sys.argv[1], sys.argv[1:])")
+    if hasattr(os, "sched_setscheduler") else ()
+)
+EXIT_WITH_PARENT = "--exit-with-parent"
+
+
 class NodeProcess:
     """``python -m vla_runtime_ros.<module> [process_args] --ros-args --params-file <yaml>`` in a subprocess.
+
+    Every node runs with ``--exit-with-parent`` (the kernel stops it when the process that started it ends:
+    this test process, or ``launcher``), so no node outlives a test run that was killed, and under
+    ``SCHED_OTHER`` (see ``TIME_SHARING``). The death signal follows the *thread* that started the node:
+    start nodes from the test's own thread, not from a helper thread that ends before them.
 
     ``launcher``: a command the node is started through (its parent), e.g. ``(sys.executable, "-c", ...)``.
     """
@@ -311,8 +329,10 @@ class NodeProcess:
         self.params_file = tmp / f"{name}_params.yaml"
         self.params_file.write_text(yaml.safe_dump({"/**": {"ros__parameters": params}}))
         self.log_path = tmp / f"{name}.log"
+        if EXIT_WITH_PARENT not in process_args:
+            process_args = (*process_args, EXIT_WITH_PARENT)
         self.args = [
-            *launcher, sys.executable, "-m", f"vla_runtime_ros.{module}", *process_args,
+            *TIME_SHARING, *launcher, sys.executable, "-m", f"vla_runtime_ros.{module}", *process_args,
             "--ros-args", "--params-file", str(self.params_file),
             "-r", f"__node:={name}", "-r", f"__ns:={namespace}", *ROS_ARGS_QUIET, *extra_args,
         ]

@@ -45,9 +45,6 @@ def endpoints(infos) -> set[str]:
     return names - {"/test_harness"}
 
 
-@pytest.mark.skip(reason="open bug (issues 13/26): in the full suite both policy nodes stop logging ~1 s after the "
-                  "planners publish their subtasks, one thread spinning at ~100 % CPU, until the wait times out; the "
-                  "test passes alone and was verified by hand under real ros2 launch")
 def test_two_namespaced_bringups_do_not_cross_talk(harness, tmp_path, monkeypatch, policy_checkpoints):
     model = write_tiny_planner(tmp_path / "tiny-planner")
     params = {

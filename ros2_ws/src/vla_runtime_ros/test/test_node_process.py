@@ -2,11 +2,13 @@
 
 SIGINT and SIGTERM make a running policy node leave its lifecycle (deactivate, then shut down, which
 releases the policy) and exit 0 within the time this machine allows (``NodeProcess.interrupt``); a
-node started with ``--exit-with-parent`` does the same when its parent dies; a node that cannot start
+node started with ``--exit-with-parent`` (launch files and the harness pass it) does the same when its
+parent dies, and ends without starting when the parent died while it was still starting; a node that cannot start
 exits 1 with the reason on its last FATAL line; a crash in a callback exits 1 after the node was
 released, and a node asking to end (the simulator after its run) exits 0.
 """
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -30,6 +32,14 @@ CAMERA_HZ = 20.0
 LAUNCHER = (
     sys.executable, "-c",
     "import subprocess, sys; node = subprocess.Popen(sys.argv[1:]); print(f'node pid {node.pid}', flush=True); node.wait()",
+)
+# a parent that dies while its node is still starting: it ends once the node has imported rclpy (the package,
+# imported first, has noted its parent by then; the node arms its parent-death signal only later, in ``run``)
+EARLY_DEATH_LAUNCHER = (
+    sys.executable, "-c",
+    "import pathlib, subprocess, sys, time; node = subprocess.Popen(sys.argv[1:]); print(f'node pid {node.pid}', flush=True)\n"
+    "maps = pathlib.Path(f'/proc/{node.pid}/maps')\n"
+    "while node.poll() is None and 'rclpy' not in maps.read_text(): time.sleep(0.005)",
 )
 
 
@@ -109,20 +119,54 @@ def _process_state(pid: int) -> str:
         return ""
 
 
+def _kill_if_left(pid: int) -> None:
+    """SIGKILL the orphan ``pid`` if a failed test left it running (it is not our child: nothing else would)."""
+    if _process_state(pid) not in ("", "Z"):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _node_pid(proc: NodeProcess) -> int:
+    line = wait_for(lambda: next((x for x in proc.output().splitlines() if x.startswith("node pid ")), None),
+                    what=f"the launcher's line naming its node\n{proc.output()}")
+    return int(line.split()[-1])
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="--exit-with-parent uses Linux's PR_SET_PDEATHSIG")
 def test_a_node_whose_parent_died_stops_as_on_sigterm(harness, tmp_path, policy_checkpoints):
-    node = ActivePolicy(harness, tmp_path, policy_checkpoints["single"], "/orphan",
-                        launcher=LAUNCHER, process_args=("--exit-with-parent",))
+    # no process_args: the harness starts every node with --exit-with-parent, as the launch files do
+    node = ActivePolicy(harness, tmp_path, policy_checkpoints["single"], "/orphan", launcher=LAUNCHER)
+    pid = None
     try:
         node.wait_acting()
-        pid = int(next(line for line in node.proc.output().splitlines() if line.startswith("node pid ")).split()[-1])
+        pid = _node_pid(node.proc)
         node.proc.proc.kill()  # the parent dies without a word, as `ros2 launch` on SIGKILL (or SIGTERM) does
         node.proc.proc.wait()
         wait_for(lambda: _process_state(pid) in ("", "Z"), what=f"the orphaned node to end\n{node.proc.output()}")
     finally:
         node.close()
+        if pid is not None:
+            _kill_if_left(pid)
     out = node.proc.output()
     assert in_order(out, "stopping: SIGTERM (the parent process ended) received", "]: inactive", "policy released"), out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="--exit-with-parent uses Linux's PR_SET_PDEATHSIG")
+def test_a_node_whose_parent_died_while_it_started_ends_without_starting(tmp_path, policy_checkpoints):
+    """The kernel's parent-death signal is armed only once the node's imports are done (seconds); a parent
+    killed before that (a test run killed while it starts a node) must not leave the node running unsupervised."""
+    params = dict(checkpoint=str(policy_checkpoints["single"]), policy_modules=["ros_test_policy"], default_instruction="x")
+    proc = NodeProcess("policy_node", params, tmp_path, name="vla_policy", namespace="/early_orphan", launcher=EARLY_DEATH_LAUNCHER)
+    pid = None
+    try:
+        pid = _node_pid(proc)
+        wait_for(lambda: _process_state(pid) in ("", "Z"), what=f"the node orphaned while starting to end\n{proc.output()}")
+    finally:
+        proc.close()
+        if pid is not None:
+            _kill_if_left(pid)
+    out = proc.output()
+    # ended before its parent-death signal was armed, or (a slow launcher) by that signal: never left running
+    assert "stopping: the parent process (pid " in out or "stopping: SIGTERM (the parent process ended) received" in out, out
 
 
 @pytest.mark.parametrize(("module", "params", "reason"), [
@@ -157,6 +201,14 @@ class EndingNode(Node):
     def destroy_node(self) -> None:
         self.destroyed = True
         super().destroy_node()
+
+
+def test_a_node_under_a_real_time_policy_warns(monkeypatch, capfd):
+    """rclpy's MultiThreadedExecutor busy-waits for its pool threads; under SCHED_FIFO/RR that can stop every callback."""
+    monkeypatch.setattr(os, "sched_getscheduler", lambda pid: os.SCHED_FIFO)
+    assert run(lambda stop: EndingNode(stop, crash=False), ["ending_node", "--ros-args", *ROS_ARGS_QUIET],
+               name="ending_node", threads=2) == 0
+    assert "runs under the real-time policy SCHED_FIFO" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize(("crash", "code"), [(True, 1), (False, 0)], ids=["crash", "done"])

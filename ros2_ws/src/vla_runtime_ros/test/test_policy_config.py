@@ -126,9 +126,14 @@ def test_a_failing_policy_is_reported_and_publishes_nothing(harness, tmp_path, f
         errors = 0
         for seed in range(3):  # every frame fails the same way; the node keeps going
             mark = len(diag.statuses)
+            # wait for the ERROR status of a new error, not any status with a higher count: a frame re-sent while the
+            # previous round waited fails after it, and its ERROR status may come before `mark` (or be lost from the
+            # publisher's 10-deep history on a stalled machine), leaving only later OK statuses with its count
             status, values = resend_until(
                 lambda seed=seed: camera.publish(conversions.array_to_image_msg(solid_image(seed))),
-                lambda n=errors: diag.find(lambda s, v: int(v["inference_errors"]) > n, after=mark), f"error {seed + 1}",
+                lambda n=errors: diag.find(lambda s, v: s.level == DiagnosticStatus.ERROR and int(v["inference_errors"]) > n,
+                                           after=mark),
+                f"error {seed + 1}",
             )
             errors = int(values["inference_errors"])
             assert status.level == DiagnosticStatus.ERROR and message in status.message

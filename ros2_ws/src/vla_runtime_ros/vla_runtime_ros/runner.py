@@ -6,7 +6,8 @@ and waits in the main thread for a reason to stop:
 - SIGINT: Ctrl-C, ``ros2 launch`` shutting down, ``docker stop`` / ``systemctl stop`` set up as the
   README's ROS section shows;
 - SIGTERM: plain ``docker stop`` / ``systemctl stop``, ``kill``, and with ``--exit-with-parent`` the
-  death of the process that started this one (the kernel sends it; see ``exit_with_parent``);
+  death of the process that started this one (the kernel sends it; see ``exit_with_parent``); a parent
+  that died while this process was still importing ends it before the node is built;
 - the node asking to end (``Stop.request``: the simulator after its last episode);
 - a crash: an exception out of a callback.
 
@@ -39,8 +40,11 @@ from rclpy.signals import SignalHandlerOptions
 from rclpy.task import Future
 from rclpy.utilities import remove_ros_args
 
+from . import PARENT_AT_START
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REAL_TIME_POLICIES = {getattr(os, name): name for name in ("SCHED_FIFO", "SCHED_RR") if hasattr(os, name)}
 
 
 class NodeStartError(RuntimeError):
@@ -80,7 +84,9 @@ def exit_with_parent() -> None:
     """Have the kernel send SIGTERM to this process when its parent dies (Linux ``PR_SET_PDEATHSIG``).
 
     ``ros2 launch`` killed with SIGTERM or SIGKILL leaves its nodes running; with this they stop
-    as they do on ``systemctl stop`` instead of driving the robot on without a supervisor.
+    as they do on ``systemctl stop`` instead of driving the robot on without a supervisor. A parent
+    that died before this call sends nothing: ``run`` compares the parent with ``PARENT_AT_START``
+    afterwards. (The signal follows the parent *thread* that forked this process.)
     """
     if not sys.platform.startswith("linux"):
         raise OSError(f"--exit-with-parent needs Linux's prctl(PR_SET_PDEATHSIG); this is {sys.platform}")
@@ -111,7 +117,7 @@ def run(make_node: Callable[[Stop], Node], args: list[str] | None = None, *, nam
     args = list(sys.argv if args is None else args)
     options = parse_process_args(args)
     stop = Stop()
-    parent = os.getppid()
+    parent = PARENT_AT_START
 
     def on_signal(signum: int, frame) -> None:
         reason = signal.Signals(signum).name
@@ -124,9 +130,13 @@ def run(make_node: Callable[[Stop], Node], args: list[str] | None = None, *, nam
     try:
         with rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO):
             logger = get_logger(name)
+            _warn_if_real_time(logger, threads)
             try:
                 if options.exit_with_parent:
                     exit_with_parent()
+                    if os.getppid() != parent:
+                        logger.info(f"stopping: the parent process (pid {parent}) ended while this one was starting")
+                        return 0
                 node = make_node(stop)
             except (RuntimeError, ValueError, KeyError, OSError, ImportError) as e:  # NodeStartError is a RuntimeError
                 reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) adds quotes
@@ -164,6 +174,25 @@ def end_process(code: int) -> NoReturn:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).fflush(None)  # C stdio too: rcutils writes the console log with it
     os._exit(code)
+
+
+def _warn_if_real_time(logger, threads: int) -> None:
+    """Warn when a multi-threaded node runs under a real-time policy (inherited, or ``chrt``).
+
+    rclpy's ``MultiThreadedExecutor`` (9.1) hands a ready callback to its thread pool and, until a pool
+    thread has started it, hands it over again without waiting (ros2/rclpy#1452). A pool thread of equal
+    real-time priority cannot preempt that loop: with every CPU busy (two such nodes on two cores) no
+    callback ever runs again. Measured (issue 13): the policy nodes of two bringups, SCHED_FIFO 99 inherited
+    from the test process, stopped logging; py-spy showed the spin thread running (~90 % CPU, RT throttling's
+    share) and a pool thread runnable but never scheduled.
+    """
+    policy = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
+    if threads != 1 and policy in REAL_TIME_POLICIES:
+        logger.warning(
+            f"this process runs under the real-time policy {REAL_TIME_POLICIES[policy]} (priority "
+            f"{os.sched_getparam(0).sched_priority}): its executor's threads busy-wait for each other and can stop "
+            "every callback on a busy machine; run the node under SCHED_OTHER"
+        )
 
 
 def _spin_until_stopped(node: Node, stop: Stop, threads: int) -> None:
