@@ -159,7 +159,10 @@ def test_idle_session_is_closed_and_its_cache_freed(tiny_policy, start_server, f
 
 
 class ExplodingPolicy:
-    """The real policy, except that a session's step raises when the image's first pixel is (255, 255, 255)."""
+    """The real policy, except that a session's step raises when the image's first pixel is (255, 255, 255)
+    (and it steps sessions one at a time, through ``session.step``)."""
+
+    batched_steps = False
 
     def __init__(self, policy):
         self._policy = policy

@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ..api import Policy, StepResult
+from ..api import BatchInputError, Policy, StepResult
 from ..config import SessionConfig
 from .config import BatchConfig
 from .messages import BadRequest, Request, RequestKind
@@ -55,8 +55,12 @@ class PolicyEngine:
         self.session_config = session_config
         self.registry = registry
         self.batch = batch or BatchConfig()
-        self.batched = self.batch.max_batch > 1 and hasattr(policy, "step_batch")
+        # a policy with step_batch checks every input before touching an episode, so its steps (one or several)
+        # go through step_batch: a refused input then costs its session nothing
+        self.checks_inputs_first = bool(getattr(policy, "batched_steps", False))
+        self.batched = self.batch.max_batch > 1 and self.checks_inputs_first
         self._queue: queue.Queue = queue.Queue()
+        self._carry: list[Job] = []  # a job taken while gathering that must wait for the next batch
         self._worker: threading.Thread | None = None
         self.batch_sizes: dict[int, int] = {}  # forwards run per batch size (steps only)
 
@@ -80,9 +84,8 @@ class PolicyEngine:
 
     def submit(self, robot: RobotSession, request: Request) -> Future:
         """Queue ``request`` for ``robot``; the future resolves to the reply dict, or raises ``BadRequest``,
-        ``SessionClosed`` or ``InternalError``."""
-        if self._worker is None:
-            raise RuntimeError("engine is not running (call start())")
+        ``SessionClosed`` or ``InternalError``. Requests submitted before ``start`` run once it starts (the
+        first batch takes all of them)."""
         job = Job(robot, request)
         self._queue.put(job)
         return job.future
@@ -103,7 +106,7 @@ class PolicyEngine:
 
     def _run(self) -> None:
         while True:
-            first = self._queue.get()
+            first = self._carry.pop(0) if self._carry else self._queue.get()
             if first is _STOP:
                 self._drain()
                 return
@@ -135,10 +138,16 @@ class PolicyEngine:
                 break
             if job is _STOP:
                 return jobs, True
+            if any(j.robot is job.robot for j in jobs):  # one step per session per batch
+                self._carry.append(job)
+                break
             jobs.append(job)
         return jobs, False
 
     def _drain(self) -> None:
+        for job in self._carry:
+            job.future.set_exception(SessionClosed("the server is shutting down"))
+        self._carry.clear()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -162,29 +171,41 @@ class PolicyEngine:
                 job.future.set_result({"reset": True, "episode": job.robot.episode})
             else:
                 steps.append((job, session))
-        if not steps:
+        if len(steps) == 1 and not self.checks_inputs_first:
+            self._step_alone(*steps[0])
+        elif steps:
+            self._step_batch(steps)
+
+    def _step_alone(self, job: Job, session) -> None:
+        self.batch_sizes[1] = self.batch_sizes.get(1, 0) + 1
+        start = time.perf_counter()
+        try:
+            result = session.step(job.request.observation)
+        except Exception as e:  # noqa: BLE001
+            self._fail(job, e, stepped=True)
+            return
+        self._answer(job, result, start, (time.perf_counter() - start) * 1e3)
+
+    def _step_batch(self, steps: list[tuple[Job, object]]) -> None:
+        """``policy.step_batch`` over the steps (one or several); an observation the policy refuses up front
+        fails alone, its episode intact, and the rest run again."""
+        start = time.perf_counter()
+        try:
+            results = self.policy.step_batch([s for _, s in steps], [j.request.observation for j, _ in steps])
+        except BatchInputError as e:  # no session changed: answer that one, batch the others
+            self._fail(steps[e.index][0], e.error, stepped=False)
+            rest = steps[: e.index] + steps[e.index + 1 :]
+            if rest:
+                self._step_batch(rest)
+            return
+        except Exception as e:  # noqa: BLE001 - every session of the batch may have been written to
+            for job, _ in steps:
+                self._fail(job, e, stepped=True)
             return
         self.batch_sizes[len(steps)] = self.batch_sizes.get(len(steps), 0) + 1
-        if len(steps) > 1:
-            start = time.perf_counter()
-            try:
-                results = self.policy.step_batch([s for _, s in steps], [j.request.observation for j, _ in steps])
-            except Exception as e:  # noqa: BLE001 - every session of the batch may have been written to
-                for job, _ in steps:
-                    self._fail(job, e, stepped=True)
-                return
-            elapsed = (time.perf_counter() - start) * 1e3
-            for (job, _), result in zip(steps, results):
-                self._answer(job, result, start, elapsed)
-            return
-        for job, session in steps:
-            start = time.perf_counter()
-            try:
-                result = session.step(job.request.observation)
-            except Exception as e:  # noqa: BLE001
-                self._fail(job, e, stepped=True)
-                continue
-            self._answer(job, result, start, (time.perf_counter() - start) * 1e3)
+        elapsed = (time.perf_counter() - start) * 1e3
+        for (job, _), result in zip(steps, results):
+            self._answer(job, result, start, elapsed)
 
     def _answer(self, job: Job, result: StepResult, start: float, infer_ms: float) -> None:
         robot = job.robot
