@@ -148,13 +148,16 @@ def test_idle_session_is_closed_and_its_cache_freed(tiny_policy, start_server, f
     episode = weakref.ref(robot.episode_session)
     clock.now += 29  # not idle yet: a step of the other robot keeps only its own session alive
     active.infer({"observation/image": frame(1), "prompt": "y"})
-    clock.now += 2  # the first robot: 31 s silent; the second: 2 s
-    with pytest.raises(ConnectionClosed) as info:
-        idle.recv()  # returns when the server closes the connection
-    assert info.value.rcvd.code == 4408 and info.value.rcvd.reason == "idle for 30 s: session closed"
-    assert server.registry.wait_for(lambda n: n == 1, PATIENCE_S)
-    gc.collect()
-    assert episode() is None  # the episode session (its KV cache) is gone
+    gc.disable()  # the episode must be freed by its last reference going, not by a collection some time later
+    try:
+        clock.now += 2  # the first robot: 31 s silent; the second: 2 s
+        with pytest.raises(ConnectionClosed) as info:
+            idle.recv()  # returns when the server closes the connection
+        assert info.value.rcvd.code == 4408 and info.value.rcvd.reason == "idle for 30 s: session closed"
+        assert server.registry.wait_for(lambda n: n == 1, PATIENCE_S)
+        assert episode() is None  # the episode session (its KV cache) is gone
+    finally:
+        gc.enable()
     assert active.infer({"observation/image": frame(2)})["step"] == 1
 
 

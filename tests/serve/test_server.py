@@ -89,7 +89,9 @@ def test_concurrent_clients_in_threads_get_what_each_would_get_alone(tiny_policy
             np.testing.assert_array_equal(got[c][i], expected[c][i])
 
 
-def test_new_prompt_and_reset_start_new_episodes(tiny_policy, start_server, frame):
+@pytest.mark.parametrize("kv", ["full", "chunked"])
+def test_new_prompt_and_reset_start_new_episodes(tiny_policy, start_server, frame, kv):
+    HISTORY = SessionConfig(history="history", kv=KVConfig(mode=kv))
     server, port = start_server(tiny_policy, HISTORY, ServeConfig(port=0))
     client = WebsocketClientPolicy("localhost", port)
     f = [frame(i) for i in range(3)]

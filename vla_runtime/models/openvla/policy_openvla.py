@@ -182,8 +182,7 @@ class OpenVLASession(EpisodeSession):
         self.actions = ActionTokenizer(cfg.n_bins, cfg.vocab_size_text, stats)
         proprio = policy.norm_stats.get(self.unnorm_key, {}).get("proprio") if self.unnorm_key else None
         self.proprio_stats = ActionStats.from_dict(proprio, what="proprio") if proprio and cfg.proprio_dim else None
-        modes = {"single": (self._plan_single, self._context_single), "history": (self._plan_history, self._context_history)}
-        self._plan, self.context = modes[config.history]
+        self._history = config.history == "history"  # no bound methods kept on self: a dropped session is freed at once
         self.last_tokens: np.ndarray | None = None  # [1, action_dim] ids of the last step
         self._build(instruction)
 
@@ -194,7 +193,7 @@ class OpenVLASession(EpisodeSession):
         policy, cfg = self.policy, self.policy.config
         self.instruction = instruction
         self.prompt = policy.tokenizer.prompt(instruction)
-        kv = self._plan(self.config.kv)
+        kv = self._plan_history(self.config.kv) if self._history else self._plan_single(self.config.kv)
         self.kv_config = kv
         extra = {"gate": policy.chunk_gate(kv)} if kv.mode == "chunked" else {}
         self.cache = make_cache(kv, cfg.llm, batch=1, device=policy.device, dtype=policy.dtype, **extra)
@@ -214,6 +213,7 @@ class OpenVLASession(EpisodeSession):
         frame = history_frame(self.prompt, step=0, prev_token=0, has_proprio=cfg.proprio_dim is not None)
         return replace(kv, window=kv.window or frame.length(cfg.vision.num_patches) + self.action_dim - 1)
 
+    @torch.inference_mode()  # the cache holds inference tensors from the steps; clear them in the same mode
     def reset(self, instruction: str | None = None) -> None:
         if instruction is not None and instruction != self.instruction:
             self._build(instruction)
@@ -303,6 +303,12 @@ class OpenVLASession(EpisodeSession):
         actions = self.actions.decode(self.last_tokens)  # [1, action_dim]
         timings["total"] = (time.perf_counter() - start) * 1e3
         return StepResult(actions=actions, timings=timings, kv=self.cache.stats())
+
+    def context(self, image_tokens: torch.Tensor, proprio: list[torch.Tensor], timings: dict) -> torch.Tensor:
+        """The step's new tokens [1, T, dim] from its image tokens [1, N, dim] and proprio tokens (per history mode)."""
+        if self._history:
+            return self._context_history(image_tokens, proprio, timings)
+        return self._context_single(image_tokens, proprio, timings)
 
     def _context_single(self, image_tokens: torch.Tensor, proprio: list[torch.Tensor], timings: dict) -> torch.Tensor:
         """Single mode: a fresh cache; the step's whole sequence [1, T, dim] (image tokens [1, N, dim])."""
