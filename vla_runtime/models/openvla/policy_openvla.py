@@ -61,6 +61,7 @@ class OpenVLAPolicy(Policy):
 
     name = "openvla"
     config_class = OpenVLAConfig
+    batched_steps = True
 
     def __init__(
         self,
@@ -124,6 +125,12 @@ class OpenVLAPolicy(Policy):
             config = replace(config, unnorm_key=self.unnorm_key)
         return OpenVLASession(self, instruction, config)
 
+    def step_batch(self, sessions: list["OpenVLASession"], observations: list[Observation]) -> list[StepResult]:
+        """One step of each session as one batch (see ``batching_openvla``)."""
+        from .batching_openvla import step_batch
+
+        return step_batch(self, sessions, observations)
+
     def info(self) -> dict:
         cfg = self.config
 
@@ -175,8 +182,7 @@ class OpenVLASession(EpisodeSession):
         self.actions = ActionTokenizer(cfg.n_bins, cfg.vocab_size_text, stats)
         proprio = policy.norm_stats.get(self.unnorm_key, {}).get("proprio") if self.unnorm_key else None
         self.proprio_stats = ActionStats.from_dict(proprio, what="proprio") if proprio and cfg.proprio_dim else None
-        modes = {"single": (self._plan_single, self._step_single), "history": (self._plan_history, self._step_history)}
-        self._plan, self._step_fn = modes[config.history]
+        self._history = config.history == "history"  # no bound methods kept on self: a dropped session is freed at once
         self.last_tokens: np.ndarray | None = None  # [1, action_dim] ids of the last step
         self._build(instruction)
 
@@ -187,7 +193,7 @@ class OpenVLASession(EpisodeSession):
         policy, cfg = self.policy, self.policy.config
         self.instruction = instruction
         self.prompt = policy.tokenizer.prompt(instruction)
-        kv = self._plan(self.config.kv)
+        kv = self._plan_history(self.config.kv) if self._history else self._plan_single(self.config.kv)
         self.kv_config = kv
         extra = {"gate": policy.chunk_gate(kv)} if kv.mode == "chunked" else {}
         self.cache = make_cache(kv, cfg.llm, batch=1, device=policy.device, dtype=policy.dtype, **extra)
@@ -207,6 +213,7 @@ class OpenVLASession(EpisodeSession):
         frame = history_frame(self.prompt, step=0, prev_token=0, has_proprio=cfg.proprio_dim is not None)
         return replace(kv, window=kv.window or frame.length(cfg.vision.num_patches) + self.action_dim - 1)
 
+    @torch.inference_mode()  # the cache holds inference tensors from the steps; clear them in the same mode
     def reset(self, instruction: str | None = None) -> None:
         if instruction is not None and instruction != self.instruction:
             self._build(instruction)
@@ -219,10 +226,20 @@ class OpenVLASession(EpisodeSession):
 
     @torch.inference_mode()
     def step(self, obs: Observation) -> StepResult:
-        return self._step_fn(obs)
+        start = time.perf_counter()
+        timings = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}
+        pixels, state = self.inputs(obs)
+        image_tokens, proprio = self._embed_observation(pixels, state)
+        synchronize(self.policy.device)
+        timings["vision"] = (time.perf_counter() - start) * 1e3
+        embeds = self.context(image_tokens, proprio, timings)
+        return self.finish(self._decode(embeds, timings), timings, start)
 
-    def _observation_tokens(self, obs: Observation) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Image tokens [1, N, dim] and the proprio token list ([1, 1, dim] or empty)."""
+    # ---- the phases of a step (``batching_openvla`` runs them for several sessions at once) ------------
+
+    def inputs(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Validate and preprocess: pixel values [1, 3 * towers, S, S] and the proprio input [1, P] (``None``
+        without a proprio projector). Raises ``ValueError`` on bad input; the episode is untouched."""
         policy = self.policy
         if PRIMARY_CAMERA not in obs.images:
             raise ValueError(f"observation has no {PRIMARY_CAMERA!r} image; cameras given: {sorted(obs.images)}")
@@ -230,10 +247,13 @@ class OpenVLASession(EpisodeSession):
         if self.config.center_crop:
             image = center_crop(image, size=policy.image_processor.size)
         pixels = policy.image_processor(image)[None].to(policy.device, policy.dtype)  # [1, C, S, S]
-        image_tokens = policy.model.embed_image(pixels)
-        if policy.config.proprio_dim is None:
-            return image_tokens, []
-        return image_tokens, [policy.model.embed_proprio(self.state_input(obs.state))]
+        state = self.state_input(obs.state) if policy.config.proprio_dim is not None else None
+        return pixels, state
+
+    def _embed_observation(self, pixels: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """pixels [B, C, S, S], state [B, P] or None -> image tokens [B, N, dim] and proprio tokens ([B, 1, dim] or [])."""
+        model = self.policy.model
+        return model.embed_image(pixels), ([] if state is None else [model.embed_proprio(state)])
 
     def state_input(self, state: np.ndarray | None) -> torch.Tensor:
         """Proprioception [P] in robot units -> the proprio projector's input [1, P] (q01/q99-normalised
@@ -249,8 +269,8 @@ class OpenVLASession(EpisodeSession):
             state = self.proprio_stats.normalize(state)
         return torch.as_tensor(state, dtype=self.policy.dtype, device=self.policy.device)[None]  # [1, P]
 
-    def _next_token(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden state [1, dim] -> greedy token [1, 1]. Restricted decoding computes only the
+    def next_token(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [B, dim] -> greedy tokens [B, 1]. Restricted decoding computes only the
         action rows of ``lm_head`` (the same numbers as the full head's rows, 125x less work)."""
         lm_head = self.policy.model.language_model.lm_head
         if not self.policy.restrict_to_action_tokens:
@@ -263,45 +283,41 @@ class OpenVLASession(EpisodeSession):
         policy = self.policy
         decoder = policy.model.language_model.model
         start = time.perf_counter()
-        tok = self._next_token(decoder(inputs_embeds=embeds, cache=self.cache)[:, -1])
+        tok = self.next_token(decoder(inputs_embeds=embeds, cache=self.cache)[:, -1])
         synchronize(policy.device)
         timings["prefill"] += (time.perf_counter() - start) * 1e3
         start = time.perf_counter()
         tokens = [tok]
         for _ in range(self.action_dim - 1):
-            tok = self._next_token(decoder(tok, cache=self.cache)[:, -1])
+            tok = self.next_token(decoder(tok, cache=self.cache)[:, -1])
             tokens.append(tok)
         ids = torch.cat(tokens, dim=1)  # [1, action_dim]
         synchronize(policy.device)
         timings["decode"] = (time.perf_counter() - start) * 1e3
         return ids
 
-    def _finish(self, ids: torch.Tensor, timings: dict, start: float) -> StepResult:
+    def finish(self, ids: torch.Tensor, timings: dict, start: float) -> StepResult:
+        """The step's action ids [1, action_dim] -> ``StepResult``; history mode remembers the last token."""
         self.last_tokens = ids.cpu().numpy()
+        self._prev_token = int(self.last_tokens[0, -1])
         actions = self.actions.decode(self.last_tokens)  # [1, action_dim]
         timings["total"] = (time.perf_counter() - start) * 1e3
         return StepResult(actions=actions, timings=timings, kv=self.cache.stats())
 
-    def _vision(self, obs: Observation, timings: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        start = time.perf_counter()
-        out = self._observation_tokens(obs)
-        synchronize(self.policy.device)
-        timings["vision"] = (time.perf_counter() - start) * 1e3
-        return out
+    def context(self, image_tokens: torch.Tensor, proprio: list[torch.Tensor], timings: dict) -> torch.Tensor:
+        """The step's new tokens [1, T, dim] from its image tokens [1, N, dim] and proprio tokens (per history mode)."""
+        if self._history:
+            return self._context_history(image_tokens, proprio, timings)
+        return self._context_single(image_tokens, proprio, timings)
 
-    def _step_single(self, obs: Observation) -> StepResult:
-        start = time.perf_counter()
-        timings = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}
-        image_tokens, proprio = self._vision(obs, timings)
+    def _context_single(self, image_tokens: torch.Tensor, proprio: list[torch.Tensor], timings: dict) -> torch.Tensor:
+        """Single mode: a fresh cache; the step's whole sequence [1, T, dim] (image tokens [1, N, dim])."""
         self.cache.reset()
-        embeds = self.policy.model.embed_forward(self.layout, images=[image_tokens], proprio=proprio)
-        return self._finish(self._decode(embeds, timings), timings, start)
+        return self.policy.model.embed_forward(self.layout, images=[image_tokens], proprio=proprio)
 
-    def _step_history(self, obs: Observation) -> StepResult:
-        start = time.perf_counter()
-        timings = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}
+    def _context_history(self, image_tokens: torch.Tensor, proprio: list[torch.Tensor], timings: dict) -> torch.Tensor:
+        """History mode: pin the prompt on the episode's first step, then this step's frame [1, T, dim]."""
         model = self.policy.model
-        image_tokens, proprio = self._vision(obs, timings)
         if not self._pinned:
             t0 = time.perf_counter()
             prompt = model.embed_forward(history_prompt(self.prompt), images=[])
@@ -309,10 +325,8 @@ class OpenVLASession(EpisodeSession):
             self._pinned = True
             timings["prefill"] += (time.perf_counter() - t0) * 1e3
         frame = history_frame(self.prompt, step=0, prev_token=self._prev_token, has_proprio=bool(proprio))
-        embeds = model.embed_forward(frame, images=[image_tokens], proprio=proprio)
-        result = self._finish(self._decode(embeds, timings), timings, start)
-        self._prev_token = int(self.last_tokens[0, -1])
-        return result
+        return model.embed_forward(frame, images=[image_tokens], proprio=proprio)
+
 
 
 # ---- family loader (vla_runtime.models registers it with the runtime API) ------------------------

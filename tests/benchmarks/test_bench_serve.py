@@ -1,0 +1,40 @@
+"""bench_serve.py keeps working: openpi clients in a child process against the batched and the one-at-a-time
+server, its JSON record, and the soak mode (timings and RSS are not asserted)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("openpi_client", reason="openpi-client is not installed (scripts/setup.sh installs it with --no-deps)")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serve.py"
+
+
+@pytest.fixture
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    yield module
+    torch.set_num_threads(threads)
+
+
+def test_load_rounds_write_both_variants(bench, tmp_path):
+    out = tmp_path / "serve.json"
+    args = ["--llm", "tiny", "--clients", "1", "2", "--steps", "3", "--warmup", "1", "--repeats", "1", "--rate-hz", "0", "--out", str(out)]
+    assert bench.main(args) == 0
+    record = json.loads(out.read_text())
+    assert set(record["summary"]) == {"1|batched", "1|one-at-a-time", "2|batched", "2|one-at-a-time"}
+    assert all(s["actions_per_s"] > 0 and 0 < s["p50_ms"] <= s["p95_ms"] for s in record["summary"].values())
+    assert sum(int(k) * v for k, v in record["batch_sizes"].items()) == (1 + 2) * (3 + 1)  # every step of the batched server
+
+
+def test_soak_counts_connections_and_no_errors(bench, tmp_path):
+    out = tmp_path / "soak.json"
+    assert bench.main(["--llm", "tiny", "--soak", "2", "--clients", "2", "--out", str(out)]) == 0
+    soak = json.loads(out.read_text())["soak"]
+    assert soak["connections"] >= 1 and soak["steps"] >= 1 and soak["errors"] == [] and soak["sessions_left"] == 0

@@ -1,0 +1,128 @@
+"""Micro-batching: several sessions' steps as one batched forward give each session what it gets alone;
+a refused input fails alone; a failing batch resets the episodes it touched."""
+
+import numpy as np
+import pytest
+
+from vla_runtime.api import BatchInputError, Observation
+from vla_runtime.config import SessionConfig
+from vla_runtime.kv import KVConfig
+from vla_runtime.kv.rows import RowsCache
+from vla_runtime.serve.config import BatchConfig
+from vla_runtime.serve.engine import InternalError, PolicyEngine
+from vla_runtime.serve.messages import BadRequest, Request, RequestKind
+from vla_runtime.serve.sessions import SessionRegistry
+
+PROMPTS = ["pick up the cube", "open the drawer", "stack the red block on the blue one", "go"]  # different lengths
+
+
+def step(f, prompt=None, state=None):
+    return Request(RequestKind.STEP, prompt=prompt, observation=Observation(images={"primary": f}, state=state))
+
+
+@pytest.mark.parametrize(("history", "kv"), [("history", "full"), ("history", "chunked"), ("history", "sink_window"), ("single", "full")])
+def test_step_batch_equals_steps_alone(tiny_policy, frame, history, kv):
+    config = SessionConfig(history=history, kv=KVConfig(mode=kv))
+    alone = [tiny_policy.new_session(p, config) for p in PROMPTS]
+    batched = [tiny_policy.new_session(p, config) for p in PROMPTS]
+    for t in range(6):
+        obs = [Observation(images={"primary": frame(10 * i + t)}) for i in range(len(PROMPTS))]
+        expected = [s.step(o) for s, o in zip(alone, obs)]
+        # odd steps: half the sessions batched, the others alone, so the caches' lengths differ from then on
+        rows = range(len(PROMPTS)) if t % 2 == 0 or t > 3 else range(0, len(PROMPTS), 2)
+        for i in set(range(len(PROMPTS))) - set(rows):
+            batched[i].step(obs[i])
+        results = tiny_policy.step_batch([batched[i] for i in rows], [obs[i] for i in rows])
+        for i, result in zip(rows, results):
+            np.testing.assert_array_equal(result.actions, expected[i].actions)
+            np.testing.assert_array_equal(batched[i].last_tokens, alone[i].last_tokens)
+            assert result.kv == expected[i].kv
+    assert any(np.any(alone[0].last_tokens != s.last_tokens) for s in alone[1:])  # the rows really differ
+    if kv == "chunked":
+        assert alone[0].cache.stats().chunks_retained > 0  # compressed chunks took part
+
+
+def test_step_batch_refuses_a_bad_input_before_changing_anything(tiny_proprio_policy, frame):
+    sessions = [tiny_proprio_policy.new_session("stack", SessionConfig(history="history")) for _ in range(3)]
+    obs = [Observation(images={"primary": frame(i)}, state=np.zeros(8)) for i in range(3)]
+    obs[1] = Observation(images={"primary": frame(1)}, state=np.zeros(3))
+    with pytest.raises(BatchInputError, match=r"observation 1 of the batch: observation `state` has shape \(3,\)") as info:
+        tiny_proprio_policy.step_batch(sessions, obs)
+    assert info.value.index == 1
+    assert all(s.cache.stats().tokens_seen == 0 for s in sessions)
+    with pytest.raises(ValueError, match="distinct sessions"):
+        tiny_proprio_policy.step_batch([sessions[0], sessions[0]], obs[:2])
+    with pytest.raises(ValueError, match="distinct caches"):
+        RowsCache([sessions[0].cache, sessions[0].cache])
+
+
+def engine_with(policy, n, config=SessionConfig(history="history"), max_batch=8):
+    registry = SessionRegistry(max_sessions=8, idle_timeout_s=60)
+    engine = PolicyEngine(policy, config, registry, BatchConfig(max_batch=max_batch, window_ms=0))
+    return engine, [registry.open(f"robot{i}") for i in range(n)]
+
+
+def test_engine_runs_queued_steps_of_several_sessions_as_one_batch(tiny_policy, frame):
+    engine, robots = engine_with(tiny_policy, 4)
+    alone = [tiny_policy.new_session(p, SessionConfig(history="history")) for p in PROMPTS]
+    try:
+        for t in range(3):
+            futures = [engine.submit(r, step(frame(10 * i + t), PROMPTS[i])) for i, r in enumerate(robots)]
+            if t == 0:
+                engine.start()  # submitted before start: the first batch takes all four
+            replies = [f.result() for f in futures]
+            for i, reply in enumerate(replies):
+                np.testing.assert_array_equal(reply["actions"], alone[i].step(Observation(images={"primary": frame(10 * i + t)})).actions)
+                assert (reply["episode"], reply["step"]) == (0, t)
+    finally:
+        engine.stop()
+    assert engine.batch_sizes[4] >= 1
+    assert sum(n * count for n, count in engine.batch_sizes.items()) == 12
+
+
+def test_engine_answers_a_refused_input_alone_and_batches_the_rest(tiny_proprio_policy, frame):
+    engine, robots = engine_with(tiny_proprio_policy, 3, config=SessionConfig())
+    good = np.linspace(-1, 1, 8)
+    futures = [engine.submit(r, step(frame(i), "stack", good if i != 1 else np.zeros(5))) for i, r in enumerate(robots)]
+    engine.start()
+    try:
+        with pytest.raises(BadRequest, match=r"observation `state` has shape \(5,\)") as info:
+            futures[1].result()
+        assert "episode was reset" not in str(info.value)
+        expected = tiny_proprio_policy.new_session("stack", SessionConfig()).step(Observation(images={"primary": frame(0)}, state=good))
+        np.testing.assert_array_equal(futures[0].result()["actions"], expected.actions)
+        assert futures[2].result()["step"] == 0
+        assert engine.batch_sizes == {2: 1}
+        assert engine.submit(robots[1], step(frame(1), state=good)).result()["episode"] == 0  # the episode survived
+    finally:
+        engine.stop()
+
+
+class FailingBatches:
+    """The real policy, except that ``step_batch`` writes to every row's cache and then raises."""
+
+    batched_steps = True
+
+    def __init__(self, policy):
+        self._policy = policy
+
+    def __getattr__(self, name):
+        return getattr(self._policy, name)
+
+    def step_batch(self, sessions, observations):
+        for s, o in zip(sessions, observations):
+            s.step(o)
+        raise RuntimeError("half-way")
+
+
+def test_a_failing_batch_resets_the_episodes_it_touched(tiny_policy, frame):
+    engine, robots = engine_with(FailingBatches(tiny_policy), 2)
+    futures = [engine.submit(r, step(frame(i), "go")) for i, r in enumerate(robots)]
+    engine.start()
+    try:
+        for f in futures:
+            with pytest.raises(InternalError, match=r"internal error \(RuntimeError\) while stepping \(the episode was reset\)"):
+                f.result()
+        assert all(r.episode_session is None and r.episode == 1 for r in robots)
+    finally:
+        engine.stop()

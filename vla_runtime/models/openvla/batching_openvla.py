@@ -1,0 +1,91 @@
+"""``OpenVLAPolicy.step_batch``: one step of several OpenVLA sessions as one batch.
+
+The sessions' caches may hold different histories (lengths, retained chunks, positions): the forward runs
+with a ``RowsCache``, so projections, MLPs, the vision towers and the action head see the whole batch while
+each row attends through its own session's cache. A step has three batched parts:
+
+- vision: every row's image (and proprio) in one pass of the towers and projector;
+- prefill: rows whose step sequences have the same length in one forward (history mode after its first
+  step: every row; single mode: rows with prompts of the same token length); a history episode's first step
+  pins its prompt on its own first;
+- decode: all rows together, one token per forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...api import BatchInputError, Observation, StepResult
+from ...device import synchronize
+from ...kv.rows import RowsCache
+
+if TYPE_CHECKING:
+    from .policy_openvla import OpenVLAPolicy, OpenVLASession
+
+
+def _rows_cache(sessions: list["OpenVLASession"], rows: list[int]):
+    """The cache a forward over ``rows`` uses (a single session's own cache when there is one row)."""
+    return sessions[rows[0]].cache if len(rows) == 1 else RowsCache([sessions[i].cache for i in rows])
+
+
+@torch.inference_mode()
+def step_batch(policy: "OpenVLAPolicy", sessions: list["OpenVLASession"], observations: list[Observation]) -> list[StepResult]:
+    """See ``Policy.step_batch``. Timings of each result are the batch's (vision, prefill, decode, total)."""
+    if len(sessions) != len(observations):
+        raise ValueError(f"{len(sessions)} sessions but {len(observations)} observations")
+    if len({id(s) for s in sessions}) != len(sessions) or any(s.policy is not policy for s in sessions):
+        raise ValueError("step_batch takes distinct sessions of this policy")
+    start = time.perf_counter()
+    inputs = []
+    for i, (session, obs) in enumerate(zip(sessions, observations)):
+        try:
+            inputs.append(session.inputs(obs))  # nothing of any episode has changed yet
+        except ValueError as e:
+            raise BatchInputError(i, e) from e
+    pixels = torch.cat([p for p, _ in inputs])  # [B, C, S, S]
+    states = None if inputs[0][1] is None else torch.cat([s for _, s in inputs])  # [B, P]
+    image_tokens, proprio = sessions[0]._embed_observation(pixels, states)  # [B, N, dim], [[B, 1, dim]] or []
+    synchronize(policy.device)
+    vision_ms = (time.perf_counter() - start) * 1e3
+    timings = [{"vision": vision_ms, "prefill": 0.0, "decode": 0.0} for _ in sessions]
+
+    t0 = time.perf_counter()
+    embeds = [s.context(image_tokens[i : i + 1], [p[i : i + 1] for p in proprio], timings[i]) for i, s in enumerate(sessions)]
+    by_length: dict[int, list[int]] = defaultdict(list)
+    for i, e in enumerate(embeds):
+        by_length[e.shape[1]].append(i)
+    decoder = policy.model.language_model.model
+    first: list[torch.Tensor | None] = [None] * len(sessions)
+    for rows in by_length.values():
+        hidden = decoder(inputs_embeds=torch.cat([embeds[i] for i in rows]), cache=_rows_cache(sessions, rows))  # [b, T, dim]
+        tokens = sessions[rows[0]].next_token(hidden[:, -1])  # [b, 1]
+        for j, i in enumerate(rows):
+            first[i] = tokens[j : j + 1]
+    synchronize(policy.device)
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+
+    t0 = time.perf_counter()
+    by_dim: dict[int, list[int]] = defaultdict(list)  # sessions of different datasets may differ in action_dim
+    for i, s in enumerate(sessions):
+        by_dim[s.action_dim].append(i)
+    ids: list[torch.Tensor | None] = [None] * len(sessions)
+    for dim, rows in by_dim.items():
+        cache = _rows_cache(sessions, rows)
+        tok = torch.cat([first[i] for i in rows])  # [b, 1]
+        tokens = [tok]
+        for _ in range(dim - 1):
+            tok = sessions[rows[0]].next_token(decoder(tok, cache=cache)[:, -1])  # [b, 1]
+            tokens.append(tok)
+        out = torch.cat(tokens, dim=1)  # [b, action_dim]
+        for j, i in enumerate(rows):
+            ids[i] = out[j : j + 1]
+    synchronize(policy.device)
+    decode_ms = (time.perf_counter() - t0) * 1e3
+    for t in timings:
+        t["prefill"] += prefill_ms
+        t["decode"] = decode_ms
+    return [s.finish(ids[i], timings[i], start) for i, s in enumerate(sessions)]
