@@ -47,6 +47,9 @@ def node(harness, tmp_path_factory, policy_checkpoints):
         checkpoint=str(policy_checkpoints["chunk"]), policy_modules=["ros_test_policy"], autostart=False,
         execution_horizon=HORIZON, image_transport="compressed", image_reliability="reliable",
         control_rate_hz=20.0, diagnostics_rate_hz=10.0,
+        # counted below: every executed action of one chunk; latency skipping (a tick that passes during the step
+        # drops that tick's row) is tested in test_control_node.py
+        latency_skip=False,
         default_instruction="stack the blocks",
     )
     proc = NodeProcess("policy_node", params, tmp_path_factory.mktemp("lifecycle"), name="vla_policy", namespace=NS)
