@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 from vla_runtime.control import (
-    Blend, ChunkBroker, ControlConfig, ControlLoop, Fallback, PublishMode, Schedule, Source, StepTimer, TickGrid, blend,
+    Blend, ChunkBroker, ControlConfig, ControlLoop, Fallback, Missed, PublishMode, Schedule, Source, StepTimer, TickGrid,
+    blend,
 )
 
 P = 0.1  # 10 Hz
@@ -193,3 +194,52 @@ def test_a_result_never_goes_to_a_tick_the_driver_let_pass():
     assert out.tick == 2 and out.action[0] == 5.0
     loop.on_result(np.array([[6.0]]), frame_time=0.2, step_s=0.01, now=0.47)
     assert loop.placed_from == 5 and loop.on_tick(0.5).action[0] == 6.0
+
+
+def test_a_late_callback_serves_the_tick_it_was_due_for_not_the_next():
+    loop = make()
+    loop.on_tick(0.0, due=0.0)
+    loop.on_result(np.array([[1.0]]), frame_time=0.05, step_s=0.01, now=0.09)  # for tick 1
+    # tick 1's callback runs 80 ms late (nearer to tick 2 than to tick 1), then tick 2's on time
+    out = loop.on_tick(0.18, due=0.1)
+    assert (out.tick, out.source, out.action[0]) == (1, Source.QUEUE, 1.0)
+    loop.on_result(np.array([[2.0]]), frame_time=0.15, step_s=0.01, now=0.19)
+    out = loop.on_tick(0.2, due=0.2)
+    assert (out.tick, out.source, out.action[0]) == (2, Source.QUEUE, 2.0)
+    assert loop.grid.t0 == pytest.approx(0.0) and loop.stats.fallbacks == 1  # tick 0 only
+
+
+def test_a_single_action_that_missed_its_tick_goes_out_at_the_next_and_a_chunk_row_does_not():
+    single = make()
+    single.on_tick(0.0)
+    # tick 1's callback went to starting an episode (no on_tick); the first step lands 10 ms before it ran
+    single.on_result(np.array([[7.0]]), frame_time=0.05, step_s=0.04, now=0.095)
+    assert single.placed_from == 1
+    out = single.on_tick(0.2)
+    assert (out.tick, out.source, out.action[0]) == (2, Source.QUEUE, 7.0)
+    chunked = make(chunked=True)
+    chunked.on_tick(0.0)
+    chunked.on_result(chunk(2), frame_time=0.0, step_s=0.04, now=0.095)  # rows for ticks 0 (served) and 1
+    assert chunked.on_tick(0.2).source is Source.FALLBACK  # row 1 was for tick 1: too old for tick 2
+
+
+def test_chunk_rows_executed_in_order_survive_missed_tick_callbacks():
+    loop = make(chunked=True, latency_skip=False)
+    loop.on_tick(0.0)
+    loop.on_result(chunk(3), frame_time=0.0, step_s=0.04, now=0.05)  # rows for ticks 1, 2, 3
+    # the callbacks of ticks 1 and 2 never ran (an executor starved for two periods)
+    assert [loop.on_tick(t).action[0] for t in (0.3, 0.4, 0.5)] == [0.0, 1.0, 2.0]
+    assert loop.on_tick(0.6).source is Source.FALLBACK
+
+
+def test_broker_missed_ticks():
+    def broker():
+        b = ChunkBroker()
+        b.place(chunk(3), 1, first_open=1)  # ticks 1, 2, 3: rows 0, 1, 2
+        return b
+
+    assert broker().pop(3, Missed.DROP)[0] == 2.0
+    b = broker()
+    assert b.pop(5, Missed.NEWEST)[0] == 2.0 and len(b) == 0
+    b = broker()
+    assert b.pop(3, Missed.SHIFT)[0] == 0.0 and b.pop(4)[0] == 1.0 and b.pop(5)[0] == 2.0

@@ -19,7 +19,7 @@ from enum import Enum
 
 import numpy as np
 
-from .broker import ChunkBroker
+from .broker import ChunkBroker, Missed
 from .config import ControlConfig, Fallback, PublishMode, Schedule
 from .timing import StepTimer, TickGrid
 
@@ -135,8 +135,7 @@ class ControlLoop:
             self.stats.steps_late += 1
         self._planned_tick = None
         actions = np.asarray(actions, dtype=np.float64).reshape(len(actions), -1)  # [H, action_dim]
-        skip = self.chunked and cfg.latency_skip and cfg.schedule is Schedule.DEADLINE
-        k0 = self.grid.at_or_after(frame_time) if skip else first_open
+        k0 = self.grid.at_or_after(frame_time) if self._time_indexed() else first_open
         if cfg.publish_mode is PublishMode.IMMEDIATE and not self.chunked:
             self.stats.immediate += 1
             self._last_immediate = now
@@ -157,18 +156,26 @@ class ControlLoop:
             return action
         return None
 
-    def on_tick(self, now: float) -> TickOutput:
-        """Tick due nearest to ``now``: its action, or the fallback. A tick already handled (a late timer
-        callback, or a chunk action published immediately for it) publishes nothing."""
-        k = self.grid.nearest(now) if self._calibrated else self.served + 1
+    def on_tick(self, now: float, *, due: float | None = None) -> TickOutput:
+        """The tick due nearest to ``due``: its action, or the fallback. A tick already handled (a repeated
+        callback, or a chunk action published immediately for it) publishes nothing.
+
+        ``due``: when the driver's timer scheduled this callback (``None``: ``now``). A callback can run much
+        later than that on a loaded machine (a period and more); labelled by ``now`` it would take the next
+        tick's place, and the callback that really is the next tick's would find it served. A single-action
+        policy's action that missed its tick (a tick spent starting an episode) goes out at this one; so do
+        chunk rows executed in order (``latency_skip`` off), each one tick later (``Missed``).
+        """
+        t = now if due is None else due
+        k = self.grid.nearest(t) if self._calibrated else self.served + 1
         if k <= self.served:
             return TickOutput(k, None, Source.PUBLISHED)
         # the driver's timer defines the phase: a callback runs at or after its tick, never before
-        self.grid.t0 = min(self.grid.t0, now - k * self.cfg.period) if self._calibrated else now - k * self.cfg.period
+        self.grid.t0 = min(self.grid.t0, t - k * self.cfg.period) if self._calibrated else t - k * self.cfg.period
         self._calibrated = True
         self.served = k
         self.stats.ticks += 1
-        action = self.broker.pop(k)
+        action = self.broker.pop(k, self._missed())
         if action is not None:
             self.last_action = action
             return TickOutput(k, action, Source.QUEUE)
@@ -176,6 +183,17 @@ class ControlLoop:
             return TickOutput(k, None, Source.PUBLISHED)
         self.stats.fallbacks += 1
         return TickOutput(k, self.fallback_action(), Source.FALLBACK)
+
+    def _time_indexed(self) -> bool:
+        """Chunk row ``i`` serves the ``i``-th tick from its frame's arrival (latency skipping), not the ``i``-th
+        tick callback from the chunk's landing."""
+        return self.chunked and self.cfg.latency_skip and self.cfg.schedule is Schedule.DEADLINE
+
+    def _missed(self) -> Missed:
+        """What a tick does with actions queued for earlier ticks whose callbacks never ran."""
+        if not self.chunked:
+            return Missed.NEWEST
+        return Missed.DROP if self._time_indexed() else Missed.SHIFT
 
     def fallback_action(self) -> np.ndarray | None:
         """``Fallback.HOLD``: ``None``; ``ZERO``: zeros (``fallback_keep_dims`` from the last action);

@@ -51,6 +51,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import TwistStamped
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.clock import Clock, ClockType
 from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_policy_name_from_kind
@@ -138,6 +139,7 @@ class PolicyNode(LifecycleNode):
         self._high: np.ndarray | None = None
         self._control_timer = None
         self._frame_guard = None  # wakes the control group when a frame arrives between ticks
+        self._steady_clock = Clock(clock_type=ClockType.STEADY_TIME)
         self._diag_timer = None
         self._action_pub = None
         self._chunk_pub = None
@@ -235,7 +237,8 @@ class PolicyNode(LifecycleNode):
             text = self._instruction[0] if self._instruction else self._cfg.default_instruction
             if text:
                 self._request_episode(text)
-        self._control_timer = self.create_timer(1.0 / self._cfg.control_rate_hz, self._on_control_tick)
+        # steady clock: the same as time.monotonic(), which the control loop plans on
+        self._control_timer = self.create_timer(1.0 / self._cfg.control_rate_hz, self._on_control_tick, clock=self._steady_clock)
         chunked = self._policy.chunk_size > 1 and self._cfg.execution_horizon != 1
         self._loop = ControlLoop(self._cfg.control_config(), t0=time.monotonic(), chunked=chunked)  # tick 0: the timer's start
         self.get_logger().info("active")
@@ -441,6 +444,7 @@ class PolicyNode(LifecycleNode):
     # ------------------------------------------------------------------ control loop
     def _on_control_tick(self) -> None:
         """Publish this tick's action (queued, or the fallback) and plan the next step (``ControlLoop``)."""
+        due = self._tick_due()
         now = time.monotonic()
         self._collect()
         with self._lock:
@@ -470,10 +474,20 @@ class PolicyNode(LifecycleNode):
                     self._telemetry.actions_withheld += pending
             self.get_logger().warning(f"no action: {hold}", throttle_duration_sec=2.0)
             return
-        out = self._loop.on_tick(now)
+        out = self._loop.on_tick(now, due=due)
         if out.action is not None:
             self._publish(out.action, received=self._latency_of(out.tick))
         self._submit_step()
+
+    def _tick_due(self) -> float:
+        """When the control timer scheduled the callback running now (``time.monotonic()`` seconds).
+
+        rcl has set the next call one period on from the scheduled time when it took the callback, so a late
+        callback still names its own tick; one more than a period late names the latest tick due (rcl skips
+        the ones in between). Labelled by its start time instead, a late callback took the next tick's place.
+        """
+        now, until = time.monotonic(), self._control_timer.time_until_next_call()
+        return now if until is None else now + until * 1e-9 - self._loop.cfg.period
 
     def _on_frame_ready(self) -> None:
         """A frame or a joint state arrived, or a worker job ended: collect it and start a step if one is due."""
