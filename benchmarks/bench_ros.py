@@ -248,7 +248,10 @@ def control_table(harness, tmp, args) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ["ROS_DOMAIN_ID"] = str(1 + os.getpid() % 230)  # a DDS domain of its own, this machine only
+    from ros_domain import claim_domain
+
+    domain, _lock = claim_domain()  # a DDS domain of its own, this machine only; held until the process ends
+    os.environ["ROS_DOMAIN_ID"] = str(domain)
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
     # VGA frames are 0.9 MB: the shipped shared-memory profile carries them best effort (see its comment)
     os.environ.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", str(REPO / "ros2_ws/src/vla_runtime_ros/config/fastdds_large_frames.xml"))

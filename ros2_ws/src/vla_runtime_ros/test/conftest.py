@@ -26,8 +26,12 @@ def _import_paths() -> list[Path]:
 sys.path[:0] = [str(p) for p in _import_paths()]
 
 # One DDS domain per test run, discovery on this machine only: parallel runs (several engineers,
-# CI) never see each other's nodes. Child processes inherit both.
-os.environ["ROS_DOMAIN_ID"] = str(1 + os.getpid() % 230)
+# CI) never see each other's nodes. Child processes inherit both. The domain's lock is held until
+# this process ends (see ros_domain).
+from ros_domain import claim_domain  # noqa: E402
+
+_DOMAIN, _DOMAIN_LOCK = claim_domain()
+os.environ["ROS_DOMAIN_ID"] = str(_DOMAIN)
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"  # ROS_LOCALHOST_ONLY is deprecated since Jazzy
 os.environ.pop("ROS_LOCALHOST_ONLY", None)
 os.environ.pop("ROS_STATIC_PEERS", None)

@@ -38,3 +38,15 @@ def test_a_process_with_the_right_path_is_left_alone():
     env.pop("VLA_RUNTIME_ROS_REEXEC", None)
     ld_path, _ = run(env)
     assert ld_path == os.environ["LD_LIBRARY_PATH"]  # unchanged: no re-exec happened
+
+
+def test_each_claimant_gets_a_domain_no_other_holds(tmp_path):
+    from ros_domain import DOMAINS, claim_domain
+
+    first, lock = claim_domain(tmp_path)
+    second, other = claim_domain(tmp_path)  # a second run on this machine, while the first still holds its domain
+    assert first in DOMAINS and second in DOMAINS and second != first
+    lock.close()  # the first run ended: its domain is free again
+    third, _ = claim_domain(tmp_path)
+    assert third == first
+    other.close()
