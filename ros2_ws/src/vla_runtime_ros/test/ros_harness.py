@@ -147,6 +147,7 @@ class Stream:
     def __init__(self, harness: "Harness", msg_type: type, topic: str, qos: QoSProfile | int, hz: float, msg: Any = None) -> None:
         self.msg = msg
         self.sent = 0
+        self.times: list[float] = []  # time.monotonic() of each publish
         self._publisher = harness.node.create_publisher(msg_type, topic, qos)
         self._timer = harness.node.create_timer(1.0 / hz, self._tick)
 
@@ -158,6 +159,7 @@ class Stream:
         if msg is not None:
             self._publisher.publish(msg)
             self.sent += 1
+            self.times.append(time.monotonic())
 
     def close(self, harness: "Harness") -> None:
         with harness.paused():
