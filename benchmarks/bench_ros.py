@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="issue 16 table: control rates compared old (asap) vs deadline scheduling; none = skip")
     p.add_argument("--control-seconds", type=float, default=60.0, help="camera stream per control-table cell")
     p.add_argument("--chunk-step-periods", type=float, default=3.0, help="chunk policy: step time in control periods")
+    p.add_argument("--policies", nargs="+", choices=["openvla", "chunk"], default=["openvla", "chunk"],
+                   help="control table: the tiny OpenVLA and/or the slow chunk test policy")
     p.add_argument("--skip-overhead", action="store_true", help="only the control table")
     p.add_argument("--out", type=Path, default=REPO / "results" / "bench_ros")
     return p.parse_args(argv)
@@ -221,6 +223,7 @@ def control_run(harness, checkpoint, modules, tmp, rate, schedule, args, name) -
     ticks = int(last["ticks"]) - int(first["ticks"])
     return {"rate": rate, "schedule": schedule, "ticks": ticks, "empty_ticks": int(last["fallbacks"]) - int(first["fallbacks"]),
             "latency_p50": float(last["latency_ms_p50"]), "latency_p95": float(last["latency_ms_p95"]),
+            "frame_age_p50": float(last["frame_age_ms_p50"]), "step_plan_ms": float(last["step_plan_ms"]),
             "step_p50": float(last["step_ms_p50"]), "step_p95": float(last["step_ms_p95"]),
             "jitter_ms": float(np.std(gaps)), "actions": len(times)}
 
@@ -230,19 +233,29 @@ def control_table(harness, tmp, args) -> list[dict]:
     from ros_test_policy import write_checkpoint
 
     openvla, modules = make_checkpoint(tmp)
+    chunk_name = f"chunk16 step {args.chunk_step_periods:g}T"
     runs = []
     for rate in args.control_rates:
         chunk = write_checkpoint(tmp / f"chunk{int(rate)}", chunk_size=16, step_ms=args.chunk_step_periods * 1e3 / rate)
-        for schedule in ("asap", "deadline"):
-            runs.append({"policy": "openvla", **control_run(harness, openvla, modules, tmp, rate, schedule, args, "ov")})
-            runs.append({"policy": f"chunk16 step {args.chunk_step_periods:g}T", **control_run(
-                harness, chunk, ["ros_test_policy"], tmp, rate, schedule, args, "ch")})
-    print(f"control loop: {args.stream_hz:g} Hz camera, {args.control_seconds:g} s per cell; asap = the loop before "
-          "issue 16, deadline = now. empty = ticks without an action; jitter = std of action inter-arrival (ms)")
-    print("policy               | Hz    | loop     | step p50/p95 ms | latency p50/p95 ms | empty/ticks | jitter ms")
-    for r in runs:
-        print(f"{r['policy']:20s} | {r['rate']:5.0f} | {r['schedule']:8s} | {r['step_p50']:6.1f} / {r['step_p95']:6.1f} | "
-              f"{r['latency_p50']:7.1f} / {r['latency_p95']:7.1f} | {r['empty_ticks']:5d}/{r['ticks']:<5d} | {r['jitter_ms']:7.2f}")
+        for policy in args.policies:
+            for schedule in ("asap", "deadline"):
+                if policy == "openvla":
+                    run = control_run(harness, openvla, modules, tmp, rate, schedule, args, "ov")
+                else:
+                    run = control_run(harness, chunk, ["ros_test_policy"], tmp, rate, schedule, args, "ch")
+                runs.append({"policy": "openvla" if policy == "openvla" else chunk_name, **run})
+    print(f"control loop: {args.stream_hz:g} Hz camera, {args.control_seconds:g} s per cell; old = the asap loop (a step "
+          "as soon as a frame arrives and the queue is empty, as before issue 16), new = deadline scheduling. "
+          "latency = frame receipt -> action published; age = frame receipt -> step start; plan = the step time "
+          "the schedule plans with; empty = ticks without an action of their own; jitter = std of action inter-arrival")
+    print("policy               |  Hz | step p50/p95 ms | latency p50 old -> new | latency p95 old -> new | "
+          "age p50 old -> new | plan ms | empty/ticks old -> new | jitter ms old -> new")
+    for old, new in zip(runs[::2], runs[1::2]):
+        print(f"{new['policy']:20s} | {new['rate']:3.0f} | {new['step_p50']:6.1f} / {new['step_p95']:6.1f} | "
+              f"{old['latency_p50']:8.1f} -> {new['latency_p50']:7.1f}   | {old['latency_p95']:8.1f} -> {new['latency_p95']:7.1f}   | "
+              f"{old['frame_age_p50']:6.1f} -> {new['frame_age_p50']:6.1f} | {new['step_plan_ms']:7.1f} | "
+              f"{old['empty_ticks']:4d}/{old['ticks']:<4d} -> {new['empty_ticks']:4d}/{new['ticks']:<4d} | "
+              f"{old['jitter_ms']:6.2f} -> {new['jitter_ms']:6.2f}")
     return runs
 
 

@@ -243,3 +243,35 @@ def test_broker_missed_ticks():
     assert b.pop(5, Missed.NEWEST)[0] == 2.0 and len(b) == 0
     b = broker()
     assert b.pop(3, Missed.SHIFT)[0] == 0.0 and b.pop(4)[0] == 1.0 and b.pop(5)[0] == 2.0
+
+
+def test_ticks_move_earlier_to_meet_the_cameras_frames():
+    loop = make(align_window=3, frame_guard_ms=5.0, margin_ms=0.0)
+    loop.timer.add(0.02)  # a step takes 20 ms: each starts 20 ms before its tick
+    for k in range(3):  # the newest frame is always 30 ms old when a step takes it (camera phase against the ticks)
+        loop.on_tick(k * P, due=k * P)
+        start = (k + 1) * P - 0.02
+        loop.on_result(np.array([[float(k)]]), frame_time=start - 0.03, step_s=0.02, now=start + 0.02, started=start)
+        assert loop.phase_shift() == (pytest.approx(0.025) if k == 2 else 0.0)
+    # from tick 4 on the driver's ticks come 25 ms earlier: plans are for that phase at once
+    assert loop.grid.t0 == pytest.approx(-0.025) and loop.plan(0.29).start_at == pytest.approx(0.4 - 0.025 - 0.02)
+    # tick 3's callback was scheduled already (old phase, 25 ms after the new one): still tick 3, and on time
+    loop.on_result(np.array([[3.0]]), frame_time=0.25, step_s=0.02, now=0.29, started=0.28)
+    out = loop.on_tick(0.3, due=0.3)
+    assert (out.tick, out.action[0]) == (3, 3.0) and loop.stats.steps_late == 0
+    out = loop.on_tick(0.375, due=0.375)
+    assert out.tick == 4 and loop.grid.t0 == pytest.approx(-0.025) and loop.stats.phase_shifts == 1
+
+
+def test_no_phase_move_while_some_step_waits_for_its_frame_or_off():
+    loop = make(align_window=3)
+    ages = [0.030, 0.001, 0.030]  # one step had to wait for a frame: it arrived just as the step started
+    for k, age in enumerate(ages):
+        loop.on_tick(k * P, due=k * P)
+        loop.on_result(np.array([[0.0]]), frame_time=k * P + 0.08 - age, step_s=0.01, now=k * P + 0.09, started=k * P + 0.08)
+    assert loop.phase_shift() == 0.0
+    for kw in ({"align_to_frames": False}, {"schedule": "asap"}, {"publish_mode": "immediate"}):
+        off = make(align_window=1, **kw)
+        off.on_tick(0.0)
+        off.on_result(np.array([[0.0]]), frame_time=0.0, step_s=0.01, now=0.09, started=0.08)
+        assert off.phase_shift() == 0.0, kw

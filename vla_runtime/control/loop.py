@@ -14,6 +14,7 @@ Every time is seconds on the driver's monotonic clock; tests pass a fake one.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
@@ -60,6 +61,7 @@ class ControlStats:
     actions_skipped: int = 0  # chunk rows for ticks already past when the chunk landed
     actions_blended: int = 0  # chunk rows that overlapped a queued prediction
     immediate: int = 0  # actions published at once (``PublishMode.IMMEDIATE``)
+    phase_shifts: int = 0  # tick phase moved earlier to meet the camera's frames (``align_to_frames``)
 
 
 class ControlLoop:
@@ -83,15 +85,16 @@ class ControlLoop:
         self.served = -1  # the last tick handled by on_tick (or published immediately)
         self.last_action: np.ndarray | None = None
         self._last_immediate = float("-inf")
-        self._planned_tick: int | None = None
+        self._planned_due: float | None = None  # when the tick of the step in flight is due (as planned)
         self.placed_from: int | None = None  # the first tick the last step's actions serve
         self._calibrated = False  # the grid's phase comes from the first on_tick (then the earliest callback)
+        self._ages: deque[float] = deque(maxlen=cfg.align_window)  # frame age when each recent step started
 
     def reset(self) -> None:
         """A new episode: forget queued actions and the last action (step-time statistics stay)."""
         self.broker.clear()
         self.last_action = None
-        self._planned_tick = None
+        self._planned_due = None
 
     # ------------------------------------------------------------------ planning
     def lead(self) -> float:
@@ -116,24 +119,29 @@ class ControlLoop:
 
     def started(self, plan: Plan) -> None:
         """The driver started the step of ``plan`` (to count steps that land late)."""
-        self._planned_tick = plan.tick
+        self._planned_due = self.grid.time(plan.tick)
 
     # ------------------------------------------------------------------ results and ticks
-    def on_result(self, actions: np.ndarray, *, frame_time: float, step_s: float, now: float) -> np.ndarray | None:
+    def on_result(self, actions: np.ndarray, *, frame_time: float, step_s: float, now: float,
+                  started: float | None = None) -> np.ndarray | None:
         """A step finished: queue its actions [H, action_dim] (H = 1 for single-action policies).
 
-        ``frame_time``: when the frame it saw arrived. Chunk row ``i`` serves the ``i``-th tick from the
-        frame's arrival (``latency_skip``); rows for ticks already served are skipped, overlaps blended.
+        ``frame_time``: when the frame it saw arrived; ``step_s``: seconds from the planned start to the
+        actions (the driver's wake-up and frame decoding included: what the schedule plans for); ``started``:
+        when the step took its frame (for ``align_to_frames``). Chunk row ``i`` serves the ``i``-th tick from the frame's arrival
+        (``latency_skip``); rows for ticks already served are skipped, overlaps blended.
         Returns the action to publish at once in ``PublishMode.IMMEDIATE``, else ``None``.
         """
         cfg = self.cfg
         self.timer.add(step_s)
         self.stats.steps += 1
+        if started is not None:
+            self._ages.append(started - frame_time)
         # ticks not handled yet and not long past (a tick skipped while no episode ran is not reopened)
         first_open = max(self.served + 1, self.grid.nearest(now)) if self._calibrated else self.served + 1
-        if self._planned_tick is not None and self.grid.time(self._planned_tick) < now:
+        if self._planned_due is not None and self._planned_due < now:
             self.stats.steps_late += 1
-        self._planned_tick = None
+        self._planned_due = None
         actions = np.asarray(actions, dtype=np.float64).reshape(len(actions), -1)  # [H, action_dim]
         k0 = self.grid.at_or_after(frame_time) if self._time_indexed() else first_open
         if cfg.publish_mode is PublishMode.IMMEDIATE and not self.chunked:
@@ -183,6 +191,32 @@ class ControlLoop:
             return TickOutput(k, None, Source.PUBLISHED)
         self.stats.fallbacks += 1
         return TickOutput(k, self.fallback_action(), Source.FALLBACK)
+
+    def phase_shift(self) -> float:
+        """Seconds by which the driver moves its ticks earlier, from the tick after the next one on (0: none).
+
+        Called after ``on_tick``. With ``align_to_frames``, once ``align_window`` steps have started since the
+        last move: the ``align_quantile`` of the ages their frames had when they started, less ``frame_guard_ms``,
+        is how much earlier all but that share of them could have started on the same frame; the phase moves
+        by that much (at most half a period), so the next steps take frames about ``frame_guard_ms`` old. The
+        rate is unchanged; the driver shortens one interval (the node: one timer period). Where frames and ticks
+        are not locked (a camera slower than the control rate, rates that are not multiples) steps keep waiting
+        for fresh frames (age ~0) and nothing moves.
+        """
+        cfg = self.cfg
+        aligns = cfg.align_to_frames and cfg.schedule is Schedule.DEADLINE and cfg.publish_mode is PublishMode.TICK
+        if not aligns or len(self._ages) < cfg.align_window:
+            return 0.0
+        age = float(np.quantile(np.fromiter(self._ages, float), cfg.align_quantile, method="lower"))
+        shift = min(age - cfg.frame_guard_ms / 1e3, cfg.period / 2)
+        self._ages.clear()
+        if shift < max(cfg.frame_guard_ms / 1e3, 1e-3):  # already aligned (or frames come late)
+            return 0.0
+        # the grid moves now: plans from here on are for the new phase. The next tick's callback is already
+        # scheduled at the old time (later by `shift`, still nearest to its own tick) and its step is planned.
+        self.grid.t0 -= shift
+        self.stats.phase_shifts += 1
+        return shift
 
     def _time_indexed(self) -> bool:
         """Chunk row ``i`` serves the ``i``-th tick from its frame's arrival (latency skipping), not the ``i``-th

@@ -65,6 +65,11 @@ class PolicyNodeConfig:
     )
     latency_skip: bool = _help("chunk policies: skip a chunk's actions for ticks already past when it lands", default=True)
     blend: str = _help("overlapping chunk actions: none (newest wins), temporal (ACT ensembling), adaptive (CogACT)", default="none")
+    align_to_frames: bool = _help(
+        "deadline schedule: move the tick phase (not the rate) so that camera frames arrive just before steps start",
+        default=True,
+    )
+    frame_guard_ms: float = _help("align_to_frames: how long before a step's start the latest frames are placed", default=5.0)
     fallback: str = _help("a tick without an action: hold (publish nothing), zero, repeat_last", default="hold")
     fallback_keep_dims: list[int] = _help("fallback zero: dimensions that repeat the last action (e.g. [6], a gripper)",
                                           default_factory=list)
@@ -129,6 +134,7 @@ class PolicyNodeConfig:
             rate_hz=self.control_rate_hz, schedule=self.schedule, publish_mode=self.publish_mode,
             step_quantile=self.step_quantile, margin_ms=self.schedule_margin_ms, refill_threshold=self.refill_threshold,
             latency_skip=self.latency_skip, blend=self.blend, fallback=self.fallback, fallback_keep_dims=tuple(self.fallback_keep_dims),
+            align_to_frames=self.align_to_frames, frame_guard_ms=self.frame_guard_ms,
         )
 
     def session_config(self) -> SessionConfig:

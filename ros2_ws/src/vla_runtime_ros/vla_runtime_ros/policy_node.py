@@ -112,6 +112,8 @@ class StepOutcome:
     result: StepResult
     step_ms: float
     frame: Frame
+    started: float  # time.monotonic() when the step took its frame
+    turnaround_s: float  # from the planned start to the actions: waking up, decoding, the step (what a plan needs)
 
 
 class BadInputError(ValueError):
@@ -140,6 +142,7 @@ class PolicyNode(LifecycleNode):
         self._control_timer = None
         self._frame_guard = None  # wakes the control group when a frame arrives between ticks
         self._steady_clock = Clock(clock_type=ClockType.STEADY_TIME)
+        self._period_restore: int | None = None  # the timer period (ns) to go back to after a phase move
         self._diag_timer = None
         self._action_pub = None
         self._chunk_pub = None
@@ -280,7 +283,7 @@ class PolicyNode(LifecycleNode):
         if self._future is not None:
             wait([self._future])
             self._future = None
-        self._loop, self._ready, self._busy = None, False, False
+        self._loop, self._ready, self._busy, self._period_restore = None, False, False, None
 
     def _release(self) -> None:
         self._stop_control()
@@ -445,6 +448,8 @@ class PolicyNode(LifecycleNode):
     def _on_control_tick(self) -> None:
         """Publish this tick's action (queued, or the fallback) and plan the next step (``ControlLoop``)."""
         due = self._tick_due()
+        if self._period_restore is not None:  # the one shortened interval of a phase move has begun
+            self._control_timer.timer_period_ns, self._period_restore = self._period_restore, None
         now = time.monotonic()
         self._collect()
         with self._lock:
@@ -478,6 +483,10 @@ class PolicyNode(LifecycleNode):
         if out.action is not None:
             self._publish(out.action, received=self._latency_of(out.tick))
         self._submit_step()
+        shift = self._loop.phase_shift()
+        if shift > 0:  # the next callback is scheduled already; the interval after it is shorter by `shift`
+            self._period_restore = self._control_timer.timer_period_ns
+            self._control_timer.timer_period_ns = self._period_restore - round(shift * 1e9)
 
     def _tick_due(self) -> float:
         """When the control timer scheduled the callback running now (``time.monotonic()`` seconds).
@@ -487,7 +496,8 @@ class PolicyNode(LifecycleNode):
         the ones in between). Labelled by its start time instead, a late callback took the next tick's place.
         """
         now, until = time.monotonic(), self._control_timer.time_until_next_call()
-        return now if until is None else now + until * 1e-9 - self._loop.cfg.period
+        # the period rcl added when it took this callback (shorter once while the phase moves)
+        return now if until is None else now + (until - self._control_timer.timer_period_ns) * 1e-9
 
     def _on_frame_ready(self) -> None:
         """A frame or a joint state arrived, or a worker job ended: collect it and start a step if one is due."""
@@ -623,13 +633,15 @@ class PolicyNode(LifecycleNode):
         with self._lock:
             self._telemetry.steps += 1
             self._telemetry.step_ms.add(outcome.step_ms)
+            self._telemetry.frame_age_ms.add((outcome.started - outcome.frame.received) * 1e3)
             self._telemetry.kv = outcome.result.kv
             hold = bool(self._episode_request is not None or self._watchdog(time.monotonic()))
         if self._chunk_pub is not None and not self._cfg.dry_run:
             chunk, _ = conversions.clip_actions(outcome.result.actions, self._low, self._high)
             self._chunk_pub.publish(conversions.actions_to_msg(chunk))
         now = time.monotonic()
-        action = self._loop.on_result(outcome.actions, frame_time=outcome.frame.received, step_s=outcome.step_ms / 1e3, now=now)
+        action = self._loop.on_result(outcome.actions, frame_time=outcome.frame.received, step_s=outcome.turnaround_s, now=now,
+                                      started=outcome.started)
         self._latency_mark = (self._loop.placed_from, outcome.frame.received) if self._loop.placed_from is not None else None
         if action is not None and not hold:  # PublishMode.IMMEDIATE
             self._latency_mark = None
@@ -689,7 +701,7 @@ class PolicyNode(LifecycleNode):
                 self._telemetry.frames_unpaired += 1
                 return None
             self._busy = True
-        start = time.perf_counter()
+        started, start = time.monotonic(), time.perf_counter()
         try:
             if isinstance(frame.msg, Image):
                 image = conversions.image_msg_to_array(frame.msg, max_pixels=self._cfg.max_image_pixels)
@@ -701,7 +713,9 @@ class PolicyNode(LifecycleNode):
         obs = Observation(images={PRIMARY_CAMERA: image}, state=state, t=stamp.sec + stamp.nanosec * 1e-9)
         result = self._session.step(obs)
         horizon = self._cfg.execution_horizon or len(result.actions)
-        return StepOutcome(episode, np.asarray(result.actions[:horizon]), result, (time.perf_counter() - start) * 1e3, frame)
+        step_ms = (time.perf_counter() - start) * 1e3
+        turnaround = time.monotonic() - start_at
+        return StepOutcome(episode, np.asarray(result.actions[:horizon]), result, step_ms, frame, started, turnaround)
 
     # ------------------------------------------------------------------ diagnostics
     def _report_error(self, message: str, *, kind: str) -> None:
@@ -744,7 +758,7 @@ def control_values(loop: ControlLoop | None, cfg: PolicyNodeConfig | None) -> di
         "schedule": cfg.schedule, "publish_mode": cfg.publish_mode, "fallback": cfg.fallback,
         "step_plan_ms": loop.lead() * 1e3, "ticks": stats.ticks, "fallbacks": stats.fallbacks,
         "steps_late": stats.steps_late, "actions_skipped": stats.actions_skipped, "actions_blended": stats.actions_blended,
-        "actions_immediate": stats.immediate,
+        "actions_immediate": stats.immediate, "phase_shifts": stats.phase_shifts,
     }
 
 
