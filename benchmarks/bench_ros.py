@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="issue 16 table: control rates compared old (asap) vs deadline scheduling; none = skip")
     p.add_argument("--control-seconds", type=float, default=60.0, help="camera stream per control-table cell")
     p.add_argument("--chunk-step-periods", type=float, default=3.0, help="chunk policy: step time in control periods")
+    p.add_argument("--step-quantile", type=float, default=0.95, help="the new loop's step_quantile")
+    p.add_argument("--margin-ms", type=float, default=3.0, help="the new loop's schedule_margin_ms")
     p.add_argument("--policies", nargs="+", choices=["openvla", "chunk"], default=["openvla", "chunk"],
                    help="control table: the tiny OpenVLA and/or the slow chunk test policy")
     p.add_argument("--skip-overhead", action="store_true", help="only the control table")
@@ -204,7 +206,8 @@ def control_run(harness, checkpoint, modules, tmp, rate, schedule, args, name) -
     from vla_runtime_ros import conversions
 
     ns = f"{name}_{schedule}_{int(rate)}"
-    proc, diag = start_node(harness, checkpoint, modules, tmp, ns, rate, args, schedule=schedule)
+    tuning = {"step_quantile": args.step_quantile, "schedule_margin_ms": args.margin_ms} if schedule == "deadline" else {}
+    proc, diag = start_node(harness, checkpoint, modules, tmp, ns, rate, args, schedule=schedule, **tuning)
     actions = harness.subscribe(Float32MultiArray, f"/{ns}/vla_policy/action", publishers=1)
     pub = harness.publisher(Image, f"/{ns}/image_raw", qos_profile_sensor_data)
     msgs = [conversions.array_to_image_msg(image) for image in frames(8, tuple(args.size), args.seed + 1)]
@@ -245,7 +248,8 @@ def control_table(harness, tmp, args) -> list[dict]:
                     run = control_run(harness, chunk, ["ros_test_policy"], tmp, rate, schedule, args, "ch")
                 runs.append({"policy": "openvla" if policy == "openvla" else chunk_name, **run})
     print(f"control loop: {args.stream_hz:g} Hz camera, {args.control_seconds:g} s per cell; old = the asap loop (a step "
-          "as soon as a frame arrives and the queue is empty, as before issue 16), new = deadline scheduling. "
+          "as soon as a frame arrives and the queue is empty, as before issue 16), new = deadline scheduling "
+          f"(step_quantile {args.step_quantile:g}, margin {args.margin_ms:g} ms). "
           "latency = frame receipt -> action published; age = frame receipt -> step start; plan = the step time "
           "the schedule plans with; empty = ticks without an action of their own; jitter = std of action inter-arrival")
     print("policy               |  Hz | step p50/p95 ms | latency p50 old -> new | latency p95 old -> new | "

@@ -59,8 +59,11 @@ def test_deadline_plan_starts_late_enough_to_use_the_newest_frame():
     assert loop.on_tick(0.2).source is Source.QUEUE
     plan = loop.plan(0.201)
     assert plan.tick == 3 and plan.start_at == pytest.approx(0.3 - 0.030 - 0.005)  # finishes 5 ms before tick 3
-    # too late for tick 3: the next one, never a start in the past
+    # too late for tick 3 by the plan: a step at once may still make it (waiting would leave tick 3 empty)
     plan = loop.plan(0.29)
+    assert plan.tick == 3 and plan.start_at == pytest.approx(0.29)
+    loop.on_tick(0.3)
+    plan = loop.plan(0.301)  # tick 4 can be met: its deadline start, never a start in the past
     assert plan.tick == 4 and plan.start_at == pytest.approx(0.4 - 0.035)
 
 
@@ -275,3 +278,35 @@ def test_no_phase_move_while_some_step_waits_for_its_frame_or_off():
         off.on_tick(0.0)
         off.on_result(np.array([[0.0]]), frame_time=0.0, step_s=0.01, now=0.09, started=0.08)
         assert off.phase_shift() == 0.0, kw
+
+
+def test_behind_schedule_a_step_starts_at_once_for_the_first_tick_without_an_action():
+    loop = make(margin_ms=0.0)
+    loop.timer.add(0.15)  # the plan says a step takes 1.5 periods (a loaded machine's quantile)
+    loop.on_tick(0.0)
+    plan = loop.plan(0.01)  # tick 1 is out of reach by the plan: try now rather than leave it empty for sure
+    assert (plan.start_at, plan.tick) == (0.01, 1)
+    loop.on_result(np.array([[1.0]]), frame_time=0.0, step_s=0.02, now=0.03)  # most steps are quick
+    assert loop.on_tick(0.1).action[0] == 1.0
+
+
+def test_a_step_that_lands_early_serves_the_tick_it_was_planned_for():
+    loop = make(margin_ms=0.0)
+    loop.timer.add(0.15)
+    loop.on_tick(0.0)
+    loop.started(loop.plan(0.0))  # behind: at once, for tick 1
+    loop.on_result(np.array([[1.0]]), frame_time=0.0, step_s=0.02, now=0.02)
+    plan = loop.plan(0.02)
+    assert plan.tick == 2  # behind again: tick 2, at once
+    loop.started(plan)
+    loop.on_result(np.array([[2.0]]), frame_time=0.02, step_s=0.02, now=0.04)  # lands before tick 1 is served
+    assert [loop.on_tick(t).action[0] for t in (0.1, 0.2)] == [1.0, 2.0]  # tick 1's action is not replaced
+
+
+def test_a_skipped_tick_is_not_waited_for():
+    loop = make()
+    loop.on_tick(0.0)
+    loop.skip_tick(0.1)  # the driver spent tick 1 starting an episode
+    assert loop.served == 1 and loop.stats.ticks == 1 and loop.stats.fallbacks == 1  # tick 0 only
+    loop.on_result(np.array([[1.0]]), frame_time=0.1, step_s=0.02, now=0.12)
+    assert loop.placed_from == 2 and loop.on_tick(0.2).action[0] == 1.0

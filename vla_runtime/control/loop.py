@@ -85,7 +85,7 @@ class ControlLoop:
         self.served = -1  # the last tick handled by on_tick (or published immediately)
         self.last_action: np.ndarray | None = None
         self._last_immediate = float("-inf")
-        self._planned_due: float | None = None  # when the tick of the step in flight is due (as planned)
+        self._planned: tuple[int, float] | None = None  # (tick, when it is due) the step in flight was planned for
         self.placed_from: int | None = None  # the first tick the last step's actions serve
         self._calibrated = False  # the grid's phase comes from the first on_tick (then the earliest callback)
         self._ages: deque[float] = deque(maxlen=cfg.align_window)  # frame age when each recent step started
@@ -94,7 +94,7 @@ class ControlLoop:
         """A new episode: forget queued actions and the last action (step-time statistics stay)."""
         self.broker.clear()
         self.last_action = None
-        self._planned_due = None
+        self._planned = None
 
     # ------------------------------------------------------------------ planning
     def lead(self) -> float:
@@ -111,15 +111,22 @@ class ControlLoop:
         if asap:
             if self.broker.queued_from(first_open):
                 return None
-            return Plan(now, earliest)
+            return Plan(now, first_open)  # at once; its action goes out at the first tick after it lands
         covered = max(self.served, self.broker.last_tick() if len(self.broker) else self.served)
+        if self._calibrated and earliest > covered + 1:
+            # behind: by the planned step time the first tick without an action is out of reach. A step may
+            # still make it (the plan is a high quantile); waiting for the deadline of a later tick would leave
+            # that tick empty for certain. It starts at once, or for a single-action policy with an action
+            # queued, when that one goes out (a whole period for the step, on a newer frame, and no queue)
+            start = now if self.chunked else max(now, self.grid.time(covered))
+            return Plan(start, covered + 1)
         threshold = cfg.refill_threshold if self.chunked else 0
         target = max(covered + 1 - threshold, earliest)
         return Plan(max(now, self.grid.time(target) - lead), target)
 
     def started(self, plan: Plan) -> None:
         """The driver started the step of ``plan`` (to count steps that land late)."""
-        self._planned_due = self.grid.time(plan.tick)
+        self._planned = (plan.tick, self.grid.time(plan.tick))
 
     # ------------------------------------------------------------------ results and ticks
     def on_result(self, actions: np.ndarray, *, frame_time: float, step_s: float, now: float,
@@ -139,11 +146,15 @@ class ControlLoop:
             self._ages.append(started - frame_time)
         # ticks not handled yet and not long past (a tick skipped while no episode ran is not reopened)
         first_open = max(self.served + 1, self.grid.nearest(now)) if self._calibrated else self.served + 1
-        if self._planned_due is not None and self._planned_due < now:
-            self.stats.steps_late += 1
-        self._planned_due = None
+        planned_tick = -1
+        if self._planned is not None:
+            planned_tick = self._planned[0]
+            self.stats.steps_late += self._planned[1] < now
+        self._planned = None
         actions = np.asarray(actions, dtype=np.float64).reshape(len(actions), -1)  # [H, action_dim]
-        k0 = self.grid.at_or_after(frame_time) if self._time_indexed() else first_open
+        # a step landing early (started at once, behind schedule) serves the tick it was planned for, not one
+        # whose action is queued already
+        k0 = self.grid.at_or_after(frame_time) if self._time_indexed() else max(first_open, planned_tick)
         if cfg.publish_mode is PublishMode.IMMEDIATE and not self.chunked:
             self.stats.immediate += 1
             self._last_immediate = now
@@ -174,14 +185,9 @@ class ControlLoop:
         policy's action that missed its tick (a tick spent starting an episode) goes out at this one; so do
         chunk rows executed in order (``latency_skip`` off), each one tick later (``Missed``).
         """
-        t = now if due is None else due
-        k = self.grid.nearest(t) if self._calibrated else self.served + 1
-        if k <= self.served:
-            return TickOutput(k, None, Source.PUBLISHED)
-        # the driver's timer defines the phase: a callback runs at or after its tick, never before
-        self.grid.t0 = min(self.grid.t0, t - k * self.cfg.period) if self._calibrated else t - k * self.cfg.period
-        self._calibrated = True
-        self.served = k
+        k = self._advance(now, due)
+        if k is None:
+            return TickOutput(self.served, None, Source.PUBLISHED)
         self.stats.ticks += 1
         action = self.broker.pop(k, self._missed())
         if action is not None:
@@ -228,6 +234,26 @@ class ControlLoop:
         if not self.chunked:
             return Missed.NEWEST
         return Missed.DROP if self._time_indexed() else Missed.SHIFT
+
+    def skip_tick(self, now: float, *, due: float | None = None) -> None:
+        """A tick the driver lets pass without publishing (starting an episode, inputs too old): it counts as
+        handled, so a step that lands later serves the next tick (an action queued for this one is dropped).
+        Not counted in ``ticks`` or ``fallbacks``."""
+        k = self._advance(now, due)
+        if k is not None:
+            self.broker.pop(k)
+
+    def _advance(self, now: float, due: float | None) -> int | None:
+        """Name the tick of a timer callback (see ``on_tick``) and mark it handled; ``None`` if it was already."""
+        t = now if due is None else due
+        k = self.grid.nearest(t) if self._calibrated else self.served + 1
+        if k <= self.served:
+            return None
+        # the driver's timer defines the phase: a callback runs at or after its tick, never before
+        self.grid.t0 = min(self.grid.t0, t - k * self.cfg.period) if self._calibrated else t - k * self.cfg.period
+        self._calibrated = True
+        self.served = k
+        return k
 
     def fallback_action(self) -> np.ndarray | None:
         """``Fallback.HOLD``: ``None``; ``ZERO``: zeros (``fallback_keep_dims`` from the last action);

@@ -133,7 +133,8 @@ class PolicyNode(LifecycleNode):
         self._ready = False  # the episode's session exists (set when the worker applied an episode request)
         self._future: Future | None = None
         self._cancel = threading.Event()  # set: a step job still waiting for its start time gives up
-        self._busy = False  # the worker computes a step (not waiting for its start)
+        self._busy = False  # the worker computes a step (not waiting for its start) or its actions are not queued yet
+        self._loop_view: dict[str, object] = {}  # the loop's state for diagnostics (``_sync_view``)
         self._latency_mark: tuple[int, float] | None = None  # (first tick of the newest step, its frame's receipt)
         self._episode_request: EpisodeRequest | None = None
         self._instruction_seen = Deduplicator()
@@ -284,6 +285,8 @@ class PolicyNode(LifecycleNode):
             wait([self._future])
             self._future = None
         self._loop, self._ready, self._busy, self._period_restore = None, False, False, None
+        with self._lock:
+            self._loop_view = {}
 
     def _release(self) -> None:
         self._stop_control()
@@ -447,6 +450,12 @@ class PolicyNode(LifecycleNode):
     # ------------------------------------------------------------------ control loop
     def _on_control_tick(self) -> None:
         """Publish this tick's action (queued, or the fallback) and plan the next step (``ControlLoop``)."""
+        try:
+            self._control_tick()
+        finally:
+            self._sync_view()
+
+    def _control_tick(self) -> None:
         due = self._tick_due()
         if self._period_restore is not None:  # the one shortened interval of a phase move has begun
             self._control_timer.timer_period_ns, self._period_restore = self._period_restore, None
@@ -459,21 +468,26 @@ class PolicyNode(LifecycleNode):
                 self._episode += 1
                 request.episode = self._episode
             hold = self._watchdog(now)
+        # every tick that publishes nothing below still passes in the loop: a step landing later serves the next
         if request is not None:  # whatever the old episode still had is dropped
             self._ready = False
             self._loop.reset()
+            self._loop.skip_tick(now, due=due)
             self._future = self._worker.submit(self._start_episode, request)
             self._future.add_done_callback(self._on_job_done)
             return
         if self._episode_request is not None:  # a new episode waits for the step in flight: the old one's actions stop
             self._cancel.set()
             self._loop.reset()
+            self._loop.skip_tick(now, due=due)
             return
         if not self._ready:
+            self._loop.skip_tick(now, due=due)
             return
         if hold:
             pending = self._loop.queued()
             self._loop.reset()
+            self._loop.skip_tick(now, due=due)
             if pending:
                 with self._lock:
                     self._telemetry.actions_withheld += pending
@@ -487,6 +501,15 @@ class PolicyNode(LifecycleNode):
         if shift > 0:  # the next callback is scheduled already; the interval after it is shorter by `shift`
             self._period_restore = self._control_timer.timer_period_ns
             self._control_timer.timer_period_ns = self._period_restore - round(shift * 1e9)
+
+    def _sync_view(self, *, collected: bool = False) -> None:
+        """Copy the loop's state for diagnostics, which run on another thread (the loop is not thread-safe and
+        changes in this callback group only); ``collected``: a worker job's outcome was just handled."""
+        view = {"queue_len": self._loop.queued(), **control_values(self._loop, self._cfg)} if self._loop is not None else {}
+        with self._lock:
+            self._loop_view = view
+            if collected:
+                self._busy = False
 
     def _tick_due(self) -> float:
         """When the control timer scheduled the callback running now (``time.monotonic()`` seconds).
@@ -504,6 +527,7 @@ class PolicyNode(LifecycleNode):
         if self._control_timer is not None:
             self._collect()
             self._submit_step()
+            self._sync_view()
 
     def _on_job_done(self, future: Future) -> None:
         with self._lock:  # _release clears the guard under the lock before destroying it
@@ -605,7 +629,12 @@ class PolicyNode(LifecycleNode):
         if self._future is None or not self._future.done():
             return
         future, self._future = self._future, None
-        self._busy = False
+        try:
+            self._take_outcome(future)
+        finally:
+            self._sync_view(collected=True)  # `stepping` ends with its actions queued, in one step for diagnostics
+
+    def _take_outcome(self, future: Future) -> None:
         try:
             outcome = future.result()
         except BadInputError as e:
@@ -731,10 +760,10 @@ class PolicyNode(LifecycleNode):
             state = "active" if self._active else "inactive"
             outputs = {"action": self._action_pub, "chunk": self._chunk_pub, "twist": self._twist_pub, "gripper": self._gripper_pub}
             live = {
-                "queue_len": self._loop.queued() if self._loop is not None else 0,
+                "queue_len": self._loop_view.get("queue_len", 0),
                 "frames_pending": int(self._frame is not None and self._frame.seq > self._used_seq),
                 "stepping": self._busy,
-                **control_values(self._loop, self._cfg),
+                **{k: v for k, v in self._loop_view.items() if k != "queue_len"},
                 **{f"{topic}_subscribers": pub.get_subscription_count() for topic, pub in outputs.items() if pub is not None},
             }
             status = self._telemetry.status(
