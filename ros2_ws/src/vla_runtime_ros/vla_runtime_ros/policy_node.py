@@ -31,7 +31,9 @@ asks the loop when the next step should start; a one-thread worker waits until t
 newest frame of that moment, decodes it and runs ``session.step`` (deadline scheduling: the step
 ends just before the tick it serves). A frame, a joint state or a finished job wakes the same group
 through a guard condition: results are queued at once (``publish_mode: immediate`` publishes them
-at once), and a step due now starts on the frame that just arrived. Diagnostics and the reset
+at once), and a step due now starts on the frame that just arrived. The control timer runs on the
+steady clock; each callback names its tick by when it was due (``_tick_due``), and when the loop moves
+the tick phase to meet the camera (``align_to_frames``) one timer period is shortened. Diagnostics and the reset
 service have callback groups of their own under a ``MultiThreadedExecutor``.
 """
 
