@@ -47,7 +47,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stream-seconds", type=float, default=60.0)
     p.add_argument("--stream-hz", type=float, default=30.0)
     p.add_argument("--stream-control-hz", type=float, default=5.0)
+    p.add_argument("--warmup-seconds", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--control-rates", type=float, nargs="*", default=[5.0, 10.0, 30.0, 100.0],
+                   help="issue 16 table: control rates compared old (asap) vs deadline scheduling; none = skip")
+    p.add_argument("--control-seconds", type=float, default=60.0, help="camera stream per control-table cell")
+    p.add_argument("--chunk-step-periods", type=float, default=3.0, help="chunk policy: step time in control periods")
+    p.add_argument("--step-quantile", type=float, default=0.95, help="the new loop's step_quantile")
+    p.add_argument("--margin-ms", type=float, default=3.0, help="the new loop's schedule_margin_ms")
+    p.add_argument("--policies", nargs="+", choices=["openvla", "chunk"], default=["openvla", "chunk"],
+                   help="control table: the tiny OpenVLA and/or the slow chunk test policy")
+    p.add_argument("--skip-overhead", action="store_true", help="only the control table")
     p.add_argument("--out", type=Path, default=REPO / "results" / "bench_ros")
     return p.parse_args(argv)
 
@@ -99,12 +109,12 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def start_node(harness, checkpoint, modules, tmp: Path, name: str, rate: float, args):
+def start_node(harness, checkpoint, modules, tmp: Path, name: str, rate: float, args, **extra):
     from ros_harness import Diagnostics, NodeProcess
 
     params = dict(checkpoint=str(checkpoint), policy_modules=modules, device=args.device, control_rate_hz=rate,
                   torch_threads=args.threads, diagnostics_rate_hz=2.0, max_image_age_s=2.0,
-                  default_instruction="pick up the cup")
+                  default_instruction="pick up the cup", **extra)
     proc = NodeProcess("policy_node", params, tmp, name="vla_policy", namespace=f"/{name}")
     diag = Diagnostics(harness, f"/{name}/vla_policy")
     diag.wait(lambda s, v: v["state"] == "active" and v["episode"] == "1", timeout=120, what=f"the node\n{proc.output()}")
@@ -187,15 +197,95 @@ def stream_run(harness, checkpoint, modules, tmp, args) -> dict:
     }
 
 
+def control_run(harness, checkpoint, modules, tmp, rate, schedule, args, name) -> dict:
+    """A 30 Hz camera for ``--control-seconds``: frame->action latency, empty ticks and action timing jitter."""
+    from rclpy.qos import qos_profile_sensor_data
+    from ros_harness import camera_clock
+    from sensor_msgs.msg import Image
+    from std_msgs.msg import Float32MultiArray
+    from vla_runtime_ros import conversions
+
+    ns = f"{name}_{schedule}_{int(rate)}"
+    tuning = {"step_quantile": args.step_quantile, "schedule_margin_ms": args.margin_ms} if schedule == "deadline" else {}
+    proc, diag = start_node(harness, checkpoint, modules, tmp, ns, rate, args, schedule=schedule, **tuning)
+    actions = harness.subscribe(Float32MultiArray, f"/{ns}/vla_policy/action", publishers=1)
+    pub = harness.publisher(Image, f"/{ns}/image_raw", qos_profile_sensor_data)
+    msgs = [conversions.array_to_image_msg(image) for image in frames(8, tuple(args.size), args.seed + 1)]
+    try:
+        for i in camera_clock(args.stream_hz, int(args.warmup_seconds * args.stream_hz)):  # warm-up: step times settle
+            pub.publish(msgs[i % len(msgs)])
+        first, start = diag.latest(), len(actions)
+        for i in camera_clock(args.stream_hz, int(args.control_seconds * args.stream_hz)):
+            pub.publish(msgs[i % len(msgs)])
+        last = diag.latest()
+    finally:
+        proc.interrupt()
+        proc.close()
+    times = np.array([r.t for r in actions.items[start:]])
+    gaps = np.diff(times) * 1e3 if len(times) > 2 else np.array([np.nan])
+    ticks = int(last["ticks"]) - int(first["ticks"])
+    return {"rate": rate, "schedule": schedule, "ticks": ticks, "empty_ticks": int(last["fallbacks"]) - int(first["fallbacks"]),
+            "latency_p50": float(last["latency_ms_p50"]), "latency_p95": float(last["latency_ms_p95"]),
+            "frame_age_p50": float(last["frame_age_ms_p50"]), "step_plan_ms": float(last["step_plan_ms"]),
+            "step_p50": float(last["step_ms_p50"]), "step_p95": float(last["step_ms_p95"]),
+            "jitter_ms": float(np.std(gaps)), "actions": len(times)}
+
+
+def control_table(harness, tmp, args) -> list[dict]:
+    """Old (asap) vs new (deadline) loop at each rate, for a tiny OpenVLA and a slow chunk policy."""
+    from ros_test_policy import write_checkpoint
+
+    openvla, modules = make_checkpoint(tmp)
+    chunk_name = f"chunk16 step {args.chunk_step_periods:g}T"
+    runs = []
+    for rate in args.control_rates:
+        chunk = write_checkpoint(tmp / f"chunk{int(rate)}", chunk_size=16, step_ms=args.chunk_step_periods * 1e3 / rate)
+        for policy in args.policies:
+            for schedule in ("asap", "deadline"):
+                if policy == "openvla":
+                    run = control_run(harness, openvla, modules, tmp, rate, schedule, args, "ov")
+                else:
+                    run = control_run(harness, chunk, ["ros_test_policy"], tmp, rate, schedule, args, "ch")
+                runs.append({"policy": "openvla" if policy == "openvla" else chunk_name, **run})
+    print(f"control loop: {args.stream_hz:g} Hz camera, {args.control_seconds:g} s per cell; old = the asap loop (a step "
+          "as soon as a frame arrives and the queue is empty, as before issue 16), new = deadline scheduling "
+          f"(step_quantile {args.step_quantile:g}, margin {args.margin_ms:g} ms). "
+          "latency = frame receipt -> action published; age = frame receipt -> step start; plan = the step time "
+          "the schedule plans with; empty = ticks without an action of their own; jitter = std of action inter-arrival")
+    print("policy               |  Hz | step p50/p95 ms | latency p50 old -> new | latency p95 old -> new | "
+          "age p50 old -> new | plan ms | empty/ticks old -> new | jitter ms old -> new")
+    for old, new in zip(runs[::2], runs[1::2]):
+        print(f"{new['policy']:20s} | {new['rate']:3.0f} | {new['step_p50']:6.1f} / {new['step_p95']:6.1f} | "
+              f"{old['latency_p50']:8.1f} -> {new['latency_p50']:7.1f}   | {old['latency_p95']:8.1f} -> {new['latency_p95']:7.1f}   | "
+              f"{old['frame_age_p50']:6.1f} -> {new['frame_age_p50']:6.1f} | {new['step_plan_ms']:7.1f} | "
+              f"{old['empty_ticks']:4d}/{old['ticks']:<4d} -> {new['empty_ticks']:4d}/{new['ticks']:<4d} | "
+              f"{old['jitter_ms']:6.2f} -> {new['jitter_ms']:6.2f}")
+    return runs
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ["ROS_DOMAIN_ID"] = str(1 + os.getpid() % 230)  # a DDS domain of its own, this machine only
+    from ros_domain import claim_domain
+
+    domain, _lock = claim_domain()  # a DDS domain of its own, this machine only; held until the process ends
+    os.environ["ROS_DOMAIN_ID"] = str(domain)
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
     # VGA frames are 0.9 MB: the shipped shared-memory profile carries them best effort (see its comment)
     os.environ.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", str(REPO / "ros2_ws/src/vla_runtime_ros/config/fastdds_large_frames.xml"))
     from ros_harness import Harness
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_ros_"))
+    results = {}
+    if args.control_rates:
+        harness = Harness("bench_ros_control")
+        try:
+            results["control"] = control_table(harness, tmp, args)
+        finally:
+            harness.close()
+    if args.skip_overhead:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{args.out}.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+        return 0
     checkpoint, modules = (args.checkpoint, []) if args.checkpoint else make_checkpoint(tmp)
     images = frames(args.warmup + args.repeats, tuple(args.size), args.seed)
     step = step_times_ms(checkpoint, modules, images, args)
@@ -212,7 +302,7 @@ def main(argv=None) -> int:
     print(f"reference: session.step in this process, median {step_p50:.2f} ms (p10 {np.percentile(step, 10):.2f}, "
           f"p90 {np.percentile(step, 90):.2f})")
     print("control Hz | publish->action median ms | p10 | p90 | node step p50 ms | ROS overhead ms | tick period ms")
-    results = {"session_step_ms": {"times_ms": step, "median_ms": step_p50}}
+    results["session_step_ms"] = {"times_ms": step, "median_ms": step_p50}
     for run in runs:
         lat = run["latency_ms"]
         median = float(np.median(lat))

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 from vla_runtime.control import (
-    Blend, ChunkBroker, ControlConfig, ControlLoop, Fallback, PublishMode, Schedule, Source, StepTimer, TickGrid, blend,
+    Blend, ChunkBroker, ControlConfig, ControlLoop, Fallback, Missed, PublishMode, Schedule, Source, StepTimer, TickGrid,
+    blend,
 )
 
 P = 0.1  # 10 Hz
@@ -58,8 +59,11 @@ def test_deadline_plan_starts_late_enough_to_use_the_newest_frame():
     assert loop.on_tick(0.2).source is Source.QUEUE
     plan = loop.plan(0.201)
     assert plan.tick == 3 and plan.start_at == pytest.approx(0.3 - 0.030 - 0.005)  # finishes 5 ms before tick 3
-    # too late for tick 3: the next one, never a start in the past
+    # too late for tick 3 by the plan: a step at once may still make it (waiting would leave tick 3 empty)
     plan = loop.plan(0.29)
+    assert plan.tick == 3 and plan.start_at == pytest.approx(0.29)
+    loop.on_tick(0.3)
+    plan = loop.plan(0.301)  # tick 4 can be met: its deadline start, never a start in the past
     assert plan.tick == 4 and plan.start_at == pytest.approx(0.4 - 0.035)
 
 
@@ -193,3 +197,116 @@ def test_a_result_never_goes_to_a_tick_the_driver_let_pass():
     assert out.tick == 2 and out.action[0] == 5.0
     loop.on_result(np.array([[6.0]]), frame_time=0.2, step_s=0.01, now=0.47)
     assert loop.placed_from == 5 and loop.on_tick(0.5).action[0] == 6.0
+
+
+def test_a_late_callback_serves_the_tick_it_was_due_for_not_the_next():
+    loop = make()
+    loop.on_tick(0.0, due=0.0)
+    loop.on_result(np.array([[1.0]]), frame_time=0.05, step_s=0.01, now=0.09)  # for tick 1
+    # tick 1's callback runs 80 ms late (nearer to tick 2 than to tick 1), then tick 2's on time
+    out = loop.on_tick(0.18, due=0.1)
+    assert (out.tick, out.source, out.action[0]) == (1, Source.QUEUE, 1.0)
+    loop.on_result(np.array([[2.0]]), frame_time=0.15, step_s=0.01, now=0.19)
+    out = loop.on_tick(0.2, due=0.2)
+    assert (out.tick, out.source, out.action[0]) == (2, Source.QUEUE, 2.0)
+    assert loop.grid.t0 == pytest.approx(0.0) and loop.stats.fallbacks == 1  # tick 0 only
+
+
+def test_a_single_action_that_missed_its_tick_goes_out_at_the_next_and_a_chunk_row_does_not():
+    single = make()
+    single.on_tick(0.0)
+    # tick 1's callback went to starting an episode (no on_tick); the first step lands 10 ms before it ran
+    single.on_result(np.array([[7.0]]), frame_time=0.05, step_s=0.04, now=0.095)
+    assert single.placed_from == 1
+    out = single.on_tick(0.2)
+    assert (out.tick, out.source, out.action[0]) == (2, Source.QUEUE, 7.0)
+    chunked = make(chunked=True)
+    chunked.on_tick(0.0)
+    chunked.on_result(chunk(2), frame_time=0.0, step_s=0.04, now=0.095)  # rows for ticks 0 (served) and 1
+    assert chunked.on_tick(0.2).source is Source.FALLBACK  # row 1 was for tick 1: too old for tick 2
+
+
+def test_chunk_rows_executed_in_order_survive_missed_tick_callbacks():
+    loop = make(chunked=True, latency_skip=False)
+    loop.on_tick(0.0)
+    loop.on_result(chunk(3), frame_time=0.0, step_s=0.04, now=0.05)  # rows for ticks 1, 2, 3
+    # the callbacks of ticks 1 and 2 never ran (an executor starved for two periods)
+    assert [loop.on_tick(t).action[0] for t in (0.3, 0.4, 0.5)] == [0.0, 1.0, 2.0]
+    assert loop.on_tick(0.6).source is Source.FALLBACK
+
+
+def test_broker_missed_ticks():
+    def broker():
+        b = ChunkBroker()
+        b.place(chunk(3), 1, first_open=1)  # ticks 1, 2, 3: rows 0, 1, 2
+        return b
+
+    assert broker().pop(3, Missed.DROP)[0] == 2.0
+    b = broker()
+    assert b.pop(5, Missed.NEWEST)[0] == 2.0 and len(b) == 0
+    b = broker()
+    assert b.pop(3, Missed.SHIFT)[0] == 0.0 and b.pop(4)[0] == 1.0 and b.pop(5)[0] == 2.0
+
+
+def test_ticks_move_earlier_to_meet_the_cameras_frames():
+    loop = make(align_window=3, frame_guard_ms=5.0, margin_ms=0.0)
+    loop.timer.add(0.02)  # a step takes 20 ms: each starts 20 ms before its tick
+    for k in range(3):  # the newest frame is always 30 ms old when a step takes it (camera phase against the ticks)
+        loop.on_tick(k * P, due=k * P)
+        start = (k + 1) * P - 0.02
+        loop.on_result(np.array([[float(k)]]), frame_time=start - 0.03, step_s=0.02, now=start + 0.02, started=start)
+        assert loop.phase_shift() == (pytest.approx(0.025) if k == 2 else 0.0)
+    # from tick 4 on the driver's ticks come 25 ms earlier: plans are for that phase at once
+    assert loop.grid.t0 == pytest.approx(-0.025) and loop.plan(0.29).start_at == pytest.approx(0.4 - 0.025 - 0.02)
+    # tick 3's callback was scheduled already (old phase, 25 ms after the new one): still tick 3, and on time
+    loop.on_result(np.array([[3.0]]), frame_time=0.25, step_s=0.02, now=0.29, started=0.28)
+    out = loop.on_tick(0.3, due=0.3)
+    assert (out.tick, out.action[0]) == (3, 3.0) and loop.stats.steps_late == 0
+    out = loop.on_tick(0.375, due=0.375)
+    assert out.tick == 4 and loop.grid.t0 == pytest.approx(-0.025) and loop.stats.phase_shifts == 1
+
+
+def test_no_phase_move_while_some_step_waits_for_its_frame_or_off():
+    loop = make(align_window=3)
+    ages = [0.030, 0.001, 0.030]  # one step had to wait for a frame: it arrived just as the step started
+    for k, age in enumerate(ages):
+        loop.on_tick(k * P, due=k * P)
+        loop.on_result(np.array([[0.0]]), frame_time=k * P + 0.08 - age, step_s=0.01, now=k * P + 0.09, started=k * P + 0.08)
+    assert loop.phase_shift() == 0.0
+    for kw in ({"align_to_frames": False}, {"schedule": "asap"}, {"publish_mode": "immediate"}):
+        off = make(align_window=1, **kw)
+        off.on_tick(0.0)
+        off.on_result(np.array([[0.0]]), frame_time=0.0, step_s=0.01, now=0.09, started=0.08)
+        assert off.phase_shift() == 0.0, kw
+
+
+def test_behind_schedule_a_step_starts_at_once_for_the_first_tick_without_an_action():
+    loop = make(margin_ms=0.0)
+    loop.timer.add(0.15)  # the plan says a step takes 1.5 periods (a loaded machine's quantile)
+    loop.on_tick(0.0)
+    plan = loop.plan(0.01)  # tick 1 is out of reach by the plan: try now rather than leave it empty for sure
+    assert (plan.start_at, plan.tick) == (0.01, 1)
+    loop.on_result(np.array([[1.0]]), frame_time=0.0, step_s=0.02, now=0.03)  # most steps are quick
+    assert loop.on_tick(0.1).action[0] == 1.0
+
+
+def test_a_step_that_lands_early_serves_the_tick_it_was_planned_for():
+    loop = make(margin_ms=0.0)
+    loop.timer.add(0.15)
+    loop.on_tick(0.0)
+    loop.started(loop.plan(0.0))  # behind: at once, for tick 1
+    loop.on_result(np.array([[1.0]]), frame_time=0.0, step_s=0.02, now=0.02)
+    plan = loop.plan(0.02)
+    assert plan.tick == 2  # behind again: tick 2, at once
+    loop.started(plan)
+    loop.on_result(np.array([[2.0]]), frame_time=0.02, step_s=0.02, now=0.04)  # lands before tick 1 is served
+    assert [loop.on_tick(t).action[0] for t in (0.1, 0.2)] == [1.0, 2.0]  # tick 1's action is not replaced
+
+
+def test_a_skipped_tick_is_not_waited_for():
+    loop = make()
+    loop.on_tick(0.0)
+    loop.skip_tick(0.1)  # the driver spent tick 1 starting an episode
+    assert loop.served == 1 and loop.stats.ticks == 1 and loop.stats.fallbacks == 1  # tick 0 only
+    loop.on_result(np.array([[1.0]]), frame_time=0.1, step_s=0.02, now=0.12)
+    assert loop.placed_from == 2 and loop.on_tick(0.2).action[0] == 1.0

@@ -6,9 +6,25 @@ keeps the predictions it received (oldest first) until it is served; ``pop`` ble
 
 from __future__ import annotations
 
+from enum import Enum
+
 import numpy as np
 
 from .config import Blend
+
+
+class Missed(str, Enum):
+    """What ``ChunkBroker.pop(k)`` does with predictions for earlier ticks that were never served (no tick
+    callback ran for them: a tick spent starting an episode, an executor starved for more than a period).
+
+    ``DROP``: time-indexed chunk rows (latency skipping): too old for tick ``k``. ``NEWEST``: a single-action
+    policy: its newest action serves ``k``. ``SHIFT``: chunk rows executed in order (no latency skipping):
+    the oldest serves ``k`` and the rest move back by as many ticks.
+    """
+
+    DROP = "drop"
+    NEWEST = "newest"
+    SHIFT = "shift"
 
 
 def blend(predictions: list[np.ndarray], mode: Blend, *, temporal_coeff: float, adaptive_alpha: float) -> np.ndarray:
@@ -63,10 +79,20 @@ class ChunkBroker:
             self._ticks.setdefault(k, []).append(action)
         return skipped, overlapped
 
-    def pop(self, k: int) -> np.ndarray | None:
-        """The action for tick ``k`` (blended), or ``None``; every prediction for ticks <= ``k`` is dropped."""
+    def pop(self, k: int, missed: Missed = Missed.DROP) -> np.ndarray | None:
+        """The action for tick ``k`` (blended), or ``None``; afterwards nothing is queued for ticks <= ``k``.
+
+        ``missed``: what becomes of predictions for earlier ticks that were never served (``Missed``).
+        """
+        earlier = sorted(t for t in self._ticks if t < k)
+        if earlier and missed is Missed.SHIFT:
+            delay = k - earlier[0]
+            self._ticks = {t + delay: p for t, p in self._ticks.items()}
+            earlier = []
         predictions = self._ticks.pop(k, None)
-        for old in [t for t in self._ticks if t < k]:
+        if not predictions and earlier and missed is Missed.NEWEST:
+            predictions = self._ticks[earlier[-1]]
+        for old in earlier:
             del self._ticks[old]
         if not predictions:
             return None

@@ -89,6 +89,13 @@ class ControlConfig:
         adaptive_alpha: ``Blend.ADAPTIVE``'s alpha (CogACT: 0.1).
         fallback: what a tick without an action publishes (``Fallback``).
         fallback_keep_dims: ``Fallback.ZERO``: dimensions that repeat the last action instead (a gripper).
+        align_to_frames: ``DEADLINE`` with ``TICK``: move the tick phase (not the rate) so that frames arrive just
+            before the steps start. Without it the newest frame is on average half a camera period old when a
+            step takes it (the control timer's phase against the camera's is chance).
+        frame_guard_ms: how long before a step's start frames are placed (camera and delivery jitter).
+        align_window: steps whose frame ages decide a phase move.
+        align_quantile: the phase moves by this quantile of their frame ages less the guard: that share of
+            steps may find their frame not arrived yet and take the one before (a camera period older).
     """
 
     rate_hz: float = 5.0
@@ -104,6 +111,10 @@ class ControlConfig:
     adaptive_alpha: float = 0.1
     fallback: Fallback = Fallback.HOLD
     fallback_keep_dims: tuple[int, ...] = ()
+    align_to_frames: bool = True
+    frame_guard_ms: float = 5.0
+    align_window: int = 20
+    align_quantile: float = 0.1
 
     def __post_init__(self) -> None:
         for name, kind in ENUMS.items():
@@ -121,6 +132,12 @@ class ControlConfig:
             raise ValueError(f"`refill_threshold` must be >= 0, got {self.refill_threshold}")
         if self.temporal_coeff < 0 or self.adaptive_alpha < 0:
             raise ValueError(f"`temporal_coeff` ({self.temporal_coeff}) and `adaptive_alpha` ({self.adaptive_alpha}) must be >= 0")
+        if self.frame_guard_ms < 0:
+            raise ValueError(f"`frame_guard_ms` must be >= 0, got {self.frame_guard_ms}")
+        if not 0.0 <= self.align_quantile <= 1.0:
+            raise ValueError(f"`align_quantile` must be in [0, 1], got {self.align_quantile}")
+        if self.align_window < 1:
+            raise ValueError(f"`align_window` must be >= 1, got {self.align_window}")
         if any(d < 0 for d in self.fallback_keep_dims):
             raise ValueError(f"`fallback_keep_dims` must be >= 0, got {list(self.fallback_keep_dims)}")
 

@@ -14,12 +14,13 @@ Every time is seconds on the driver's monotonic clock; tests pass a fake one.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
 
-from .broker import ChunkBroker
+from .broker import ChunkBroker, Missed
 from .config import ControlConfig, Fallback, PublishMode, Schedule
 from .timing import StepTimer, TickGrid
 
@@ -60,6 +61,7 @@ class ControlStats:
     actions_skipped: int = 0  # chunk rows for ticks already past when the chunk landed
     actions_blended: int = 0  # chunk rows that overlapped a queued prediction
     immediate: int = 0  # actions published at once (``PublishMode.IMMEDIATE``)
+    phase_shifts: int = 0  # tick phase moved earlier to meet the camera's frames (``align_to_frames``)
 
 
 class ControlLoop:
@@ -83,15 +85,16 @@ class ControlLoop:
         self.served = -1  # the last tick handled by on_tick (or published immediately)
         self.last_action: np.ndarray | None = None
         self._last_immediate = float("-inf")
-        self._planned_tick: int | None = None
+        self._planned: tuple[int, float] | None = None  # (tick, when it is due) the step in flight was planned for
         self.placed_from: int | None = None  # the first tick the last step's actions serve
         self._calibrated = False  # the grid's phase comes from the first on_tick (then the earliest callback)
+        self._ages: deque[float] = deque(maxlen=cfg.align_window)  # frame age when each recent step started
 
     def reset(self) -> None:
         """A new episode: forget queued actions and the last action (step-time statistics stay)."""
         self.broker.clear()
         self.last_action = None
-        self._planned_tick = None
+        self._planned = None
 
     # ------------------------------------------------------------------ planning
     def lead(self) -> float:
@@ -108,35 +111,50 @@ class ControlLoop:
         if asap:
             if self.broker.queued_from(first_open):
                 return None
-            return Plan(now, earliest)
+            return Plan(now, first_open)  # at once; its action goes out at the first tick after it lands
         covered = max(self.served, self.broker.last_tick() if len(self.broker) else self.served)
+        if self._calibrated and earliest > covered + 1:
+            # behind: by the planned step time the first tick without an action is out of reach. A step may
+            # still make it (the plan is a high quantile); waiting for the deadline of a later tick would leave
+            # that tick empty for certain. It starts at once, or for a single-action policy with an action
+            # queued, when that one goes out (a whole period for the step, on a newer frame, and no queue)
+            start = now if self.chunked else max(now, self.grid.time(covered))
+            return Plan(start, covered + 1)
         threshold = cfg.refill_threshold if self.chunked else 0
         target = max(covered + 1 - threshold, earliest)
         return Plan(max(now, self.grid.time(target) - lead), target)
 
     def started(self, plan: Plan) -> None:
         """The driver started the step of ``plan`` (to count steps that land late)."""
-        self._planned_tick = plan.tick
+        self._planned = (plan.tick, self.grid.time(plan.tick))
 
     # ------------------------------------------------------------------ results and ticks
-    def on_result(self, actions: np.ndarray, *, frame_time: float, step_s: float, now: float) -> np.ndarray | None:
+    def on_result(self, actions: np.ndarray, *, frame_time: float, step_s: float, now: float,
+                  started: float | None = None) -> np.ndarray | None:
         """A step finished: queue its actions [H, action_dim] (H = 1 for single-action policies).
 
-        ``frame_time``: when the frame it saw arrived. Chunk row ``i`` serves the ``i``-th tick from the
-        frame's arrival (``latency_skip``); rows for ticks already served are skipped, overlaps blended.
+        ``frame_time``: when the frame it saw arrived; ``step_s``: seconds from the planned start to the
+        actions (the driver's wake-up and frame decoding included: what the schedule plans for); ``started``:
+        when the step took its frame (for ``align_to_frames``). Chunk row ``i`` serves the ``i``-th tick from the frame's arrival
+        (``latency_skip``); rows for ticks already served are skipped, overlaps blended.
         Returns the action to publish at once in ``PublishMode.IMMEDIATE``, else ``None``.
         """
         cfg = self.cfg
         self.timer.add(step_s)
         self.stats.steps += 1
+        if started is not None:
+            self._ages.append(started - frame_time)
         # ticks not handled yet and not long past (a tick skipped while no episode ran is not reopened)
         first_open = max(self.served + 1, self.grid.nearest(now)) if self._calibrated else self.served + 1
-        if self._planned_tick is not None and self.grid.time(self._planned_tick) < now:
-            self.stats.steps_late += 1
-        self._planned_tick = None
+        planned_tick = -1
+        if self._planned is not None:
+            planned_tick = self._planned[0]
+            self.stats.steps_late += self._planned[1] < now
+        self._planned = None
         actions = np.asarray(actions, dtype=np.float64).reshape(len(actions), -1)  # [H, action_dim]
-        skip = self.chunked and cfg.latency_skip and cfg.schedule is Schedule.DEADLINE
-        k0 = self.grid.at_or_after(frame_time) if skip else first_open
+        # a step landing early (started at once, behind schedule) serves the tick it was planned for, not one
+        # whose action is queued already
+        k0 = self.grid.at_or_after(frame_time) if self._time_indexed() else max(first_open, planned_tick)
         if cfg.publish_mode is PublishMode.IMMEDIATE and not self.chunked:
             self.stats.immediate += 1
             self._last_immediate = now
@@ -157,18 +175,21 @@ class ControlLoop:
             return action
         return None
 
-    def on_tick(self, now: float) -> TickOutput:
-        """Tick due nearest to ``now``: its action, or the fallback. A tick already handled (a late timer
-        callback, or a chunk action published immediately for it) publishes nothing."""
-        k = self.grid.nearest(now) if self._calibrated else self.served + 1
-        if k <= self.served:
-            return TickOutput(k, None, Source.PUBLISHED)
-        # the driver's timer defines the phase: a callback runs at or after its tick, never before
-        self.grid.t0 = min(self.grid.t0, now - k * self.cfg.period) if self._calibrated else now - k * self.cfg.period
-        self._calibrated = True
-        self.served = k
+    def on_tick(self, now: float, *, due: float | None = None) -> TickOutput:
+        """The tick due nearest to ``due``: its action, or the fallback. A tick already handled (a repeated
+        callback, or a chunk action published immediately for it) publishes nothing.
+
+        ``due``: when the driver's timer scheduled this callback (``None``: ``now``). A callback can run much
+        later than that on a loaded machine (a period and more); labelled by ``now`` it would take the next
+        tick's place, and the callback that really is the next tick's would find it served. A single-action
+        policy's action that missed its tick (a tick spent starting an episode) goes out at this one; so do
+        chunk rows executed in order (``latency_skip`` off), each one tick later (``Missed``).
+        """
+        k = self._advance(now, due)
+        if k is None:
+            return TickOutput(self.served, None, Source.PUBLISHED)
         self.stats.ticks += 1
-        action = self.broker.pop(k)
+        action = self.broker.pop(k, self._missed())
         if action is not None:
             self.last_action = action
             return TickOutput(k, action, Source.QUEUE)
@@ -176,6 +197,63 @@ class ControlLoop:
             return TickOutput(k, None, Source.PUBLISHED)
         self.stats.fallbacks += 1
         return TickOutput(k, self.fallback_action(), Source.FALLBACK)
+
+    def phase_shift(self) -> float:
+        """Seconds by which the driver moves its ticks earlier, from the tick after the next one on (0: none).
+
+        Called after ``on_tick``. With ``align_to_frames``, once ``align_window`` steps have started since the
+        last move: the ``align_quantile`` of the ages their frames had when they started, less ``frame_guard_ms``,
+        is how much earlier all but that share of them could have started on the same frame; the phase moves
+        by that much (at most half a period), so the next steps take frames about ``frame_guard_ms`` old. The
+        rate is unchanged; the driver shortens one interval (the node: one timer period). Where frames and ticks
+        are not locked (a camera slower than the control rate, rates that are not multiples) steps keep waiting
+        for fresh frames (age ~0) and nothing moves.
+        """
+        cfg = self.cfg
+        aligns = cfg.align_to_frames and cfg.schedule is Schedule.DEADLINE and cfg.publish_mode is PublishMode.TICK
+        if not aligns or len(self._ages) < cfg.align_window:
+            return 0.0
+        age = float(np.quantile(np.fromiter(self._ages, float), cfg.align_quantile, method="lower"))
+        shift = min(age - cfg.frame_guard_ms / 1e3, cfg.period / 2)
+        self._ages.clear()
+        if shift < max(cfg.frame_guard_ms / 1e3, 1e-3):  # already aligned (or frames come late)
+            return 0.0
+        # the grid moves now: plans from here on are for the new phase. The next tick's callback is already
+        # scheduled at the old time (later by `shift`, still nearest to its own tick) and its step is planned.
+        self.grid.t0 -= shift
+        self.stats.phase_shifts += 1
+        return shift
+
+    def _time_indexed(self) -> bool:
+        """Chunk row ``i`` serves the ``i``-th tick from its frame's arrival (latency skipping), not the ``i``-th
+        tick callback from the chunk's landing."""
+        return self.chunked and self.cfg.latency_skip and self.cfg.schedule is Schedule.DEADLINE
+
+    def _missed(self) -> Missed:
+        """What a tick does with actions queued for earlier ticks whose callbacks never ran."""
+        if not self.chunked:
+            return Missed.NEWEST
+        return Missed.DROP if self._time_indexed() else Missed.SHIFT
+
+    def skip_tick(self, now: float, *, due: float | None = None) -> None:
+        """A tick the driver lets pass without publishing (starting an episode, inputs too old): it counts as
+        handled, so a step that lands later serves the next tick (an action queued for this one is dropped).
+        Not counted in ``ticks`` or ``fallbacks``."""
+        k = self._advance(now, due)
+        if k is not None:
+            self.broker.pop(k)
+
+    def _advance(self, now: float, due: float | None) -> int | None:
+        """Name the tick of a timer callback (see ``on_tick``) and mark it handled; ``None`` if it was already."""
+        t = now if due is None else due
+        k = self.grid.nearest(t) if self._calibrated else self.served + 1
+        if k <= self.served:
+            return None
+        # the driver's timer defines the phase: a callback runs at or after its tick, never before
+        self.grid.t0 = min(self.grid.t0, t - k * self.cfg.period) if self._calibrated else t - k * self.cfg.period
+        self._calibrated = True
+        self.served = k
+        return k
 
     def fallback_action(self) -> np.ndarray | None:
         """``Fallback.HOLD``: ``None``; ``ZERO``: zeros (``fallback_keep_dims`` from the last action);

@@ -130,7 +130,10 @@ class Collector:
 
     def wait(self, count: int, timeout: float = 0.0, what: str = "messages") -> list[Any]:
         """Wait until at least ``count`` messages arrived in total; returns all of them."""
-        wait_for(lambda: len(self.items) >= count, timeout, f"{count} {what} (got {len(self.items)})")
+        try:
+            wait_for(lambda: len(self.items) >= count, timeout, f"{count} {what}")
+        except TimeoutError as e:
+            raise TimeoutError(f"{e} (got {len(self.items)})") from None  # the count at the timeout, not at the start
         return [r.msg for r in self.items]
 
 
@@ -144,6 +147,7 @@ class Stream:
     def __init__(self, harness: "Harness", msg_type: type, topic: str, qos: QoSProfile | int, hz: float, msg: Any = None) -> None:
         self.msg = msg
         self.sent = 0
+        self.times: list[float] = []  # time.monotonic() of each publish
         self._publisher = harness.node.create_publisher(msg_type, topic, qos)
         self._timer = harness.node.create_timer(1.0 / hz, self._tick)
 
@@ -155,6 +159,7 @@ class Stream:
         if msg is not None:
             self._publisher.publish(msg)
             self.sent += 1
+            self.times.append(time.monotonic())
 
     def close(self, harness: "Harness") -> None:
         with harness.paused():
@@ -179,6 +184,7 @@ class Harness:
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
         self.errors: list[str] = []
+        self._clients: dict[tuple[type, str], Any] = {}  # service clients, kept (see ``call``)
         self._stop, self._pause, self._parked, self._resume = (threading.Event() for _ in range(4))
         self._pause_lock = threading.Lock()
         self._thread = threading.Thread(target=self._spin, name="harness-spin", daemon=True)
@@ -245,18 +251,29 @@ class Harness:
         wait_for(predicate, 0.0, what)
         PATIENCE.observe(time.monotonic() - start)
 
-    def call(self, srv_type: type, name: str, request: Any) -> Any:
-        client = self.node.create_client(srv_type, name)
-        try:
-            self._matched(client.service_is_ready, f"service {name}")
-            start = time.monotonic()
-            future = client.call_async(request)
-            wait_for(future.done, 0.0, f"the response of {name}")
-            PATIENCE.observe(time.monotonic() - start)
-            return future.result()
-        finally:
-            with self.paused():
-                self.node.destroy_client(client)
+    def call(self, srv_type: type, name: str, request: Any, *, idempotent: bool = False) -> Any:
+        """Call service ``name`` once it is ready; its response.
+
+        A response can be lost: the server drops it when its response writer has not matched this client's
+        reader within 100 ms of the request (rmw_fastrtps: "failed to send response (timeout): client will not
+        receive response"), which a loaded machine does for a client that was just created. So clients live
+        as long as the harness (that happens at most on a service's first call), and an ``idempotent`` request
+        (a query; setting values the node already has is harmless) is re-sent every second until answered.
+        """
+        client = self._clients.get((srv_type, name))
+        if client is None:
+            client = self._clients[(srv_type, name)] = self.node.create_client(srv_type, name)
+        self._matched(client.service_is_ready, f"service {name}")
+        start = time.monotonic()
+        futures = [client.call_async(request)]
+        answered = lambda: next((f for f in futures if f.done()), None)  # noqa: E731
+        if idempotent:
+            future = resend_until(lambda: futures.append(client.call_async(request)), answered,
+                                  f"the response of {name}", hz=1.0, first=False)
+        else:
+            future = wait_for(answered, 0.0, f"the response of {name}")
+        PATIENCE.observe(time.monotonic() - start)
+        return future.result()
 
     def close(self) -> None:
         """End the spin thread, then the executor, the node and the context, in that order."""

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from rcl_interfaces.msg import ParameterDescriptor, ParameterType
 from vla_runtime.config import SessionConfig
+from vla_runtime.control import ControlConfig
 from vla_runtime.kv.config import KVConfig
 
 T = TypeVar("T")
@@ -51,6 +52,27 @@ class PolicyNodeConfig:
     default_instruction: str = _help("instruction used until one arrives on `instruction`; empty = wait", default="")
     autostart: bool = _help("configure and activate at start-up (no lifecycle manager needed)", default=True)
     control_rate_hz: float = _help("rate at which actions are published", default=5.0)
+    publish_mode: str = _help("tick (one action per control tick) or immediate (each step's action at once)", default="tick")
+    schedule: str = _help(
+        "deadline (a step starts so that it ends just before the tick it serves, on the newest frame) or asap"
+        " (a step starts when a frame arrives and the queue is empty: the loop before issue 16)", default="deadline",
+    )
+    step_quantile: float = _help("quantile of recent step times the deadline schedule plans with", default=0.95)
+    schedule_margin_ms: float = _help("time planned between a step's expected end and its tick", default=3.0)
+    refill_threshold: int = _help(
+        "chunk policies: the next chunk is planned to land while this many actions are still queued (0 = just in time)",
+        default=1,
+    )
+    latency_skip: bool = _help("chunk policies: skip a chunk's actions for ticks already past when it lands", default=True)
+    blend: str = _help("overlapping chunk actions: none (newest wins), temporal (ACT ensembling), adaptive (CogACT)", default="none")
+    align_to_frames: bool = _help(
+        "deadline schedule: move the tick phase (not the rate) so that camera frames arrive just before steps start",
+        default=True,
+    )
+    frame_guard_ms: float = _help("align_to_frames: how long before a step's start the latest frames are placed", default=5.0)
+    fallback: str = _help("a tick without an action: hold (publish nothing), zero, repeat_last", default="hold")
+    fallback_keep_dims: list[int] = _help("fallback zero: dimensions that repeat the last action (e.g. [6], a gripper)",
+                                          default_factory=list)
     max_image_age_s: float = _help("no action when the newest image is older than this", default=0.5)
     max_instruction_age_s: float = _help("no action when the instruction is older than this; 0 = never expires", default=0.0)
     max_image_pixels: int = _help("images with more pixels are rejected", default=4096 * 4096)
@@ -105,6 +127,15 @@ class PolicyNodeConfig:
         if crossed:
             raise ValueError(f"`action_low` > `action_high` at dimensions {crossed}")
         self.session_config()  # history / kv / horizon validation with SessionConfig's own messages
+        self.control_config()
+
+    def control_config(self) -> ControlConfig:
+        return ControlConfig(
+            rate_hz=self.control_rate_hz, schedule=self.schedule, publish_mode=self.publish_mode,
+            step_quantile=self.step_quantile, margin_ms=self.schedule_margin_ms, refill_threshold=self.refill_threshold,
+            latency_skip=self.latency_skip, blend=self.blend, fallback=self.fallback, fallback_keep_dims=tuple(self.fallback_keep_dims),
+            align_to_frames=self.align_to_frames, frame_guard_ms=self.frame_guard_ms,
+        )
 
     def session_config(self) -> SessionConfig:
         return SessionConfig(

@@ -7,8 +7,9 @@ dir   name                     type                          notes
 ====  =======================  ============================  ==================================================
 in    image_raw                sensor_msgs/Image             best effort, depth 1 (``image_transport:=raw``)
 in    image_raw/compressed     sensor_msgs/CompressedImage   best effort, depth 1 (``image_transport:=compressed``)
-in    instruction              std_msgs/String               reliable + transient local; a different text
-                                                             starts a new episode
+in    instruction              std_msgs/String               reliable, volatile or transient local (two
+                                                             subscriptions); a different text starts a new
+                                                             episode
 in    joint_states             sensor_msgs/JointState        best effort (``use_joint_state:=true``)
 out   ~/action                 std_msgs/Float32MultiArray    one action per control tick, layout ``[action]``
 out   ~/action_chunk           std_msgs/Float32MultiArray    each predicted chunk, layout ``[horizon, action]``
@@ -24,12 +25,16 @@ cleanup and shutdown release everything, the policy included.
 
 Threads: subscription callbacks only validate message headers and store the newest frame. The
 control timer (the node's default callback group, so it never overlaps a lifecycle transition)
-owns the action queue, the in-flight step and episode changes; it publishes one action per tick
-and, when the queue is empty, hands the newest frame to a one-thread worker that decodes it and
-runs ``ActionQueue.next`` (``session.step``). A frame arriving between ticks wakes the same group
-through a guard condition, so an idle worker starts at once instead of at the next tick; the
-result still goes out on a tick. Diagnostics and the reset service have callback groups of their
-own under a ``MultiThreadedExecutor``.
+owns the ``vla_runtime.control.ControlLoop`` (queued actions, scheduling, fallback), the in-flight
+worker job and episode changes. At each tick it publishes the tick's action (or the fallback) and
+asks the loop when the next step should start; a one-thread worker waits until then, takes the
+newest frame of that moment, decodes it and runs ``session.step`` (deadline scheduling: the step
+ends just before the tick it serves). A frame, a joint state or a finished job wakes the same group
+through a guard condition: results are queued at once (``publish_mode: immediate`` publishes them
+at once), and a step due now starts on the frame that just arrived. The control timer runs on the
+steady clock; each callback names its tick by when it was due (``_tick_due``), and when the loop moves
+the tick phase to meet the camera (``align_to_frames``) one timer period is shortened. Diagnostics and the reset
+service have callback groups of their own under a ``MultiThreadedExecutor``.
 """
 
 from __future__ import annotations
@@ -48,24 +53,27 @@ from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import TwistStamped
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.clock import Clock, ClockType
 from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_policy_name_from_kind
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Float32, Float32MultiArray, String
 from std_srvs.srv import Trigger
-from vla_runtime.api import PRIMARY_CAMERA, ActionQueue, Observation, Policy, StepResult, load_policy
+from vla_runtime.api import PRIMARY_CAMERA, Observation, Policy, StepResult, load_policy
+from vla_runtime.control import ControlLoop
 from vla_runtime.device import resolve_device
 from vla_runtime.kv.base import KVStats
 
 from . import conversions
+from .instructions import LATCHED_QOS, Deduplicator, subscribe_instructions
 from .params import PolicyNodeConfig, declare_config, read_config
 from .runner import NodeStartError, Stop, end_process, run
 from .telemetry import PolicyTelemetry
 
 SENSOR_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT, durability=DurabilityPolicy.VOLATILE)
 IMAGE_RELIABILITY = {"best_effort": ReliabilityPolicy.BEST_EFFORT, "reliable": ReliabilityPolicy.RELIABLE}
-INSTRUCTION_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+INSTRUCTION_QOS = LATCHED_QOS  # what the planner publishes with; volatile publishers are accepted too
 ACTION_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
 RESET_TIMEOUT_S = 30.0
 # parameters that may change while configured; the rest are read by on_configure
@@ -102,11 +110,12 @@ class StepOutcome:
     """What one worker step produced."""
 
     episode: int
-    action: np.ndarray  # [action_dim], the action to execute now
-    result: StepResult | None  # None when the action came from the queue
-    observation: Observation
+    actions: np.ndarray  # [horizon, action_dim]: the chunk's first execution_horizon actions
+    result: StepResult
     step_ms: float
     frame: Frame
+    started: float  # time.monotonic() when the step took its frame
+    turnaround_s: float  # from the planned start to the actions: waking up, decoding, the step (what a plan needs)
 
 
 class BadInputError(ValueError):
@@ -122,14 +131,21 @@ class PolicyNode(LifecycleNode):
         self._device: str = ""
         self._worker: ThreadPoolExecutor | None = None
         self._session = None  # EpisodeSession; touched only by worker jobs
-        self._queue: ActionQueue | None = None  # touched by the control tick when no job is in flight
+        self._loop: ControlLoop | None = None  # scheduling, queued actions, fallback; touched by the default group only
+        self._ready = False  # the episode's session exists (set when the worker applied an episode request)
         self._future: Future | None = None
+        self._cancel = threading.Event()  # set: a step job still waiting for its start time gives up
+        self._busy = False  # the worker computes a step (not waiting for its start) or its actions are not queued yet
+        self._loop_view: dict[str, object] = {}  # the loop's state for diagnostics (``_sync_view``)
+        self._latency_mark: tuple[int, float] | None = None  # (first tick of the newest step, its frame's receipt)
         self._episode_request: EpisodeRequest | None = None
-        self._last_obs: Observation | None = None
+        self._instruction_seen = Deduplicator()
         self._low: np.ndarray | None = None
         self._high: np.ndarray | None = None
         self._control_timer = None
         self._frame_guard = None  # wakes the control group when a frame arrives between ticks
+        self._steady_clock = Clock(clock_type=ClockType.STEADY_TIME)
+        self._period_restore: int | None = None  # the timer period (ns) to go back to after a phase move
         self._diag_timer = None
         self._action_pub = None
         self._chunk_pub = None
@@ -195,9 +211,7 @@ class PolicyNode(LifecycleNode):
                 event_callbacks=SubscriptionEventCallbacks(incompatible_qos=self._on_incompatible_image_qos),
             )
         )
-        self._input_subs.append(
-            self.create_subscription(String, "instruction", self._on_instruction, INSTRUCTION_QOS, callback_group=inputs)
-        )
+        self._input_subs.extend(subscribe_instructions(self, self._on_instruction, self._on_incompatible_instruction_qos, inputs))
         if cfg.use_joint_state:
             self._input_subs.append(
                 self.create_subscription(JointState, "joint_states", self._on_joint_state, SENSOR_QOS, callback_group=inputs)
@@ -229,7 +243,10 @@ class PolicyNode(LifecycleNode):
             text = self._instruction[0] if self._instruction else self._cfg.default_instruction
             if text:
                 self._request_episode(text)
-        self._control_timer = self.create_timer(1.0 / self._cfg.control_rate_hz, self._on_control_tick)
+        # steady clock: the same as time.monotonic(), which the control loop plans on
+        self._control_timer = self.create_timer(1.0 / self._cfg.control_rate_hz, self._on_control_tick, clock=self._steady_clock)
+        chunked = self._policy.chunk_size > 1 and self._cfg.execution_horizon != 1
+        self._loop = ControlLoop(self._cfg.control_config(), t0=time.monotonic(), chunked=chunked)  # tick 0: the timer's start
         self.get_logger().info("active")
         return super().on_activate(state)
 
@@ -265,10 +282,13 @@ class PolicyNode(LifecycleNode):
                 self._episode_request.error = "node was deactivated"
                 self._episode_request.applied.set()
                 self._episode_request = None
+        self._cancel.set()
         if self._future is not None:
             wait([self._future])
             self._future = None
-        self._queue = None
+        self._loop, self._ready, self._busy, self._period_restore = None, False, False, None
+        with self._lock:
+            self._loop_view = {}
 
     def _release(self) -> None:
         self._stop_control()
@@ -286,16 +306,17 @@ class PolicyNode(LifecycleNode):
         if self._diag_timer is not None:
             self.destroy_timer(self._diag_timer)
             self._diag_timer = None
-        if self._frame_guard is not None:
-            self.destroy_guard_condition(self._frame_guard)
-            self._frame_guard = None
+        with self._lock:  # a worker's done-callback triggers it under the lock
+            guard, self._frame_guard = self._frame_guard, None
+        if guard is not None:
+            self.destroy_guard_condition(guard)
         if self._diag_pub is not None:
             self.destroy_publisher(self._diag_pub)
             self._diag_pub = None
         if self._reset_srv is not None:
             self.destroy_service(self._reset_srv)
             self._reset_srv = None
-        self._session = self._policy = self._cfg = self._last_obs = None
+        self._session = self._policy = self._cfg = None
         with self._lock:
             self._episode_instruction = None
         if torch.cuda.is_available():
@@ -358,7 +379,18 @@ class PolicyNode(LifecycleNode):
             kind="setup",
         )
 
-    def _on_instruction(self, msg: String) -> None:
+    def _on_incompatible_instruction_qos(self, event) -> None:
+        if self._cfg is None:
+            return
+        policy = qos_policy_name_from_kind(event.last_policy_kind)
+        self._report_error(
+            f"an instruction publisher's QoS is incompatible with this subscription ({policy}); its instructions never "
+            "arrive. Publish instructions reliable (volatile or transient local)", kind="setup",
+        )
+
+    def _on_instruction(self, msg: String, info: dict) -> None:
+        if self._instruction_seen.seen(info):  # through the other subscription already, or older than one that was
+            return
         try:
             text = conversions.instruction_text(msg.data)
         except ValueError as e:
@@ -419,43 +451,97 @@ class PolicyNode(LifecycleNode):
 
     # ------------------------------------------------------------------ control loop
     def _on_control_tick(self) -> None:
+        """Publish this tick's action (queued, or the fallback) and plan the next step (``ControlLoop``)."""
+        try:
+            self._control_tick()
+        finally:
+            self._sync_view()
+
+    def _control_tick(self) -> None:
+        due = self._tick_due()
+        if self._period_restore is not None:  # the one shortened interval of a phase move has begun
+            self._control_timer.timer_period_ns, self._period_restore = self._period_restore, None
         now = time.monotonic()
-        fresh = None  # (action, receipt time of its frame) from a step that just finished
-        if self._future is not None:
-            if not self._future.done():
-                return
-            fresh = self._finish(self._future)
-            self._future = None
+        self._collect()
         with self._lock:
-            request, self._episode_request = self._episode_request, None
+            request = self._episode_request if self._future is None else None  # applied once the worker is idle
             if request is not None:
+                self._episode_request = None
                 self._episode += 1
                 request.episode = self._episode
             hold = self._watchdog(now)
+        # every tick that publishes nothing below still passes in the loop: a step landing later serves the next
         if request is not None:  # whatever the old episode still had is dropped
-            self._queue = None
+            self._ready = False
+            self._loop.reset()
+            self._loop.skip_tick(now, due=due)
             self._future = self._worker.submit(self._start_episode, request)
+            self._future.add_done_callback(self._on_job_done)
+            return
+        if self._episode_request is not None:  # a new episode waits for the step in flight: the old one's actions stop
+            self._cancel.set()
+            self._loop.reset()
+            self._loop.skip_tick(now, due=due)
+            return
+        if not self._ready:
+            self._loop.skip_tick(now, due=due)
             return
         if hold:
-            pending = (fresh is not None) + (len(self._queue) if self._queue is not None else 0)
-            if self._queue is not None:
-                self._queue.clear()
+            pending = self._loop.queued()
+            self._loop.reset()
+            self._loop.skip_tick(now, due=due)
             if pending:
                 with self._lock:
                     self._telemetry.actions_withheld += pending
             self.get_logger().warning(f"no action: {hold}", throttle_duration_sec=2.0)
             return
-        if fresh is not None:
-            self._publish(fresh[0], received=fresh[1])
-        elif self._queue is not None and len(self._queue):
-            action, _ = self._queue.next(self._last_obs)
-            self._publish(action, received=None)
+        out = self._loop.on_tick(now, due=due)
+        if out.action is not None:
+            self._publish(out.action, received=self._latency_of(out.tick))
         self._submit_step()
+        shift = self._loop.phase_shift()
+        if shift > 0:  # the next callback is scheduled already; the interval after it is shorter by `shift`
+            self._period_restore = self._control_timer.timer_period_ns
+            self._control_timer.timer_period_ns = self._period_restore - round(shift * 1e9)
+
+    def _sync_view(self, *, collected: bool = False) -> None:
+        """Copy the loop's state for diagnostics, which run on another thread (the loop is not thread-safe and
+        changes in this callback group only); ``collected``: a worker job's outcome was just handled."""
+        view = {"queue_len": self._loop.queued(), **control_values(self._loop, self._cfg)} if self._loop is not None else {}
+        with self._lock:
+            self._loop_view = view
+            if collected:
+                self._busy = False
+
+    def _tick_due(self) -> float:
+        """When the control timer scheduled the callback running now (``time.monotonic()`` seconds).
+
+        rcl has set the next call one period on from the scheduled time when it took the callback, so a late
+        callback still names its own tick; one more than a period late names the latest tick due (rcl skips
+        the ones in between). Labelled by its start time instead, a late callback took the next tick's place.
+        """
+        now, until = time.monotonic(), self._control_timer.time_until_next_call()
+        # the period rcl added when it took this callback (shorter once while the phase moves)
+        return now if until is None else now + (until - self._control_timer.timer_period_ns) * 1e-9
 
     def _on_frame_ready(self) -> None:
-        """A frame arrived: start a step now if the worker is idle and nothing is queued (no wait for the tick)."""
+        """A frame or a joint state arrived, or a worker job ended: collect it and start a step if one is due."""
         if self._control_timer is not None:
+            self._collect()
             self._submit_step()
+            self._sync_view()
+
+    def _on_job_done(self, future: Future) -> None:
+        with self._lock:  # _release clears the guard under the lock before destroying it
+            if self._frame_guard is not None:
+                self._frame_guard.trigger()
+
+    def _latency_of(self, tick: int) -> float | None:
+        """The frame receipt time of the newest step whose first action serves ``tick`` (once per step)."""
+        if self._latency_mark is None or tick < self._latency_mark[0]:
+            return None
+        received, self._latency_mark = self._latency_mark[1], None
+        return received
 
     def _watchdog(self, now: float) -> str:
         """Why no action may go out now ('' when inputs are fresh); caller holds ``_lock``.
@@ -509,62 +595,88 @@ class PolicyNode(LifecycleNode):
         stamp, state = min(self._recent_states, key=lambda item: abs(item[0] - frame.stamp))
         return abs(stamp - frame.stamp) <= cfg.joint_state_max_skew_s + 1e-6, state
 
+    def _usable_frame(self, now: float) -> Frame | None:
+        """The newest frame a step may take now, if any (caller holds ``_lock``): not used yet, inputs fresh,
+        its joint state arrived."""
+        if self._episode_request is not None or self._watchdog(now):
+            return None
+        frame = self._frame
+        if frame is None or frame.seq <= self._used_seq or self._state_lags(frame):
+            return None  # each frame is acted on once; a frame waits for the joint state of its moment
+        return frame
+
     def _submit_step(self) -> None:
-        """Hand the newest unused frame to the worker when no step is in flight and the queue is empty."""
-        if self._future is not None or self._queue is None or len(self._queue):
+        """Hand the worker the next step ``ControlLoop.plan`` asks for, once its start is less than a period away.
+
+        The job waits for its start time and takes the newest frame then. A step due now needs a frame now;
+        otherwise a frame's arrival calls this again.
+        """
+        if self._future is not None or not self._ready or self._loop is None:
+            return
+        now = time.monotonic()
+        plan = self._loop.plan(now)
+        if plan is None or plan.start_at > now + self._loop.cfg.period:
             return
         with self._lock:
-            if self._episode_request is not None or self._watchdog(time.monotonic()):
-                return
-            frame = self._frame
-            if frame is None or frame.seq <= self._used_seq:
-                return  # each frame is acted on once
-            if self._state_lags(frame):
-                return  # the joint state of this frame's moment has not arrived yet
-            self._used_seq = frame.seq
-            found, state = self._state_at(frame)
-            if not found:
-                self._telemetry.frames_unpaired += 1
-                return
+            if self._episode_request is not None or (plan.start_at <= now and self._usable_frame(now) is None):
+                return  # a new episode starts first; a step due now needs a frame now
             episode = self._episode
-        self._future = self._worker.submit(self._step, self._queue, frame, state, episode)
+        self._cancel = threading.Event()
+        self._loop.started(plan)
+        self._future = self._worker.submit(self._step, plan.start_at, self._cancel, episode)
+        self._future.add_done_callback(self._on_job_done)
 
-    def _finish(self, future: Future) -> tuple[np.ndarray, float] | None:
-        """Account for a finished worker job; returns (action to publish now, its frame's receipt time)."""
+    def _collect(self) -> None:
+        """Account for a finished worker job: a started episode, or a step's actions (into the loop)."""
+        if self._future is None or not self._future.done():
+            return
+        future, self._future = self._future, None
+        try:
+            self._take_outcome(future)
+        finally:
+            self._sync_view(collected=True)  # `stepping` ends with its actions queued, in one step for diagnostics
+
+    def _take_outcome(self, future: Future) -> None:
         try:
             outcome = future.result()
         except BadInputError as e:
             self._report_error(f"image rejected: {e}", kind="input")
-            return None
+            return
         except Exception as e:  # noqa: BLE001 - a failing policy must not take the node down; it is reported
             self._report_error(f"inference failed: {type(e).__name__}: {e}", kind="inference")
-            return None
+            return
         if isinstance(outcome, EpisodeRequest):
             if outcome.error:
                 self._report_error(outcome.error, kind="inference")
-                return None
-            self._queue = ActionQueue(self._session, self._cfg.execution_horizon or None)
+                return
+            self._ready = True
             with self._lock:
                 self._used_seq = max(self._used_seq, outcome.frames_before)  # a frame of the old episode is not acted on
                 self._telemetry.episode = outcome.episode
                 self._telemetry.kv = KVStats()
-            return None
-        if outcome.episode != self._episode:
-            return None
-        if not np.all(np.isfinite(outcome.action)):
-            self._report_error(f"policy produced non-finite actions {outcome.action.tolist()}", kind="inference")
-            self._queue.clear()
-            return None
-        self._last_obs = outcome.observation
+            return
+        if outcome is None or outcome.episode != self._episode or self._loop is None:
+            return
+        if not np.all(np.isfinite(outcome.actions)):
+            self._report_error(f"policy produced non-finite actions {outcome.actions[0].tolist()}", kind="inference")
+            self._loop.reset()
+            return
         with self._lock:
             self._telemetry.steps += 1
             self._telemetry.step_ms.add(outcome.step_ms)
-            if outcome.result is not None:
-                self._telemetry.kv = outcome.result.kv
-        if outcome.result is not None and self._chunk_pub is not None and not self._cfg.dry_run:
+            self._telemetry.frame_age_ms.add((outcome.started - outcome.frame.received) * 1e3)
+            self._telemetry.kv = outcome.result.kv
+            hold = bool(self._episode_request is not None or self._watchdog(time.monotonic()))
+        if self._chunk_pub is not None and not self._cfg.dry_run:
             chunk, _ = conversions.clip_actions(outcome.result.actions, self._low, self._high)
             self._chunk_pub.publish(conversions.actions_to_msg(chunk))
-        return outcome.action, outcome.frame.received
+        now = time.monotonic()
+        action = self._loop.on_result(outcome.actions, frame_time=outcome.frame.received, step_s=outcome.turnaround_s, now=now,
+                                      started=outcome.started)
+        self._latency_mark = (self._loop.placed_from, outcome.frame.received) if self._loop.placed_from is not None else None
+        if action is not None and not hold:  # PublishMode.IMMEDIATE
+            self._latency_mark = None
+            self._publish(action, received=outcome.frame.received)
 
     def _publish(self, action: np.ndarray, *, received: float | None) -> None:
         action, clipped = conversions.clip_actions(np.asarray(action, dtype=np.float32), self._low, self._high)
@@ -603,9 +715,24 @@ class PolicyNode(LifecycleNode):
         request.applied.set()
         return request
 
-    def _step(self, queue: ActionQueue, frame: Frame, state: np.ndarray | None, episode: int) -> StepOutcome:
-        """Worker: decode the frame and run ``queue.next`` (``session.step`` when the queue is empty)."""
-        start = time.perf_counter()
+    def _step(self, start_at: float, cancel: threading.Event, episode: int) -> StepOutcome | None:
+        """Worker: wait until ``start_at``, take the newest usable frame, decode it and run ``session.step``.
+
+        ``None`` when cancelled, or when no frame is usable at the start (the next tick or frame plans again).
+        """
+        if cancel.wait(max(0.0, start_at - time.monotonic())):
+            return None
+        with self._lock:
+            frame = self._usable_frame(time.monotonic())
+            if frame is None or episode != self._episode:
+                return None
+            self._used_seq = frame.seq
+            found, state = self._state_at(frame)
+            if not found:
+                self._telemetry.frames_unpaired += 1
+                return None
+            self._busy = True
+        started, start = time.monotonic(), time.perf_counter()
         try:
             if isinstance(frame.msg, Image):
                 image = conversions.image_msg_to_array(frame.msg, max_pixels=self._cfg.max_image_pixels)
@@ -615,8 +742,11 @@ class PolicyNode(LifecycleNode):
             raise BadInputError(str(e)) from e
         stamp = frame.msg.header.stamp
         obs = Observation(images={PRIMARY_CAMERA: image}, state=state, t=stamp.sec + stamp.nanosec * 1e-9)
-        action, result = queue.next(obs)
-        return StepOutcome(episode, action, result, obs, (time.perf_counter() - start) * 1e3, frame)
+        result = self._session.step(obs)
+        horizon = self._cfg.execution_horizon or len(result.actions)
+        step_ms = (time.perf_counter() - start) * 1e3
+        turnaround = time.monotonic() - start_at
+        return StepOutcome(episode, np.asarray(result.actions[:horizon]), result, step_ms, frame, started, turnaround)
 
     # ------------------------------------------------------------------ diagnostics
     def _report_error(self, message: str, *, kind: str) -> None:
@@ -632,9 +762,10 @@ class PolicyNode(LifecycleNode):
             state = "active" if self._active else "inactive"
             outputs = {"action": self._action_pub, "chunk": self._chunk_pub, "twist": self._twist_pub, "gripper": self._gripper_pub}
             live = {
-                "queue_len": len(self._queue) if self._queue is not None else 0,
+                "queue_len": self._loop_view.get("queue_len", 0),
                 "frames_pending": int(self._frame is not None and self._frame.seq > self._used_seq),
-                "stepping": self._future is not None,
+                "stepping": self._busy,
+                **{k: v for k, v in self._loop_view.items() if k != "queue_len"},
                 **{f"{topic}_subscribers": pub.get_subscription_count() for topic, pub in outputs.items() if pub is not None},
             }
             status = self._telemetry.status(
@@ -647,6 +778,19 @@ class PolicyNode(LifecycleNode):
         msg = DiagnosticArray(status=[status])
         msg.header.stamp = self.get_clock().now().to_msg()
         self._diag_pub.publish(msg)
+
+
+def control_values(loop: ControlLoop | None, cfg: PolicyNodeConfig | None) -> dict[str, object]:
+    """The control loop's counters for /diagnostics (since activation)."""
+    if loop is None or cfg is None:
+        return {}
+    stats = loop.stats
+    return {
+        "schedule": cfg.schedule, "publish_mode": cfg.publish_mode, "fallback": cfg.fallback,
+        "step_plan_ms": loop.lead() * 1e3, "ticks": stats.ticks, "fallbacks": stats.fallbacks,
+        "steps_late": stats.steps_late, "actions_skipped": stats.actions_skipped, "actions_blended": stats.actions_blended,
+        "actions_immediate": stats.immediate, "phase_shifts": stats.phase_shifts,
+    }
 
 
 def action_bounds(cfg: PolicyNodeConfig, action_dim: int) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -79,6 +79,7 @@ class PolicyTelemetry:
     kv: KVStats = field(default_factory=KVStats)
     step_ms: Rolling = field(default_factory=Rolling)  # decode + session.step wall time
     latency_ms: Rolling = field(default_factory=Rolling)  # frame receipt -> action published
+    frame_age_ms: Rolling = field(default_factory=Rolling)  # frame receipt -> the step that used it started
     action_rate: RateMeter = field(default_factory=RateMeter)
 
     def error(self, message: str, *, kind: str) -> None:
@@ -109,6 +110,7 @@ class PolicyTelemetry:
             "step_ms_p95": self.step_ms.percentile(95),
             "latency_ms_p50": self.latency_ms.percentile(50),
             "latency_ms_p95": self.latency_ms.percentile(95),
+            "frame_age_ms_p50": self.frame_age_ms.percentile(50),
             "action_rate_hz": self.action_rate.rate(now),
             "actions_published": self.actions_published,
             "actions_suppressed": self.actions_suppressed,
