@@ -128,12 +128,16 @@ class Collector:
     def since(self, index: int) -> list[Any]:
         return [r.msg for r in self.items[index:]]
 
-    def wait(self, count: int, timeout: float = 0.0, what: str = "messages") -> list[Any]:
-        """Wait until at least ``count`` messages arrived in total; returns all of them."""
+    def wait(self, count: int, timeout: float = 0.0, what: str = "messages",
+             explain: Callable[[], str] | None = None) -> list[Any]:
+        """Wait until at least ``count`` messages arrived in total; returns all of them.
+
+        ``explain``: called at a timeout, its text added to the error (e.g. node logs as they are by then).
+        """
         try:
             wait_for(lambda: len(self.items) >= count, timeout, f"{count} {what}")
-        except TimeoutError as e:
-            raise TimeoutError(f"{e} (got {len(self.items)})") from None  # the count at the timeout, not at the start
+        except TimeoutError as e:  # the count at the timeout, not at the start
+            raise TimeoutError(f"{e} (got {len(self.items)})" + (f"\n{explain()}" if explain else "")) from None
         return [r.msg for r in self.items]
 
 
@@ -285,6 +289,16 @@ class Harness:
         self.executor.shutdown()
         self.node.destroy_node()
         rclpy.shutdown(context=self.context)
+
+
+def node_logs(*procs: "NodeProcess", diag: "Diagnostics | None" = None) -> Callable[[], str]:
+    """For ``Collector.wait(explain=...)``: each process's output and ``diag``'s newest status, read at the timeout."""
+    def text() -> str:
+        parts = [f"--- {p.log_path.name}:\n{p.output()}" for p in procs]
+        if diag is not None and diag.statuses:
+            parts.append(f"--- last status: {[(kv.key, kv.value) for kv in diag.statuses[-1].values]}")
+        return "\n".join(parts)
+    return text
 
 
 class Diagnostics:

@@ -13,7 +13,7 @@ if importlib.util.find_spec("metaworld") is None:
     pytest.skip("metaworld is not installed", allow_module_level=True)
 
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
-from ros_harness import Diagnostics, NodeProcess  # noqa: E402
+from ros_harness import Diagnostics, NodeProcess, node_logs  # noqa: E402
 from vla_runtime_ros.sim_node import RESULT_QOS  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.sim]
@@ -37,7 +37,7 @@ def test_openvla_drives_metaworld_through_a_run_that_ends(harness, tmp_path, ope
         tmp_path, name="vla_sim", namespace=NS, extra_args=("-r", "action:=vla_policy/action"),
     )
     try:
-        done = results.wait(EPISODES, 180, f"the episode results\n{sim.output()}\n{policy.output()}")
+        done = results.wait(EPISODES, 180, "the episode results", explain=node_logs(sim, policy, diag=policy_diag))
         _, policy_values = policy_diag.wait(lambda s, v: int(v["steps"]) >= EPISODES * STEPS, what="the policy's steps")
         sim_code = sim.wait_exit()
     finally:

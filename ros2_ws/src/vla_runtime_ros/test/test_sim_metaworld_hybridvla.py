@@ -12,7 +12,7 @@ if importlib.util.find_spec("metaworld") is None:
     pytest.skip("metaworld is not installed", allow_module_level=True)
 
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
-from ros_harness import Diagnostics, NodeProcess  # noqa: E402
+from ros_harness import Diagnostics, NodeProcess, node_logs  # noqa: E402
 from vla_runtime_ros.sim_node import RESULT_QOS  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.sim]
@@ -42,7 +42,7 @@ def test_hybridvla_drives_metaworld_with_the_simulators_state(harness, tmp_path,
         tmp_path, name="vla_sim", namespace=NS, extra_args=("-r", "action:=vla_policy/action"),
     )
     try:
-        result = results.wait(1, 180, f"the episode result\n{sim.output()}\n{policy.output()}")[0]
+        result = results.wait(1, 180, "the episode result", explain=node_logs(sim, policy, diag=policy_diag))[0]
         _, policy_values = policy_diag.wait(lambda s, v: int(v["steps"]) >= STEPS, what="the policy's steps")
     finally:
         sim_code, _ = sim.interrupt()
