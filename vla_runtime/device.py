@@ -46,3 +46,17 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued kernels (timings); a no-op on CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def set_cpu_threads(threads: int) -> None:
+    """Torch's intra-op CPU threads for this process (0: leave torch's default, all cores)."""
+    if threads < 0:
+        raise ValueError(f"threads must be >= 0 (0 = torch's default), got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def release_cached_memory() -> None:
+    """Hand the CUDA caching allocator's free blocks back to the driver (after a model is released)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

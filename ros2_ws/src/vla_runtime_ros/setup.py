@@ -26,9 +26,9 @@ setup(
     tests_require=["pytest"],
     entry_points={
         "console_scripts": [
-            "policy_node = vla_runtime_ros.policy_node:main",
-            "sim_node = vla_runtime_ros.sim_node:main",
-            "planner_node = vla_runtime_ros.planner_node:main",
+            "policy_node = vla_runtime_ros.programs:policy_node",
+            "sim_node = vla_runtime_ros.programs:sim_node",
+            "planner_node = vla_runtime_ros.programs:planner_node",
         ],
     },
 )

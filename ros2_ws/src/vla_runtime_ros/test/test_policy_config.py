@@ -89,13 +89,13 @@ def test_every_transition_succeeds_in_process(harness, policy_checkpoints):
     node = make_node(harness, policy_checkpoints["chunk"], default_instruction="stack the blocks", **{"kv.mode": "full"})
     try:
         assert node.trigger_configure() == SUCCESS
-        assert node._policy is not None and node._policy.chunk_size == 4
+        assert node._runner is not None and node._runner.policy.chunk_size == 4
         assert node.trigger_activate() == SUCCESS
         assert node.trigger_deactivate() == SUCCESS
         assert node.trigger_activate() == SUCCESS
         assert node.trigger_deactivate() == SUCCESS
         assert node.trigger_cleanup() == SUCCESS
-        assert node._policy is None and node._worker is None
+        assert node._runner is None and node._worker is None
         assert node.trigger_configure() == SUCCESS
         assert node.trigger_shutdown() == SUCCESS
     finally:

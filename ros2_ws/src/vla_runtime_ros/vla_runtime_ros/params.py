@@ -20,6 +20,8 @@ from vla_runtime.config import SessionConfig
 from vla_runtime.control import ControlConfig
 from vla_runtime.kv.config import KVConfig
 
+from .inputs import InputLimits
+
 T = TypeVar("T")
 
 IMAGE_TRANSPORTS = ("raw", "compressed")
@@ -128,6 +130,14 @@ class PolicyNodeConfig:
             raise ValueError(f"`action_low` > `action_high` at dimensions {crossed}")
         self.session_config()  # history / kv / horizon validation with SessionConfig's own messages
         self.control_config()
+
+    def input_limits(self) -> InputLimits:
+        """What the node judges its inputs by (``inputs.Inputs``)."""
+        return InputLimits(
+            max_image_age_s=self.max_image_age_s, max_instruction_age_s=self.max_instruction_age_s,
+            default_instruction=self.default_instruction, use_joint_state=self.use_joint_state,
+            joint_state_max_skew_s=self.joint_state_max_skew_s,
+        )
 
     def control_config(self) -> ControlConfig:
         return ControlConfig(

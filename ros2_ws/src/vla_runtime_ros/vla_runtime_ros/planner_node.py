@@ -31,24 +31,28 @@ history), so the plan moves on once the policy's current subtask is replaced.
 
 from __future__ import annotations
 
-import json
-import threading
-import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NoReturn
+if __name__ == "__main__":  # run as a program: set the process up for the pip ROS wheels before rclpy loads
+    from vla_runtime_ros._env import ensure
 
-import torch
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.node import Node
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
-from std_msgs.msg import String
-from std_srvs.srv import Trigger
-from vla_runtime.checkpoints.causal_lm import load_causal_lm
-from vla_runtime.device import resolve_device
-from vla_runtime.memory import EmbodiedMemory, MemoryConfig, PrefillConfig, SentenceEncoder
-from vla_runtime.memory.messages import (
+    ensure()
+
+import json  # noqa: E402
+import threading  # noqa: E402
+from collections import deque  # noqa: E402
+from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
+from typing import NoReturn  # noqa: E402
+
+import torch  # noqa: E402
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue  # noqa: E402
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup  # noqa: E402
+from rclpy.node import Node  # noqa: E402
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E402
+from std_msgs.msg import String  # noqa: E402
+from std_srvs.srv import Trigger  # noqa: E402
+from vla_runtime.checkpoints.causal_lm import load_causal_lm  # noqa: E402
+from vla_runtime.device import resolve_device  # noqa: E402
+from vla_runtime.memory import EmbodiedMemory, MemoryConfig, PrefillConfig, SentenceEncoder  # noqa: E402
+from vla_runtime.memory.messages import (  # noqa: E402
     MemoryUpdate,
     MemoryUpdateError,
     SubtaskTracker,
@@ -56,11 +60,11 @@ from vla_runtime.memory.messages import (
     apply_memory_update,
     parse_memory_update,
 )
-from vla_runtime.memory.planner import Planner, PlannerConfig, PlanStep
+from vla_runtime.memory.planner import Planner, PlannerConfig, PlanStep  # noqa: E402
 
-from . import conversions
-from .params import PlannerNodeConfig, declare_config, read_config
-from .runner import end_process, run
+from . import conversions  # noqa: E402
+from .params import PlannerNodeConfig, declare_config, read_config  # noqa: E402
+from .runner import run_node  # noqa: E402
 
 LATCHED_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 UPDATE_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
@@ -233,7 +237,7 @@ class PlannerNode(Node):
 
 def main(args: list[str] | None = None) -> NoReturn:
     """``python -m vla_runtime_ros.planner_node --ros-args -p model:=DIR`` (or ``ros2 run``); see ``runner``."""
-    end_process(run(lambda stop: PlannerNode(), args, name="vla_planner", threads=3))
+    run_node(lambda stop: PlannerNode(), args, name="vla_planner", threads=3)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The life of a node's process: every node's ``main()`` is ``end_process(run(<factory>, args))``.
+"""The life of a node's process: every node's ``main()`` is ``run_node(<factory>, args, ...)``.
 
 ``run`` starts rclpy without its signal handlers, builds the node, spins it on a background thread
 and waits in the main thread for a reason to stop:
@@ -151,6 +151,11 @@ def run(make_node: Callable[[Stop], Node], args: list[str] | None = None, *, nam
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def run_node(make_node: Callable[[Stop], Node], args: list[str] | None = None, *, name: str, threads: int) -> NoReturn:
+    """Every node's ``main``: ``run`` the node, then ``end_process`` with its exit code."""
+    end_process(run(make_node, args, name=name, threads=threads))
 
 
 def end_process(code: int) -> NoReturn:

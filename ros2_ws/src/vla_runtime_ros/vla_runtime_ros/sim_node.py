@@ -24,23 +24,28 @@ steps), publishes no frame after the last step, and ``main`` exits 0. ``episodes
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, NoReturn
+if __name__ == "__main__":  # run as a program: set the process up for the pip ROS wheels before rclpy loads
+    from vla_runtime_ros._env import ensure
 
-import numpy as np
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from rclpy.duration import Duration
-from rclpy.node import Node
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
-from sensor_msgs.msg import Image, JointState
-from std_msgs.msg import Float32MultiArray, String
-from std_srvs.srv import Trigger
-from vla_runtime.sim import MEMORY_TASKS, SIMULATORS, SimEnv, make_env
-from vla_runtime.sim.memory import MEMORY_CAMERA
+    ensure()
 
-from . import conversions
-from .params import SimNodeConfig, declare_config, read_config
-from .runner import end_process, run
+import dataclasses  # noqa: E402
+from typing import Callable, NoReturn  # noqa: E402
+
+import numpy as np  # noqa: E402
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue  # noqa: E402
+from rclpy.duration import Duration  # noqa: E402
+from rclpy.node import Node  # noqa: E402
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
+from sensor_msgs.msg import Image, JointState  # noqa: E402
+from std_msgs.msg import Float32MultiArray, String  # noqa: E402
+from std_srvs.srv import Trigger  # noqa: E402
+from vla_runtime.sim import MEMORY_TASKS, SIMULATORS, SimEnv, make_env  # noqa: E402
+from vla_runtime.sim.memory import MEMORY_CAMERA  # noqa: E402
+
+from . import conversions  # noqa: E402
+from .params import SimNodeConfig, declare_config, read_config  # noqa: E402
+from .runner import run_node  # noqa: E402
 
 LATCHED_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 RESULT_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
@@ -234,7 +239,7 @@ class SimNode(Node):
 
 def main(args: list[str] | None = None) -> NoReturn:
     """``python -m vla_runtime_ros.sim_node --ros-args -p task:=reach-v3``; see ``runner``."""
-    end_process(run(lambda stop: SimNode(on_finished=stop.request), args, name="vla_sim", threads=1))
+    run_node(lambda stop: SimNode(on_finished=stop.request), args, name="vla_sim", threads=1)
 
 
 if __name__ == "__main__":

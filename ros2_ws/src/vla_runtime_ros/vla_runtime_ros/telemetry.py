@@ -143,6 +143,19 @@ class PolicyTelemetry:
         )
 
 
+def control_values(loop, cfg) -> dict[str, object]:
+    """A ``ControlLoop``'s counters since activation and ``cfg``'s (``PolicyNodeConfig``) schedule, for /diagnostics."""
+    if loop is None or cfg is None:
+        return {}
+    stats = loop.stats
+    return {
+        "schedule": cfg.schedule, "publish_mode": cfg.publish_mode, "fallback": cfg.fallback,
+        "step_plan_ms": loop.lead() * 1e3, "ticks": stats.ticks, "fallbacks": stats.fallbacks,
+        "steps_late": stats.steps_late, "actions_skipped": stats.actions_skipped, "actions_blended": stats.actions_blended,
+        "actions_immediate": stats.immediate, "phase_shifts": stats.phase_shifts,
+    }
+
+
 def _format(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3f}"

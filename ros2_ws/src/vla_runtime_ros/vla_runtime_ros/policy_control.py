@@ -1,0 +1,272 @@
+"""The control half of ``PolicyNode``: episodes, control ticks, worker steps, publishing.
+
+``PolicyControl`` is a mixin of ``PolicyNode`` (``policy_node.py`` holds the lifecycle, the
+subscriptions and /diagnostics); it reads the node's state under the node's lock. The control timer
+and the frame guard run these methods in the node's default callback group, so they never overlap
+each other or a lifecycle transition; ``_start_episode`` and ``_step`` run on the one-thread worker.
+
+A tick publishes its action (queued, or the fallback) and asks the ``ControlLoop`` when the next step
+should start; a worker job waits until then, takes the newest usable frame of that moment and steps
+the session. An episode request (instruction, reset service, activation) is applied by the worker
+once no step is in flight; the old episode's queued actions are dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+from std_srvs.srv import Trigger
+from vla_runtime.kv.base import KVStats
+
+from .episodes import BadInputError, EpisodeRequest, StepOutcome
+from .inputs import Frame
+from .telemetry import control_values
+
+RESET_TIMEOUT_S = 30.0
+
+
+class PolicyControl:
+    """Episodes and control ticks of ``PolicyNode`` (see the module docstring)."""
+
+    # ------------------------------------------------------------------ episodes
+    def _on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        with self._lock:
+            text = self._inputs.current_instruction() if self._cfg is not None else ""
+            if not self._active:
+                response.success, response.message = False, "node is not active; activation starts a new episode"
+                return response
+            if not text:
+                response.success, response.message = False, "no instruction yet; publish one on `instruction`"
+                return response
+            request_ = self._request_episode(text)
+        if not request_.applied.wait(RESET_TIMEOUT_S):
+            response.success, response.message = False, f"reset not applied within {RESET_TIMEOUT_S} s"
+        elif request_.error:
+            response.success, response.message = False, request_.error
+        else:
+            response.success, response.message = True, f"episode {request_.episode} started: {text!r}"
+        return response
+
+    def _request_episode(self, instruction: str) -> EpisodeRequest:
+        """Ask the control tick for a new episode (caller holds ``_lock``); supersedes a pending request."""
+        if self._episode_request is not None:
+            self._episode_request.error = "superseded by a newer request"
+            self._episode_request.applied.set()
+        self._episode_instruction = instruction
+        self._episode_request = EpisodeRequest(instruction)
+        return self._episode_request
+
+    def _start_episode(self, request: EpisodeRequest) -> EpisodeRequest:
+        """Worker: a new session, or the current one reset to ``request.instruction``."""
+        self._runner.start_episode(request)
+        if not request.error:
+            self.get_logger().info(f"episode {request.episode}: {request.instruction!r}")
+        with self._lock:
+            request.frames_before = self._inputs.frame_seq
+        request.applied.set()
+        return request
+
+    # ------------------------------------------------------------------ ticks
+    def _on_control_tick(self) -> None:
+        """Publish this tick's action (queued, or the fallback) and plan the next step (``ControlLoop``)."""
+        try:
+            self._control_tick()
+        finally:
+            self._sync_view()
+
+    def _control_tick(self) -> None:
+        due = self._tick_due()
+        if self._period_restore is not None:  # the one shortened interval of a phase move has begun
+            self._control_timer.timer_period_ns, self._period_restore = self._period_restore, None
+        now = time.monotonic()
+        self._collect()
+        with self._lock:
+            request = self._episode_request if self._future is None else None  # applied once the worker is idle
+            if request is not None:
+                self._episode_request = None
+                self._episode += 1
+                request.episode = self._episode
+            hold = self._watchdog(now)
+        # every tick that publishes nothing below still passes in the loop: a step landing later serves the next
+        if request is not None:  # whatever the old episode still had is dropped
+            self._ready = False
+            self._loop.reset()
+            self._loop.skip_tick(now, due=due)
+            self._future = self._worker.submit(self._start_episode, request)
+            self._future.add_done_callback(lambda _: self._wake())
+            return
+        if self._episode_request is not None:  # a new episode waits for the step in flight: the old one's actions stop
+            self._cancel.set()
+            self._loop.reset()
+            self._loop.skip_tick(now, due=due)
+            return
+        if not self._ready:
+            self._loop.skip_tick(now, due=due)
+            return
+        if hold:
+            pending = self._loop.queued()
+            self._loop.reset()
+            self._loop.skip_tick(now, due=due)
+            if pending:
+                with self._lock:
+                    self._telemetry.actions_withheld += pending
+            self.get_logger().warning(f"no action: {hold}", throttle_duration_sec=2.0)
+            return
+        out = self._loop.on_tick(now, due=due)
+        if out.action is not None:
+            self._publish(out.action, received=self._latency_of(out.tick))
+        self._submit_step()
+        shift = self._loop.phase_shift()
+        if shift > 0:  # the next callback is scheduled already; the interval after it is shorter by `shift`
+            self._period_restore = self._control_timer.timer_period_ns
+            self._control_timer.timer_period_ns = self._period_restore - round(shift * 1e9)
+
+    def _sync_view(self, *, collected: bool = False) -> None:
+        """Copy the loop's state for diagnostics, which run on another thread (the loop is not thread-safe and
+        changes in this callback group only); ``collected``: a worker job's outcome was just handled."""
+        view = {"queue_len": self._loop.queued(), **control_values(self._loop, self._cfg)} if self._loop is not None else {}
+        with self._lock:
+            self._loop_view = view
+            if collected:
+                self._busy = False
+
+    def _tick_due(self) -> float:
+        """When this timer callback was due (monotonic seconds).
+
+        rcl moves a timer's next call on by a period as it takes a callback, so a callback up to a period
+        late still names its own tick; one more than a period late names the latest tick due (rcl skips
+        the ones in between). Labelled by its start time instead, a late callback took the next tick's place.
+        """
+        now, until = time.monotonic(), self._control_timer.time_until_next_call()
+        # the period rcl added when it took this callback (shorter once while the phase moves)
+        return now if until is None else now + (until - self._control_timer.timer_period_ns) * 1e-9
+
+    def _on_frame_ready(self) -> None:
+        """A frame or a joint state arrived, or a worker job ended: collect it and start a step if one is due."""
+        if self._control_timer is not None:
+            self._collect()
+            self._submit_step()
+            self._sync_view()
+
+    def _latency_of(self, tick: int) -> float | None:
+        """The frame receipt time of the newest step whose first action serves ``tick`` (once per step)."""
+        if self._latency_mark is None or tick < self._latency_mark[0]:
+            return None
+        received, self._latency_mark = self._latency_mark[1], None
+        return received
+
+    # ------------------------------------------------------------------ steps
+    def _usable_frame(self, now: float) -> Frame | None:
+        """The newest frame a step may take now, if any (caller holds ``_lock``): no episode change waits,
+        inputs fresh, not used yet, its joint state arrived."""
+        if self._episode_request is not None or self._watchdog(now):
+            return None
+        return self._inputs.usable_frame(now)
+
+    def _submit_step(self) -> None:
+        """Hand the worker the next step ``ControlLoop.plan`` asks for, once its start is less than a period away.
+
+        The job waits for its start time and takes the newest frame then. A step due now needs a frame now;
+        otherwise a frame's arrival calls this again.
+        """
+        if self._future is not None or not self._ready or self._loop is None:
+            return
+        now = time.monotonic()
+        plan = self._loop.plan(now)
+        if plan is None or plan.start_at > now + self._loop.cfg.period:
+            return
+        with self._lock:
+            if self._episode_request is not None or (plan.start_at <= now and self._usable_frame(now) is None):
+                return  # a new episode starts first; a step due now needs a frame now
+            episode = self._episode
+        self._cancel = threading.Event()
+        self._loop.started(plan)
+        self._future = self._worker.submit(self._step, plan.start_at, self._cancel, episode)
+        self._future.add_done_callback(lambda _: self._wake())
+
+    def _step(self, start_at: float, cancel: threading.Event, episode: int) -> StepOutcome | None:
+        """Worker: wait until ``start_at``, take the newest usable frame and step the session on it.
+
+        ``None`` when cancelled, or when no frame is usable at the start (the next tick or frame plans again).
+        """
+        if cancel.wait(max(0.0, start_at - time.monotonic())):
+            return None
+        with self._lock:
+            frame = self._usable_frame(time.monotonic())
+            if frame is None or episode != self._episode:
+                return None
+            self._inputs.skip_frames_until(frame.seq)
+            found, state = self._inputs.state_at(frame)
+            if not found:
+                self._telemetry.frames_unpaired += 1
+                return None
+            self._busy = True
+        return self._runner.step(frame, state, episode=episode, start_at=start_at)
+
+    def _collect(self) -> None:
+        """Account for a finished worker job: a started episode, or a step's actions (into the loop)."""
+        if self._future is None or not self._future.done():
+            return
+        future, self._future = self._future, None
+        try:
+            self._take_outcome(future)
+        finally:
+            self._sync_view(collected=True)  # `stepping` ends with its actions queued, in one step for diagnostics
+
+    def _take_outcome(self, future: Future) -> None:
+        try:
+            outcome = future.result()
+        except BadInputError as e:
+            self._report_error(f"image rejected: {e}", kind="input")
+            return
+        except Exception as e:  # noqa: BLE001 - a failing policy must not take the node down; it is reported
+            self._report_error(f"inference failed: {type(e).__name__}: {e}", kind="inference")
+            return
+        if isinstance(outcome, EpisodeRequest):
+            if outcome.error:
+                self._report_error(outcome.error, kind="inference")
+                return
+            self._ready = True
+            with self._lock:
+                self._inputs.skip_frames_until(outcome.frames_before)  # a frame of the old episode is not acted on
+                self._telemetry.episode = outcome.episode
+                self._telemetry.kv = KVStats()
+            return
+        if outcome is None or outcome.episode != self._episode or self._loop is None:
+            return
+        if not np.all(np.isfinite(outcome.actions)):
+            self._report_error(f"policy produced non-finite actions {outcome.actions[0].tolist()}", kind="inference")
+            self._loop.reset()
+            return
+        with self._lock:
+            self._telemetry.steps += 1
+            self._telemetry.step_ms.add(outcome.step_ms)
+            self._telemetry.frame_age_ms.add((outcome.started - outcome.frame.received) * 1e3)
+            self._telemetry.kv = outcome.result.kv
+            hold = bool(self._episode_request is not None or self._watchdog(time.monotonic()))
+        if not self._cfg.dry_run:
+            self._outputs.publish_chunk(outcome.result.actions)
+        action = self._loop.on_result(outcome.actions, frame_time=outcome.frame.received, step_s=outcome.turnaround_s,
+                                      now=time.monotonic(), started=outcome.started)
+        self._latency_mark = (self._loop.placed_from, outcome.frame.received) if self._loop.placed_from is not None else None
+        if action is not None and not hold:  # PublishMode.IMMEDIATE
+            self._latency_mark = None
+            self._publish(action, received=outcome.frame.received)
+
+    def _publish(self, action: np.ndarray, *, received: float | None) -> None:
+        """One action [action_dim] out (clipped; counted, and suppressed under ``dry_run``)."""
+        action, clipped = self._outputs.clip(action)
+        now = time.monotonic()
+        with self._lock:
+            self._telemetry.values_clipped += clipped
+            if received is not None:
+                self._telemetry.latency_ms.add((now - received) * 1e3)
+            if self._cfg.dry_run:
+                self._telemetry.actions_suppressed += 1
+                return
+            self._telemetry.actions_published += 1
+            self._telemetry.action_rate.tick(now)
+        self._outputs.publish_action(action)
