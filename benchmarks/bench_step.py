@@ -29,6 +29,7 @@ import torch
 
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
+from vla_runtime.config import ActionDecoding
 from vla_runtime.device import synchronize
 from vla_runtime.images import read_image
 from vla_runtime.models.openvla.policy_openvla import OpenVLAPolicy
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or make_tiny_openvla(Path(tmp) / "tiny-openvla", seed=args.seed)
         full = load_policy(
-            path, device=args.device, dtype=args.dtype, unnorm_key=args.unnorm_key, restrict_to_action_tokens=False
+            path, device=args.device, dtype=args.dtype, unnorm_key=args.unnorm_key, decoding=ActionDecoding.FULL
         )
     device, dtype = full.device, full.dtype
     # the same loaded modules, decoding restricted to the action ids (the runtime default)

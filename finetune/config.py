@@ -196,7 +196,7 @@ class FinetuneConfig:
         action_vocab_loss: cross-entropy over the ``n_bins`` action tokens, the choice the runtime's
             (default, restricted) greedy decoding makes, computing only those rows of ``lm_head`` (125x
             less head work; on tiny models the head dominates). ``False`` = OpenVLA's cross-entropy over
-            the whole vocabulary (use it if you decode with ``restrict_to_action_tokens=False``).
+            the whole vocabulary (use it if you decode with ``decoding=ActionDecoding.FULL``).
         change_weight: history mode: weight of an action token that differs from the same dimension's token
             of the step before (1 = plain cross-entropy). A policy that sees its past actions learns to copy
             them (the "copycat" failure: it holds still forever because holding was right at the previous

@@ -31,7 +31,8 @@ from torch.utils.data import Dataset
 
 from vla_runtime.data import LeRobotDataset
 from vla_runtime.data import layout as lerobot
-from vla_runtime.models.openvla.processing_openvla import ActionStats, ActionTokenizer, PromptIds, crop_resize
+from vla_runtime.models.openvla.processing_openvla import ActionStats, ActionTokenizer, crop_resize
+from vla_runtime.models.openvla.prompt_openvla import PromptIds
 
 from .config import FinetuneConfig
 from .frames import DecodedDataset, cached_dataset

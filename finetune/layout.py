@@ -22,12 +22,12 @@ import torch
 
 from vla_runtime.models.openvla.processing_openvla import (
     Forward,
-    PromptIds,
     Segment,
     SegmentKind,
     history_sequence,
     single_layout,
 )
+from vla_runtime.models.openvla.prompt_openvla import PromptIds
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
@@ -12,6 +13,18 @@ import yaml
 from .kv.config import KVConfig
 
 HISTORY_MODES = ("single", "history")
+
+
+class ActionDecoding(str, Enum):
+    """Which ids greedy decoding of discrete action tokens chooses from (OpenVLA).
+
+    ``ACTIONS``: the ``n_bins`` action token ids only (the default; only those rows of ``lm_head`` are
+    computed). ``FULL``: the whole vocabulary, as upstream OpenVLA's ``generate``; an id outside the action
+    range then maps to the nearest end bin, as upstream's ``clip(vocab - id - 1, 0, n_bins - 2)`` does.
+    """
+
+    ACTIONS = "actions"
+    FULL = "full"
 
 T = TypeVar("T")
 

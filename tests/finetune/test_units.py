@@ -12,7 +12,8 @@ from vla_finetune.lora import apply_lora, resolve_targets
 from vla_finetune.model import head_rows
 from vla_finetune.statistics import dataset_statistics, default_action_mask
 from vla_finetune.trainer import lr_factor
-from vla_runtime.models.openvla.processing_openvla import PromptIds, center_crop, crop_resize, history_frame
+from vla_runtime.models.openvla.processing_openvla import center_crop, crop_resize, history_frame
+from vla_runtime.models.openvla.prompt_openvla import PromptIds
 
 PROMPT = PromptIds(bos=1, instruction=(10, 11, 12), out=(13, 14), empty=29871)
 

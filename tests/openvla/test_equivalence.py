@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
-from vla_runtime.config import SessionConfig
+from vla_runtime.config import ActionDecoding, SessionConfig
 from vla_runtime.kv import FullCache
 from vla_runtime.models.openvla.configuration_openvla import TOWER_PREFIXES, VISION_BACKBONES
 from vla_runtime.models.openvla.modeling_openvla import tower_features
@@ -113,7 +113,7 @@ def test_prefill_and_decode_logits_match_transformers(tiny_openvla, frame):
 
 def test_session_tokens_are_upstreams_greedy_tokens(tiny_openvla, frame):
     """Unrestricted greedy decoding in a single-mode session = transformers' generate on upstream's input."""
-    policy = load_policy(tiny_openvla, device="cpu", restrict_to_action_tokens=False)
+    policy = load_policy(tiny_openvla, device="cpu", decoding=ActionDecoding.FULL)
     ref = Reference(tiny_openvla, policy)
     image = frame(11)
     session = policy.new_session("Wipe the table")

@@ -13,7 +13,6 @@ from vla_runtime.models.openvla.processing_openvla import (
     ActionStats,
     ActionTokenizer,
     ImageProcessor,
-    PromptTokenizer,
     SegmentKind,
     center_crop,
     history_frame,
@@ -22,6 +21,7 @@ from vla_runtime.models.openvla.processing_openvla import (
     resolve_unnorm_key,
     single_layout,
 )
+from vla_runtime.models.openvla.prompt_openvla import PromptTokenizer
 
 DINO_BF16_MEAN = (0.484375, 0.455078125, 0.40625)
 DINO_BF16_STD = (0.228515625, 0.2236328125, 0.224609375)

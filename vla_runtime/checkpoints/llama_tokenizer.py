@@ -7,7 +7,8 @@ fallback ``<0x00>``..``<0xFF>`` at 3..258, BPE merges from 259, the lone ``▁``
 the single characters, the 256 action tokens (rare single characters) at 31744..31999, and ``<PAD>``
 added as 32000. The merges are learned from robot-instruction text; unused ids are placeholders.
 The pipeline is LLaMA-2's ``tokenizer.json``: normaliser prepend ``▁`` + spaces -> ``▁``, no
-pre-tokeniser, BPE with byte fallback, ``<s> $A`` post-processor.
+pre-tokeniser, BPE with byte fallback, ``<s> $A`` post-processor. ``tokenizer.json`` is written with
+merges as ``"a b"`` strings, so that tokenizers 0.19.1 (upstream OpenVLA's pin) reads it too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import json
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from .tokenizer_json import merge_pairs, save_tokenizer_json
 
 VOCAB_SIZE = 32000
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<PAD>"
@@ -55,7 +58,7 @@ def _learn_merges(corpus: list[str], alphabet: list[str]) -> list[tuple[str, str
         vocab_size=4000, min_frequency=2, initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False
     )
     trainer_tok.train_from_iterator(corpus, trainer)
-    return [tuple(m) for m in json.loads(trainer_tok.to_str())["model"]["merges"]]
+    return merge_pairs(json.loads(trainer_tok.to_str())["model"]["merges"])
 
 
 def build_llama_tokenizer() -> Tokenizer:
@@ -99,10 +102,11 @@ def _token(content: str, *, special: bool) -> dict:
 
 
 def save_llama_tokenizer(tokenizer: Tokenizer, out: str | Path, *, model_max_length: int = 2048) -> None:
-    """Write the four tokenizer files of an OpenVLA directory (transformers 4.40's LlamaTokenizerFast layout)."""
+    """Write the four tokenizer files of an OpenVLA directory (transformers 4.40's LlamaTokenizerFast layout;
+    ``tokenizer.json`` in the form tokenizers 0.19.1, upstream's pin, reads, see ``tokenizer_json``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / "tokenizer.json"))
+    save_tokenizer_json(tokenizer, out / "tokenizer.json")
     ids = {t: tokenizer.token_to_id(t) for t in (UNK, BOS, EOS, PAD)}
     config = {
         "add_bos_token": True,

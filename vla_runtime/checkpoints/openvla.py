@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from ..models.openvla.configuration_openvla import OpenVLAConfig
 from ..models.openvla.modeling_openvla import OpenVLA
-from ..models.openvla.processing_openvla import ImageProcessor, PromptTokenizer
+from ..models.openvla.processing_openvla import ImageProcessor
+from ..models.openvla.prompt_openvla import PromptTokenizer
 from .safetensors_io import iter_tensors, read_shapes, weight_files
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,8 @@ from ..models.openvla.configuration_openvla import (
     backbone_spec,
 )
 from ..models.openvla.modeling_openvla import OpenVLA
-from ..models.openvla.processing_openvla import ImageProcessor, PromptTokenizer
+from ..models.openvla.processing_openvla import ImageProcessor
+from ..models.openvla.prompt_openvla import PromptTokenizer
 from .openvla import PROGRESS_MIN_BYTES, UNUSED, hf_name
 from .prismatic_run import PrismaticRun
 

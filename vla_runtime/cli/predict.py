@@ -5,6 +5,8 @@
 
 Prints one JSON object per step: the action in robot units, its tokens, per-stage timings (ms) and
 the KV cache's stats. ``--steps N`` runs N control steps on the same image (the first includes warm-up).
+``--decode full`` (OpenVLA) takes the greedy argmax over the whole vocabulary, as upstream does, instead
+of over the action tokens only.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import HISTORY_MODES
+from ..config import HISTORY_MODES, ActionDecoding
 from ..device import DTYPES
 from ..kv.config import KV_MODES
 
@@ -33,6 +35,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_session_arguments(p)
     p.add_argument("--state", help="robot state as comma-separated floats (HybridVLA: x,y,z,roll,pitch,yaw,gripper)")
     p.add_argument("--steps", type=int, default=1, help="control steps to run on the image (default 1)")
+    p.add_argument(
+        "--decode",
+        choices=[d.value for d in ActionDecoding],
+        default=ActionDecoding.ACTIONS.value,
+        help="OpenVLA greedy decoding: over the action tokens only (actions, default) or over the whole vocabulary "
+        "as upstream (full; ids outside the action range clip to the end bins)",
+    )
     p.set_defaults(func=run)
 
 
@@ -77,6 +86,19 @@ def step_report(step: int, session, result) -> dict:
     }
 
 
+def decoding_options(checkpoint: Path, decoding: ActionDecoding) -> dict:
+    """``load_policy`` options for ``decoding``: only OpenVLA checkpoints decode action tokens greedily."""
+    from .. import models  # noqa: F401  (registers the families)
+    from ..api import detect_family
+
+    if decoding is ActionDecoding.ACTIONS:
+        return {}  # every family's default
+    family = detect_family(checkpoint)
+    if family != "openvla":
+        raise ValueError(f"--decode {decoding.value} applies to OpenVLA checkpoints; {checkpoint} is a {family} checkpoint")
+    return {"decoding": decoding}
+
+
 def run(args: argparse.Namespace) -> int:
     from ..api import Observation, load_policy
     from ..images import read_image
@@ -84,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     image = read_image(args.image)
-    policy = load_policy(args.checkpoint, device=args.device, dtype=args.dtype, unnorm_key=args.unnorm_key)
+    options = decoding_options(args.checkpoint, ActionDecoding(args.decode))
+    policy = load_policy(args.checkpoint, device=args.device, dtype=args.dtype, unnorm_key=args.unnorm_key, **options)
     session = policy.new_session(args.instruction, session_config(args))
     obs = Observation(images={"primary": image}, state=parse_state(args.state))
     for step in range(args.steps):

@@ -32,13 +32,13 @@ from ..kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make
 from .openvla.processing_openvla import (
     ActionStats,
     Forward,
-    PromptIds,
     Segment,
     SegmentKind,
     center_crop,
     history_prompt,
     resolve_unnorm_key,
 )
+from .openvla.prompt_openvla import PromptIds
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from ...device import resolve_device, resolve_dtype, synchronize
 from ...kv import KVConfig
 from ..action_postprocess import postprocess_actions
 from ..diffusion import DiffusionConfig
-from ..openvla.processing_openvla import PromptIds
+from ..openvla.prompt_openvla import PromptIds
 from ..prismatic_session import PrismaticPolicy, PrismaticSession, trained_gate
 from .configuration_cogact import AdaptiveEnsembleConfig, CogACTConfig, CogACTSamplingConfig, dit_config_from_run
 from .modeling_cogact import ActionModel, CogACT

@@ -33,7 +33,8 @@ from ...device import resolve_device, resolve_dtype, synchronize
 from ...kv import KVConfig
 from ..action_postprocess import postprocess_actions
 from ..diffusion import DiffusionConfig, GaussianDiffusion
-from ..openvla.processing_openvla import ActionStats, PromptIds
+from ..openvla.processing_openvla import ActionStats
+from ..openvla.prompt_openvla import PromptIds
 from ..prismatic_session import PrismaticPolicy, PrismaticSession, trained_gate
 from .configuration_hybridvla import (
     BOD_TOKEN_ID,

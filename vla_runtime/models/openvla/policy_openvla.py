@@ -9,7 +9,7 @@ Two history modes (``SessionConfig.history``), both laid out by ``processing_ope
   How much of the history is kept is the cache's business (``KVConfig.mode``).
 
 Greedy decoding is restricted to the ``n_bins`` action token ids by default
-(``restrict_to_action_tokens=False`` decodes over the full vocabulary, as upstream does).
+(``decoding=ActionDecoding.FULL`` decodes over the full vocabulary, as upstream does).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ...checkpoints.adapter import has_lora, merge_lora
 from ...checkpoints.openvla import OpenVLACheckpoint, load_openvla
 from ...api import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_instruction
-from ...config import SessionConfig, from_dict
+from ...config import ActionDecoding, SessionConfig, from_dict
 from ...device import resolve_device, resolve_dtype, synchronize
 from ...kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make_cache
 from .configuration_openvla import OpenVLAConfig, read_json
@@ -53,7 +53,8 @@ class OpenVLAPolicy(Policy):
         device, dtype: where the weights live (fixed at construction).
         kv: default cache for sessions (a session's ``SessionConfig.kv`` overrides it).
         unnorm_key: default dataset key of the action statistics.
-        restrict_to_action_tokens: greedy over the action ids only (default) or over the whole vocabulary.
+        decoding: greedy over the action ids only (``ActionDecoding.ACTIONS``, default) or over the whole
+            vocabulary (``FULL``, upstream's choice; ids outside the action range clip to the end bins).
         session: default ``SessionConfig`` of ``new_session(instruction)`` (its ``kv``/``unnorm_key`` are
             replaced by the two arguments above); a fine-tuned model brings the one it was trained for.
         kv_gate: the trained ``ChunkGate`` for ``KVConfig(mode="chunked")`` (``None`` = untrained default).
@@ -71,10 +72,12 @@ class OpenVLAPolicy(Policy):
         dtype: torch.dtype,
         kv: KVConfig | None = None,
         unnorm_key: str | None = None,
-        restrict_to_action_tokens: bool = True,
+        decoding: ActionDecoding = ActionDecoding.ACTIONS,
         session: SessionConfig | None = None,
         kv_gate: torch.nn.Module | None = None,
     ) -> None:
+        if not isinstance(decoding, ActionDecoding):
+            raise TypeError(f"`decoding` must be an ActionDecoding ({', '.join(d.name for d in ActionDecoding)}), got {decoding!r}")
         self.checkpoint = checkpoint
         self.config: OpenVLAConfig = checkpoint.config
         self.model = checkpoint.model
@@ -82,7 +85,7 @@ class OpenVLAPolicy(Policy):
         self.image_processor = checkpoint.image_processor
         self.device, self.dtype = device, dtype
         self.kv = kv or KVConfig()
-        self.restrict_to_action_tokens = restrict_to_action_tokens
+        self.decoding = decoding
         # The learnable chunk aggregator/gate (vla_runtime.kv.gate.ChunkGate) for KVConfig(mode="chunked");
         # owned here (contract 3), handed to the cache, trained by finetune/. Loaded from gates.safetensors
         # (beside the checkpoint or in an adapter directory); None = the untrained default, built by
@@ -270,10 +273,10 @@ class OpenVLASession(EpisodeSession):
         return torch.as_tensor(state, dtype=self.policy.dtype, device=self.policy.device)[None]  # [1, P]
 
     def next_token(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [B, dim] -> greedy tokens [B, 1]. Restricted decoding computes only the
-        action rows of ``lm_head`` (the same numbers as the full head's rows, 125x less work)."""
+        """Final hidden states [B, dim] -> greedy tokens [B, 1] (``policy.decoding``). Restricted decoding
+        computes only the action rows of ``lm_head`` (the same numbers as the full head's rows, 125x less work)."""
         lm_head = self.policy.model.language_model.lm_head
-        if not self.policy.restrict_to_action_tokens:
+        if self.policy.decoding is ActionDecoding.FULL:
             return lm_head(hidden).argmax(-1, keepdim=True)
         first, last = self.actions.first_id, self.actions.last_id
         return F.linear(hidden, lm_head.weight[first : last + 1]).argmax(-1, keepdim=True) + first
@@ -328,7 +331,6 @@ class OpenVLASession(EpisodeSession):
         return model.embed_forward(frame, images=[image_tokens], proprio=proprio)
 
 
-
 # ---- family loader (vla_runtime.models registers it with the runtime API) ------------------------
 
 
@@ -340,7 +342,7 @@ def load_openvla_policy(
     kv: KVConfig | None = None,
     adapter: str | Path | None = None,
     unnorm_key: str | None = None,
-    restrict_to_action_tokens: bool = True,
+    decoding: ActionDecoding = ActionDecoding.ACTIONS,
 ) -> OpenVLAPolicy:
     """Load an OpenVLA checkpoint directory as a policy (``load_policy``'s OpenVLA branch).
 
@@ -351,7 +353,7 @@ def load_openvla_policy(
     ``dataset_statistics.json`` replaces the action statistics. The chunk gate
     (``gates.safetensors`` + ``kv_config.json``, contract 3) and ``session_config.json`` (the session the
     model was trained for; ``kv`` overrides its cache) are read from the adapter directory, else from the
-    checkpoint directory itself (models trained from scratch carry them there).
+    checkpoint directory itself (models trained from scratch carry them there). decoding: see ``OpenVLAPolicy``.
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -379,7 +381,7 @@ def load_openvla_policy(
         dtype=dt,
         kv=kv,
         unnorm_key=unnorm_key,
-        restrict_to_action_tokens=restrict_to_action_tokens,
+        decoding=decoding,
         session=session,
         kv_gate=gate,
     )

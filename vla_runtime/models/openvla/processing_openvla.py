@@ -4,7 +4,7 @@
   torchvision's functional ops, ``to_tensor``, per-tower ``normalize``, towers stacked on channels), with
   the normalisation constants read from ``preprocessor_config.json`` ``tvf_normalize_params`` (the
   bf16-rounded DINO values upstream actually runs with). ``center_crop`` is the 0.9-area eval crop.
-- ``PromptTokenizer``: ``In: What action should the robot take to {instruction}?\\nOut:`` + ``▁`` (29871).
+- The prompt's ids (``PromptIds``, ``PromptTokenizer``) are in ``prompt_openvla``.
 - Token layout (cross-team contract 2): ``single_layout`` (stock) and ``history_prompt`` /
   ``history_frame`` / ``history_sequence`` (history mode, shared by the runtime session and training).
 - ``ActionTokenizer``: bins <-> the last ``n_bins`` text ids, un-normalisation with q01/q99 and mask;
@@ -27,6 +27,7 @@ from PIL import Image
 
 from ...api import validate_image
 from .configuration_openvla import VisionConfig, read_json
+from .prompt_openvla import PromptIds
 
 # ---- image -------------------------------------------------------------------------------------
 
@@ -189,65 +190,6 @@ def crop_resize(image: np.ndarray, *, size: int, area: float = 0.9, at: tuple[fl
     bottom = img[y1][:, x0] + (img[y1][:, x1] - img[y1][:, x0]) * fx
     out = np.clip(top + (bottom - top) * fy[:, None, None], 0.0, 1.0)
     return np.clip(out * np.float32(255.5), 0, 255).astype(np.uint8)
-
-
-# ---- prompt --------------------------------------------------------------------------------------
-
-PROMPT = "In: What action should the robot take to {instruction}?"
-OUT = "\nOut:"
-EMPTY_PIECE = "▁"  # the lone SentencePiece space, id 29871 in LLaMA-2: what "Out: " ends with in training
-
-
-@dataclass(frozen=True)
-class PromptIds:
-    """The prompt's pieces as token ids.
-
-    Args:
-        bos: BOS id. instruction: ids of ``PROMPT`` (no BOS). out: ids of ``OUT`` continuing it.
-        empty: the ``▁`` id appended before the action tokens.
-    """
-
-    bos: int
-    instruction: tuple[int, ...]
-    out: tuple[int, ...]
-    empty: int
-
-    @property
-    def input_ids(self) -> tuple[int, ...]:
-        """What upstream feeds (before the image tokens are spliced in after BOS)."""
-        return (self.bos, *self.instruction, *self.out, self.empty)
-
-
-class PromptTokenizer:
-    """Encodes OpenVLA's prompt with the checkpoint's own ``tokenizer.json`` (the ``tokenizers`` library)."""
-
-    def __init__(self, tokenizer, *, bos_id: int) -> None:
-        self.tokenizer = tokenizer
-        self.bos_id = bos_id
-        empty = tokenizer.token_to_id(EMPTY_PIECE)
-        if empty is None:
-            raise ValueError(f"the tokenizer has no {EMPTY_PIECE!r} token; OpenVLA needs a LLaMA-style vocabulary")
-        self.empty_id = empty
-
-    @classmethod
-    def from_pretrained_dir(cls, path: str | Path, *, bos_id: int) -> "PromptTokenizer":
-        from tokenizers import Tokenizer
-
-        file = Path(path) / "tokenizer.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"{file} does not exist (the checkpoint's tokenizer is needed for the prompt)")
-        return cls(Tokenizer.from_file(str(file)), bos_id=bos_id)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without special tokens."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def prompt(self, instruction: str) -> PromptIds:
-        head = PROMPT.format(instruction=instruction.lower())
-        head_ids, full_ids = self.encode(head), self.encode(head + OUT)
-        if full_ids[: len(head_ids)] != head_ids:
-            raise ValueError(f"the tokenizer merges across the prompt/{OUT!r} boundary; cannot split the prompt")
-        return PromptIds(self.bos_id, tuple(head_ids), tuple(full_ids[len(head_ids) :]), self.empty_id)
 
 
 # ---- token layout (cross-team contract 2) --------------------------------------------------------
