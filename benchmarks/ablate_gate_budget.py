@@ -28,15 +28,14 @@ usage: python benchmarks/ablate_gate_budget.py [--threads 1] [--train-steps 300]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from vla_runtime.bench.harness import environment, pinned_threads, write_json
 from vla_runtime.kv import ChunkedGatedCache, ChunkGate, ChunkGateConfig, FullCache, KVConfig
 from vla_runtime.kv.budget import BudgetMode
 from vla_runtime.kv.chunked_parallel import parallel_forward, step_boundaries
@@ -137,23 +136,21 @@ def evaluate(model: LlamaForCausalLM, gate: ChunkGate, kv: KVConfig, args: argpa
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
     results: dict[str, list[dict]] = {}
-    for variant in args.variants:
-        for seed in args.seeds:
-            model, gate, kv, seconds = train(variant, args, seed)
-            r = {"seed": seed, "train_s": round(seconds, 1), **evaluate(model, gate, kv, args, seed)}
-            results.setdefault(variant, []).append(r)
-            print(f"{variant} seed {seed}: {r}", flush=True)
+    with pinned_threads(args.threads):
+        for variant in args.variants:
+            for seed in args.seeds:
+                model, gate, kv, seconds = train(variant, args, seed)
+                r = {"seed": seed, "train_s": round(seconds, 1), **evaluate(model, gate, kv, args, seed)}
+                results.setdefault(variant, []).append(r)
+                print(f"{variant} seed {seed}: {r}", flush=True)
     print(f"\nrecall under a budget of {args.budget} chunks/layer ({args.steps} steps, {args.classes} classes, "
           f"chance {1 / args.classes:.2f}, {args.train_steps} training steps x {args.batch}, threads {args.threads})")  # fmt: skip
     print(f"{'objective':<12} | {'accuracy':>8} | {'cue held':>8} | {'full-cache acc':>14} | {'train s':>7}")
     for variant, rows in results.items():
         mean = {k: statistics.mean(r[k] for r in rows) for k in ("accuracy", "cue_held", "accuracy_full_cache", "train_s")}
         print(f"{variant:<12} | {mean['accuracy']:>8.2f} | {mean['cue_held']:>8.2f} | {mean['accuracy_full_cache']:>14.2f} | {mean['train_s']:>7.0f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+    write_json(f"{args.out}.json", env=environment(threads=args.threads), args=args, results=results)
     return 0
 
 

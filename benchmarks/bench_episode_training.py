@@ -19,7 +19,6 @@ usage: python benchmarks/bench_episode_training.py [--threads 1] [--episodes 12]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import torch
 
 from bench_finetune import train_logged, write_dataset
 from vla_finetune.recipes.metaworld_demo import llm_geometry
+from vla_runtime.bench.harness import environment, pinned_threads, write_json
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 
 VARIANTS = {
@@ -81,9 +81,8 @@ def run_variant(name: str, args: argparse.Namespace, ckpt: Path, dataset: Path, 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
     lengths = np.random.default_rng(args.seed).integers(100, 151, args.episodes).tolist()
-    with tempfile.TemporaryDirectory() as tmp:
+    with pinned_threads(args.threads), tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ckpt = make_tiny_openvla(work / "ckpt", seed=0, image_size=84, proprio_dim=4, llm=llm_geometry(128, 4), dtype=torch.float32)
         dataset = write_dataset(work / "data", lengths=lengths, image=84, seed=args.seed)
@@ -96,10 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         r["ratio"] = r["tokens_per_cpu_s"] / base
         print(f"{name:<13} | {r['tokens_per_cpu_s']:>12.0f} | {r['tokens_per_s']:>13.0f} | {r['median_cpu_ms']:>11.0f} | "
               f"{r['tokens_per_step']:>11.0f} | {r['minutes_per_epoch']:>9.2f} | {r['ratio']:>5.2f}")  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    env = {"torch": torch.__version__, "threads": args.threads, "dtype": "float32"}
-    Path(f"{out}.json").write_text(json.dumps({"env": env, "args": vars(args), "results": results}, indent=2) + "\n")
+    write_json(f"{args.out}.json", env=environment(dtype="float32", threads=args.threads), args=args, results=results)
     return 0
 
 

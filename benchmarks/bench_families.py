@@ -21,23 +21,22 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
-import platform
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from vla_runtime.api import Observation, load_policy
+from vla_runtime.bench.harness import (
+    environment, pinned_threads, plot_medians, print_ratio_table, ratio_table, time_interleaved, write_json,
+)  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact, make_tiny_hybridvla
 from vla_runtime.config import SessionConfig
-from vla_runtime.device import resolve_device, resolve_dtype, synchronize
+from vla_runtime.device import resolve_device, resolve_dtype
 from vla_runtime.kv import CACHES, FullCache, KVConfig
 from vla_runtime.kv.rope import RopeConfig
 from vla_runtime.models.action_postprocess import postprocess_actions
@@ -71,20 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/bench_families"), help="writes <out>.json and <out>.png")
     return p.parse_args(argv)
-
-
-def time_ms(fn, *, warmup: int, repeats: int, device: torch.device) -> list[float]:
-    """Wall-clock ms of ``fn()`` per call after ``warmup`` untimed calls, synchronised on CUDA."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
 
 
 def frames(seed: int, n: int) -> list[np.ndarray]:
@@ -203,53 +188,19 @@ def hybrid_variants(path: Path, args: argparse.Namespace, image: np.ndarray) -> 
     return out
 
 
-# ---- report ---------------------------------------------------------------------------------------
-
-
-def environment(device: torch.device, dtype: torch.dtype, threads: int) -> dict:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = None
-    return {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
-        "dtype": str(dtype).removeprefix("torch."),
-        "threads": threads,
-        "git_sha": sha,
-    }
-
-
-def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is missing: no plot written")
-        return
-    names = list(results)[::-1]
-    medians = [results[n]["median_ms"] for n in names]
-    lo = [m - np.percentile(results[n]["times_ms"], 10) for n, m in zip(names, medians)]
-    hi = [np.percentile(results[n]["times_ms"], 90) - m for n, m in zip(names, medians)]
-    colors = ["tab:gray" if results[n]["baseline"] == n else "tab:blue" for n in names]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) + 1))
-    ax.barh(range(len(names)), medians, xerr=[lo, hi], color=colors, capsize=3)
-    ax.set_yticks(range(len(names)), [f"{n}  x{results[n]['ratio']:.2f}" for n in names], fontsize=8)
-    ax.set_xlabel("ms per control step (median, p10-p90); grey = baseline of its group")
-    ax.set_title("vla-runtime families: step latency")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+# ---- run ----------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
+    with pinned_threads(args.threads):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the checkpoints and variants (checking agreement), time them interleaved, print and write the record."""
     images = frames(args.seed, args.history_steps + 8)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -257,40 +208,27 @@ def main(argv: list[str] | None = None) -> int:
         paths = make_checkpoints(Path(tmp), LLMS[args.llm], args.seed)
         sessions: dict = {}
         variants = {**cache_variants(paths, args, images, sessions), **hybrid_variants(paths["hybridvla"], args, images[0])}
-        for _, fn in variants.values():  # warm-up, apart from the timed runs
-            time_ms(fn, warmup=0, repeats=args.warmup, device=device)
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(args.repeats):  # interleaved rounds: load drift hits every variant alike
-            for name, (_, fn) in variants.items():
-                times[name] += time_ms(fn, warmup=0, repeats=1, device=device)
+        fns = {name: fn for name, (_, fn) in variants.items()}
+        times = time_interleaved(fns, warmup=args.warmup, repeats=args.repeats, device=device)
         kv = {name: session.cache.stats().as_dict() for name, session in sessions.items()}
 
-    results = {}
-    print(f"{'name':52s} | median ms |     p10 |     p90 | ratio vs baseline")
-    for name, t in times.items():
-        baseline = variants[name][0]
-        median = float(np.median(t))
-        ratio = float(np.median(times[baseline])) / median
-        results[name] = {"times_ms": t, "median_ms": median, "ratio": ratio, "baseline": baseline}
-        if name in kv:
-            results[name]["kv"] = kv[name]
-        print(f"{name:52s} | {median:9.2f} | {np.percentile(t, 10):7.2f} | {np.percentile(t, 90):7.2f} | {ratio:6.2f}")
+    results = ratio_table(times, {name: baseline for name, (baseline, _) in variants.items()})
+    for name, stats in kv.items():
+        results[name]["kv"] = stats
+    print_ratio_table(results)
     for name, stats in kv.items():
         print(f"{name:52s} | KV held {stats['bytes'] / 2**20:8.2f} MiB | {stats['tokens_raw']} raw tokens, "
               f"{stats['tokens_compressed']:.0f} chunks per layer, {stats['tokens_seen']} tokens seen")  # fmt: skip
     upstream = 9.4 / 5.0
     ours = results.get("HybridVLA-dif: prefix reuse (ours)", {}).get("ratio")
     print(f"HybridVLA-dif prefix reuse: x{ours:.2f} here; upstream reports x{upstream:.2f} (9.4 vs 5.0 Hz, 7B, RTX 4090D)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {
-        "env": environment(device, dtype, args.threads),
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "llm": LLMS[args.llm].to_hf(),
-        "upstream_reference": {"hybridvla_dif_hz_with_cache": 9.4, "hybridvla_dif_hz_without_cache": 5.0},
-        "results": results,
-    }
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=2))
-    plot(results, args.out.with_suffix(".png"))
+    write_json(
+        args.out.with_suffix(".json"), env=environment(device=device, dtype=dtype, threads=args.threads), args=args,
+        llm=LLMS[args.llm].to_hf(), upstream_reference={"hybridvla_dif_hz_with_cache": 9.4, "hybridvla_dif_hz_without_cache": 5.0},
+        results=results,
+    )  # fmt: skip
+    plot_medians(results, args.out.with_suffix(".png"), title="vla-runtime families: step latency",
+                 xlabel="ms per control step (median, p10-p90); grey = baseline of its group")  # fmt: skip
     return 0
 
 

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +30,7 @@ import torch
 
 from vla_finetune.config import FinetuneConfig
 from vla_finetune.trainer import Trainer
+from vla_runtime.bench.harness import environment, pinned_threads, pyplot, save_figure, summarize, write_json
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import from_dict
 from vla_runtime.data import DatasetFeatures, Episode, LeRobotWriter, WriterConfig
@@ -113,10 +112,7 @@ def run_variant(name: str, args: argparse.Namespace, ckpt: Path, dataset: Path, 
     cpu = [r["cpu_ms_per_step"] for r in records]
     layout = next(iter(trainer.data.layouts.values()))
     return {
-        "times_ms": times,
-        "median_ms": statistics.median(times),
-        "p10_ms": float(np.percentile(times, 10)),
-        "p90_ms": float(np.percentile(times, 90)),
+        **summarize(times),
         "cpu_ms": cpu,
         "median_cpu_ms": statistics.median(cpu),
         "windows_per_s": statistics.median(r["windows_per_s"] for r in records),
@@ -126,28 +122,20 @@ def run_variant(name: str, args: argparse.Namespace, ckpt: Path, dataset: Path, 
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     names = list(results)
     fig, ax = plt.subplots(figsize=(6, 3))
     ax.bar(names, [1e3 / results[n]["median_ms"] for n in names])
     ax.set(ylabel="optimizer steps / s", title="vla_finetune, tiny OpenVLA")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
+    with pinned_threads(args.threads), tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ckpt = make_tiny_openvla(work / "ckpt", dtype=torch.float32, image_size=args.image_size, proprio_dim=4)
         dataset = write_dataset(
@@ -166,13 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         values = [r["median_ms"], r["p10_ms"], r["p90_ms"], r["median_cpu_ms"], 1e3 / r["median_ms"], r["windows_per_s"]]
         cells = [f"{v:>{w}.{2 if i == 4 else 1}f}" for i, (v, w) in enumerate(zip(values, widths))]
         print(" | ".join([f"{name:<{width}}", *cells, f"{r['tokens_per_window']:>{widths[6]}}", f"{r['ratio']:>{widths[7]}.2f}"]))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "device_name": platform.processor() or platform.machine(),
-           "dtype": "float32", "threads": args.threads, "git_sha": sha}  # fmt: skip
-    Path(f"{out}.json").write_text(json.dumps({"env": env, "args": vars(args), "results": results}, indent=2) + "\n")
-    plot(results, Path(f"{out}.png"))
+    env = environment(device=args.device, dtype="float32", threads=args.threads)
+    write_json(f"{args.out}.json", env=env, args=args, results=results)
+    plot(results, Path(f"{args.out}.png"))
     return 0
 
 

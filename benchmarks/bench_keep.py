@@ -17,12 +17,9 @@ Usage: python benchmarks/bench_keep.py [--sizes 10 20 40] [--steps 14] [--thread
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kitchen_world import KitchenWorld  # noqa: E402
 
+from vla_runtime.bench.harness import environment, pinned_threads, pyplot, save_figure, summarize, write_json  # noqa: E402
 from vla_runtime.checkpoints.causal_lm import load_causal_lm  # noqa: E402
 from vla_runtime.checkpoints.gguf import cached_conversion  # noqa: E402
 from vla_runtime.memory.branches import continuation_logprobs  # noqa: E402
@@ -123,12 +121,8 @@ def run_size(args, llm, encoder, size: int) -> dict:
         print(f"  size {size} step {step + 1}/{args.steps}: {q.kind:5s} {prompt.n_tokens} tokens, {len(units)} units", file=sys.stderr, flush=True)
     summary = {}
     for m, r in rows.items():
-        t = sorted(r["ttft_ms"])
         summary[m] = {
-            "ttft_ms": r["ttft_ms"],
-            "median_ms": statistics.median(t),
-            "p10_ms": t[int(0.1 * (len(t) - 1))],
-            "p90_ms": t[int(0.9 * (len(t) - 1))],
+            **summarize(r["ttft_ms"]),  # TTFT
             "build_median_ms": statistics.median(r["build_ms"]),
             "agreement": statistics.mean(r["agree"]),
             "accuracy": statistics.mean(r["correct"]),
@@ -158,13 +152,8 @@ def print_table(results: dict) -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logging.warning("matplotlib is missing; no plot")
+    plt = pyplot()
+    if plt is None:
         return
     sizes = list(results)
     methods = list(next(iter(results.values()))["methods"])
@@ -179,36 +168,28 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylabel(label)
     ax1.legend(fontsize=7, ncol=2)
     fig.suptitle("KitchenWorld, SmolLM2-135M fp32 CPU")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    model_dir = args.model or cached_conversion(None, args.cache, progress=True)
-    llm = load_causal_lm(model_dir)
-    encoder = SentenceEncoder()
-    results = {}
-    t0 = time.perf_counter()
-    for size in args.sizes:
-        results[size] = run_size(args, llm, encoder, size)
+    with pinned_threads(args.threads):
+        model_dir = args.model or cached_conversion(None, args.cache, progress=True)
+        llm = load_causal_lm(model_dir)
+        encoder = SentenceEncoder()
+        results = {}
+        t0 = time.perf_counter()
+        for size in args.sizes:
+            results[size] = run_size(args, llm, encoder, size)
     print_table(results)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        sha = ""
-    env = {"torch": torch.__version__, "device": platform.processor() or platform.machine(), "dtype": "float32",
-           "threads": args.threads, "git_sha": sha, "model": str(model_dir), "wall_s": time.perf_counter() - t0}  # fmt: skip
-    out.with_suffix(".json").write_text(json.dumps({"env": env, "args": vars(args), "results": results}, indent=1))
+    env = environment(dtype="float32", threads=args.threads, model=str(model_dir), wall_s=time.perf_counter() - t0)
+    write_json(out.with_suffix(".json"), env=env, args=args, results=results)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,16 +25,15 @@ On a machine without CUDA it says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import statistics
-import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from vla_runtime.bench.harness import environment, pinned_threads, pyplot, save_figure, summarize, write_json
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -148,11 +147,6 @@ def time_ms(fn, args: argparse.Namespace) -> list[float]:
     return list(triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="all"))
 
 
-def summarize(times: list[float]) -> dict:
-    qs = statistics.quantiles(times, n=10) if len(times) > 1 else [times[0]] * 9
-    return {"times_ms": times, "median_ms": statistics.median(times), "p10_ms": qs[0], "p90_ms": qs[-1]}
-
-
 def run(args: argparse.Namespace, device: torch.device, *, timer=time_ms, providers=None) -> dict:
     """Time every provider on every (geometry, T, N); check outputs agree first. Returns the results dict."""
     from vla_kernels import chunked_attention, chunked_attention_ref
@@ -205,13 +199,8 @@ def print_table(results: dict) -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib missing: no plot written to {path}", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     panels = sorted({(e["geometry"], e["queries"]) for e in results.values()})
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
@@ -222,30 +211,22 @@ def plot(results: dict, path: Path) -> None:
         ax.set(xscale="log", yscale="log", xlabel="cached tokens N", ylabel="ms", title=f"{geo}, T={t}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def environment(device: torch.device, dtype: str, threads: int, spec: float | None, copy: float) -> dict:
+def kernel_environment(device: torch.device, dtype: str, threads: int, spec: float | None, copy: float) -> dict:
+    """The harness's record plus the Triton version and the device's peak and measured copy bandwidth."""
     import triton
 
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = None
-    return {
-        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
-        "dtype": dtype, "threads": threads, "git_sha": sha,
-        "peak_bandwidth_gbps": spec / 1e9 if spec else None, "copy_bandwidth_gbps": copy / 1e9,
-    }
+    return environment(
+        device=device, dtype=dtype, threads=threads, triton=triton.__version__,
+        peak_bandwidth_gbps=spec / 1e9 if spec else None, copy_bandwidth_gbps=copy / 1e9,
+    )  # fmt: skip
 
 
 def write(results: dict, args: argparse.Namespace, env: dict) -> Path:
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"env": env, "args": vars(args), "results": results}, indent=1))
+    write_json(out.with_suffix(".json"), env=env, args=args, results=results)
     plot(results, out.with_suffix(".png"))
     return out
 
@@ -257,18 +238,17 @@ def main(argv=None) -> int:
         print("bench_kernels needs a CUDA GPU (the Triton kernels run only there); none here, nothing measured.")
         return 0
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    spec, copy = peak_bandwidth(device)
-    results = run(args, device)
+    with pinned_threads(args.threads):
+        spec, copy = peak_bandwidth(device)
+        results = run(args, device)
     add_peak_fractions(results, spec, copy)
-    env = environment(device, args.dtype, args.threads, spec, copy)
+    env = kernel_environment(device, args.dtype, args.threads, spec, copy)
     print(f"# {env['device_name']}: peak {env['peak_bandwidth_gbps'] or math.nan:.0f} GB/s (spec), "
           f"copy {env['copy_bandwidth_gbps']:.0f} GB/s (measured); {args.dtype}, batch {args.batch}")
     print_table(results)
     out = write(results, args, env)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,8 +10,6 @@ the cue achieve next to the stated chance level, and how many frames/s does ``co
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import shutil
 import sys
 import tempfile
@@ -19,6 +17,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from vla_runtime.bench.harness import environment, write_json
 
 
 def parse_args(argv=None):
@@ -96,10 +96,8 @@ def main(argv=None) -> int:
         print(f"{name:<18} {r['kind']:<10} {r['expert_success']:>7.0%} {r['length_mean']:>8.1f} {r['length_min']:>4} "
               f"{r['length_max']:>4} {r['step_limit']:>5} {r['chance_level']:>7.1%} {r['guessing_expert_success']:>8.0%} "
               f"{co[name]['frames_per_s']:>12.1f}")  # fmt: skip
-    out = Path(args.out).with_suffix(".json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    env = {"python": platform.python_version(), "machine": platform.machine()}
-    out.write_text(json.dumps({"env": env, "args": vars(args), "results": {"experts": ex, "collection": co}}, indent=2))
+    out = write_json(Path(args.out).with_suffix(".json"), env=environment(), args=args,
+                     results={"experts": ex, "collection": co})  # fmt: skip
     print(f"\nwrote {out}")
     return 0
 

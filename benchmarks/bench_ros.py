@@ -17,10 +17,7 @@ OpenVLA family is available, else it uses the ROS tests' deterministic test poli
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +30,7 @@ TEST_DIR = REPO / "ros2_ws" / "src" / "vla_runtime_ros" / "test"
 sys.path.insert(0, str(TEST_DIR))  # the ROS test harness: node subprocesses, waiting on conditions
 
 import vla_runtime_ros  # noqa: E402,F401  (first: library path of the pip ROS wheels)
+from vla_runtime.bench.harness import environment, pinned_threads, time_ms, write_json  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,23 +81,22 @@ def frames(n: int, size: tuple[int, int], seed: int) -> list[np.ndarray]:
 
 
 def step_times_ms(checkpoint: Path, modules: list[str], images: list[np.ndarray], args) -> list[float]:
-    """``session.step`` wall time in this process (the model cost the ROS path also pays)."""
+    """``session.step`` wall time in this process (the model cost the ROS path also pays), a new frame per call;
+    the first ``--warmup`` calls are not timed."""
     import importlib
 
-    import torch
     from vla_runtime.api import Observation, load_policy
 
-    torch.set_num_threads(args.threads)
     for module in modules:
         importlib.import_module(module)
-    session = load_policy(checkpoint, device=args.device).new_session("pick up the cup")
-    times = []
-    for i, image in enumerate(images):
-        start = time.perf_counter()
-        session.step(Observation(images={"primary": image}))
-        if i >= args.warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return times
+    with pinned_threads(args.threads):
+        session = load_policy(checkpoint, device=args.device).new_session("pick up the cup")
+        frames_left = iter(images)
+
+        def step():
+            session.step(Observation(images={"primary": next(frames_left)}))
+
+        return time_ms(step, warmup=args.warmup, repeats=len(images) - args.warmup, device=args.device)
 
 
 def rss_mb(pid: int) -> float:
@@ -283,8 +280,7 @@ def main(argv=None) -> int:
         finally:
             harness.close()
     if args.skip_overhead:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        Path(f"{args.out}.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+        write_json(f"{args.out}.json", env=environment(device=args.device, threads=args.threads), args=args, results=results)
         return 0
     checkpoint, modules = (args.checkpoint, []) if args.checkpoint else make_checkpoint(tmp)
     images = frames(args.warmup + args.repeats, tuple(args.size), args.seed)
@@ -321,14 +317,7 @@ def main(argv=None) -> int:
           f"errors {stream['bad_inputs'] + stream['inference_errors']}")
     results["stream"] = stream
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": args.device,
-           "threads": args.threads, "machine": platform.processor() or platform.machine(), "git_sha": sha}
-    report = {"env": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "results": results}
-    Path(f"{args.out}.json").write_text(json.dumps(report, indent=1))
+    write_json(f"{args.out}.json", env=environment(device=args.device, threads=args.threads), args=args, results=results)
     print(f"wrote {args.out}.json")
     return 0
 

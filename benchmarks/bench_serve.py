@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vla_runtime.bench.harness import environment, pinned_threads, write_json
+
 PROMPTS = ["pick up the red cube", "open the top drawer", "put the blue block on the green plate near the bowl",
            "close it", "push the button", "stack the cups on the left side of the table", "reach the goal", "wipe"]  # fmt: skip
 
@@ -217,32 +219,25 @@ def run_round(server, port: int, n: int, args: argparse.Namespace) -> dict:
     return result
 
 
-def environment(threads: int) -> dict:
-    """What the figures depend on; the load average matters on a shared machine."""
-    import platform
-
-    import torch
-
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=False)
-    return {"torch": torch.__version__, "threads": threads, "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-            "loadavg_start": os.getloadavg(), "git_sha": sha.stdout.strip() or None}  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.client:
         print(json.dumps(soak_clients(args) if args.soak else drive_clients(args)))
         return 0
-    import torch
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    with pinned_threads(args.threads):
+        return run(args)
 
+
+def run(args: argparse.Namespace) -> int:
+    """Both servers of one policy in this process, the client rounds (or the soak) against them, the report."""
     from vla_runtime.config import SessionConfig
     from vla_runtime.kv import KVConfig
     from vla_runtime.serve import BatchConfig, ServeConfig
     from vla_runtime.serve.server import ServerThread, build_server
 
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    torch.set_num_threads(args.threads)
-    env = environment(args.threads)
+    # the load average matters on a shared machine
+    env = environment(device=args.device, threads=args.threads, cpus=os.cpu_count(), loadavg_start=os.getloadavg())
     session = SessionConfig(history=args.history, kv=KVConfig(mode=args.kv))
     variants = {"batched": BatchConfig(max_batch=args.max_batch, window_ms=args.window_ms), "one-at-a-time": BatchConfig(max_batch=1)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -265,9 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                   if rss else "soak too short for an RSS sample")  # fmt: skip
             for e in result["errors"]:
                 print(e)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
             env["loadavg_end"] = os.getloadavg()
-            args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "env": env, "soak": result}, indent=1))
+            write_json(args.out, env=env, args=args, soak=result)
             return 1 if result["errors"] or result["sessions_left"] else 0
         try:
             rounds: dict[tuple[int, str], list[dict]] = {}
@@ -308,10 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"batch sizes run by the batched server (size: forwards): {dict(sorted(batch_sizes.items()))}")
     env["loadavg_end"] = os.getloadavg()
     print(f"load average at start / end: {env['loadavg_start'][0]:.1f} / {env['loadavg_end'][0]:.1f} on {env['cpus']} CPUs")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "env": env,
-                                    "summary": summary, "targets": targets, "batch_sizes": batch_sizes,
-                                    "rounds": {f"{n}|{name}": rs for (n, name), rs in rounds.items()}}, indent=1))  # fmt: skip
+    write_json(args.out, env=env, args=args, summary=summary, targets=targets, batch_sizes=batch_sizes,
+               rounds={f"{n}|{name}": rs for (n, name), rs in rounds.items()})  # fmt: skip
     return 0
 
 

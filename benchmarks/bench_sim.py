@@ -10,17 +10,16 @@ back bit-identically (PNG in parquet, lossless H.264, standard H.264 yuv420p)?
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from vla_runtime.bench.harness import environment, pinned_threads, time_ms, write_json
 
 
 def parse_args(argv=None):
@@ -34,17 +33,6 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench_sim")
     return p.parse_args(argv)
-
-
-def time_s(fn, *, warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def throughput(args) -> dict:
@@ -72,8 +60,8 @@ def throughput(args) -> dict:
                 for _ in range(args.frames):
                     env.step(env.expert_action())
 
-            times = time_s(render if kind == "render" else step, warmup=args.warmup, repeats=args.repeats)
-        rate = [args.frames / t for t in times]
+            times = time_ms(render if kind == "render" else step, warmup=args.warmup, repeats=args.repeats)
+        rate = [args.frames * 1e3 / t for t in times]
         results[name] = {"per_s": rate, "median_per_s": float(np.median(rate))}
     base = results["step, no render"]["median_per_s"]
     for r in results.values():
@@ -121,11 +109,9 @@ def fidelity(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
-    torch.set_num_threads(args.threads)
-    tp = throughput(args)
-    fd = fidelity(args)
+    with pinned_threads(args.threads):
+        tp = throughput(args)
+        fd = fidelity(args)
     print(f"Meta-World {args.task} {args.resolution}x{args.resolution}, MUJOCO_GL={tp['gl_backend']}, {args.repeats} repeats x {args.frames}")
     print(f"{'measure':<26} {'median /s':>10} {'ratio vs no-render step':>24}")
     for name, r in tp.items():
@@ -136,14 +122,8 @@ def main(argv=None) -> int:
         psnr = "inf" if r["psnr_db"] is None else f"{r['psnr_db']:.1f}"
         print(f"{name:<22} {str(r['identical']):>9} {r['max_abs_diff']:>7} {psnr:>8} {r['bytes_per_frame']:>9.0f} "
               f"{r['write_ms_per_frame']:>9.2f} {r['read_ms_per_frame']:>8.2f}")
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        sha = None
-    out = Path(args.out).with_suffix(".json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor(), "threads": args.threads, "git_sha": sha}
-    out.write_text(json.dumps({"env": env, "args": vars(args), "results": {"throughput": tp, "fidelity": fd}}, indent=2))
+    out = write_json(Path(args.out).with_suffix(".json"), env=environment(threads=args.threads), args=args,
+                     results={"throughput": tp, "fidelity": fd})  # fmt: skip
     print(f"\nwrote {out}")
     return 0
 

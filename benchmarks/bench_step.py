@@ -15,29 +15,27 @@ once restricted to the 256 action ids (the runtime default). Ratio = reference m
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import platform
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from vla_runtime.api import Observation, load_policy
+from vla_runtime.bench.harness import (
+    environment, pinned_threads, plot_medians, print_ratio_table, ratio_table, time_interleaved, write_json,
+)  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import ActionDecoding
-from vla_runtime.device import synchronize
 from vla_runtime.images import read_image
 from vla_runtime.models.openvla.policy_openvla import OpenVLAPolicy
 from vla_runtime.models.openvla.processing_openvla import ActionTokenizer
 
-log = logging.getLogger("bench_step")
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "demo_scene.png"
 INSTRUCTION = "put the red cube in the blue bowl"
+BASELINE = "reference (timm + HF generate)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,20 +51,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/bench_step"), help="writes <out>.json and <out>.png")
     return p.parse_args(argv)
-
-
-def time_ms(fn, *, warmup: int, repeats: int, device: torch.device) -> list[float]:
-    """Wall-clock ms of ``fn()`` per call after ``warmup`` untimed calls, synchronised on CUDA."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
 
 
 class UpstreamPath:
@@ -108,49 +92,16 @@ class UpstreamPath:
         return self.actions.decode(self.tokens(image))
 
 
-def environment(device: torch.device, dtype: torch.dtype, threads: int) -> dict:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = None
-    return {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
-        "dtype": str(dtype).removeprefix("torch."),
-        "threads": threads,
-        "git_sha": sha,
-    }
-
-
-def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is missing: no plot written")
-        return
-    names = list(results)[::-1]
-    medians = [results[n]["median_ms"] for n in names]
-    lo = [m - np.percentile(results[n]["times_ms"], 10) for n, m in zip(names, medians)]
-    hi = [np.percentile(results[n]["times_ms"], 90) - m for n, m in zip(names, medians)]
-    fig, ax = plt.subplots(figsize=(8, 3))
-    ax.barh(range(len(names)), medians, xerr=[lo, hi], color=["tab:blue"] * (len(names) - 1) + ["tab:gray"], capsize=4)
-    ax.set_yticks(range(len(names)), [f"{n}\nx{results[n]['ratio']:.2f}" for n in names])
-    ax.set_xlabel("ms per action (median, p10-p90)")
-    ax.set_title("OpenVLA per-action latency")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
+    with pinned_threads(args.threads):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check our tokens equal the reference's, time the variants interleaved, print and write the record."""
     image = read_image(args.image)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or make_tiny_openvla(Path(tmp) / "tiny-openvla", seed=args.seed)
@@ -177,33 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("token mismatch between restricted decoding and the reference with non-action tokens suppressed")
 
     variants = {
-        "reference (timm + HF generate)": lambda: reference.action(image),
+        BASELINE: lambda: reference.action(image),
         "ours (full vocabulary)": lambda: ours_full.step(obs),
         "ours (action tokens, default)": lambda: ours_restricted.step(obs),
     }
-    for fn in variants.values():  # warm-up, reported apart from the timed runs
-        time_ms(fn, warmup=0, repeats=args.warmup, device=device)
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats):  # interleaved rounds: load drift hits every variant alike
-        for name, fn in variants.items():
-            times[name] += time_ms(fn, warmup=0, repeats=1, device=device)
-
-    baseline = float(np.median(times["reference (timm + HF generate)"]))
-    results = {}
-    print(f"{'name':32s} | median ms |    p10 |    p90 | ratio vs baseline")
-    for name, t in times.items():
-        median = float(np.median(t))
-        results[name] = {"times_ms": t, "median_ms": median, "ratio": baseline / median}
-        print(f"{name:32s} | {median:9.2f} | {np.percentile(t, 10):6.2f} | {np.percentile(t, 90):6.2f} | {baseline / median:6.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {
-        "env": environment(device, dtype, args.threads),
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "checkpoint": {"tiny": args.checkpoint is None, "info": full.info()},
-        "results": results,
-    }
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=2))
-    plot(results, args.out.with_suffix(".png"))
+    times = time_interleaved(variants, warmup=args.warmup, repeats=args.repeats, device=device)
+    results = ratio_table(times, BASELINE)
+    print_ratio_table(results)
+    record = {"tiny": args.checkpoint is None, "info": full.info()}
+    write_json(args.out.with_suffix(".json"), env=environment(device=device, dtype=dtype, threads=args.threads), args=args,
+               checkpoint=record, results=results)  # fmt: skip
+    plot_medians(results, args.out.with_suffix(".png"), title="OpenVLA per-action latency", xlabel="ms per action (median, p10-p90)")
     return 0
 
 

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("openpi_client", reason="openpi-client is not installed (scripts/setup.sh installs it with --no-deps)")
 
@@ -18,9 +17,7 @@ def bench():
     spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    yield module
-    torch.set_num_threads(threads)
+    return module
 
 
 def test_load_rounds_write_both_variants(bench, tmp_path):

@@ -1,10 +1,14 @@
-"""bench_step.py keeps working: its pre-timing check (our tokens == transformers' generate tokens) passes
-and it writes the JSON record (timings themselves are not asserted)."""
+"""bench_step.py keeps working: its pre-timing check (our tokens == transformers' generate tokens) passes, and
+its JSON record holds each variant's timed calls (warm-up excluded) with the median, percentiles and the ratio
+computed from them (timings themselves are not asserted)."""
 
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_step.py"
@@ -15,13 +19,18 @@ def test_bench_step_agrees_with_the_reference_and_writes_results(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     threads = torch.get_num_threads()
-    try:
-        assert bench.main(["--repeats", "2", "--warmup", "1", "--out", str(tmp_path / "bench")]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert bench.main(["--threads", "1", "--repeats", "3", "--warmup", "1", "--out", str(tmp_path / "bench")]) == 0
+    assert torch.get_num_threads() == threads  # pinned for the run only
     record = json.loads((tmp_path / "bench.json").read_text())
-    assert set(record["env"]) == {"torch", "cuda", "device_name", "dtype", "threads", "git_sha"}
+    assert record["env"]["threads"] == 1 and record["env"]["dtype"] == "float32" and record["env"]["device"] == "cpu"
+    assert record["args"]["repeats"] == 3 and record["checkpoint"]["tiny"] is True
     results = record["results"]
-    assert len(results) == 3 and all(len(r["times_ms"]) == 2 and r["ratio"] > 0 for r in results.values())
-    assert results["reference (timm + HF generate)"]["ratio"] == 1.0
+    assert list(results) == [bench.BASELINE, "ours (full vocabulary)", "ours (action tokens, default)"]
+    baseline = results[bench.BASELINE]["median_ms"]
+    for r in results.values():
+        assert len(r["times_ms"]) == 3 and r["baseline"] == bench.BASELINE
+        assert r["median_ms"] == statistics.median(r["times_ms"])
+        assert r["p10_ms"] == pytest.approx(np.percentile(r["times_ms"], 10))
+        assert r["p90_ms"] == pytest.approx(np.percentile(r["times_ms"], 90))
+        assert r["ratio"] == pytest.approx(baseline / r["median_ms"])
     assert (tmp_path / "bench.png").stat().st_size > 0

@@ -1,5 +1,6 @@
 """Benchmarks that print ratios measured side by side in one run (STYLE §2.5).
 
-Each module has ``main(argv) -> int``; ``benchmarks/bench_<name>.py`` and ``vla-runtime bench <name>``
-both call it. Register a new one in ``vla_runtime.cli.bench.BENCHMARKS``.
+``harness`` holds what every benchmark shares (timing with warm-up, medians and ratios, pinned threads, the
+environment record, JSON and plots); ``registry`` finds the benchmarks ``vla-runtime bench NAME`` runs: the
+built-in ones here (``kv``) and every ``benchmarks/bench_<name>.py`` of a source checkout.
 """

@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +36,7 @@ import torch
 
 from ..kv import ChunkGate, ChunkGateConfig, FullCache, KVConfig, make_cache
 from ..models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
+from .harness import environment, pinned_threads, pyplot, save_figure, summarize, write_json
 
 log = logging.getLogger(__name__)
 
@@ -186,11 +184,6 @@ def time_interleaved(forward, snapshots: dict, frame_x, decode_x, *, warmup: int
     return times, last
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 def bench_part(part: str, args: argparse.Namespace, dtype: torch.dtype) -> dict:
     """Every method at every length for one part; returns ``{f"{part}/{method}/{L}": record}``."""
     if part == "layer":
@@ -232,10 +225,7 @@ def bench_part(part: str, args: argparse.Namespace, dtype: torch.dtype) -> dict:
             flops = step_flops(cfg, held, args.frame, args.decode, chunks=formed, gate=gate_cfg)
             total = [p + d for p, d, _ in times[method]]
             record = {
-                "times_ms": total,
-                "median_ms": statistics.median(total),
-                "p10_ms": percentile(total, 0.1),
-                "p90_ms": percentile(total, 0.9),
+                **summarize(total),
                 "prefill_ms": statistics.median(p for p, _, _ in times[method]),
                 "decode_ms": statistics.median(d for _, d, _ in times[method]),
                 "cpu_ms": statistics.median(c for _, _, c in times[method]),
@@ -288,22 +278,6 @@ def check_agreement(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, f
 
 
 # ---- report -----------------------------------------------------------------------------------------
-def environment(args: argparse.Namespace) -> dict:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        sha = ""
-    cuda = torch.cuda.is_available()
-    return {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda if cuda else None,
-        "device_name": torch.cuda.get_device_name() if cuda and args.device.startswith("cuda") else platform.processor() or platform.machine(),
-        "dtype": args.dtype,
-        "threads": args.threads,
-        "git_sha": sha,
-    }
-
-
 def print_table(results: dict) -> None:
     head = (
         f"{'part':5} {'L':>6} {'method':12} {'median ms':>10} {'p10':>8} {'p90':>8} {'x full':>7} {'prefill':>8} "
@@ -323,13 +297,8 @@ def print_table(results: dict) -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     parts = sorted({name.split("/")[0] for name in results}, key=PARTS.index)
     fig, axes = plt.subplots(2, len(parts), figsize=(6 * len(parts), 8), squeeze=False)
@@ -349,18 +318,20 @@ def plot(results: dict, path: Path) -> None:
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
+    with pinned_threads(args.threads):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check agreement, time every part, print the table and the summary lines, write the record."""
     dtype = getattr(torch, args.dtype)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     with torch.inference_mode():
         agreement = check_agreement(args, dtype)
         print("window >= episode, max |logits - full|: " + ", ".join(f"{k} {v:.2e}" for k, v in agreement.items()))
@@ -377,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['flops_ratio']:.2f}x), "
                 f"{r['bytes_ratio']:.1f}x less KV, retention {r['retained_ratio']:.2f}; sink-window {s['ratio']:.2f}x"
             )
-    report = {"env": environment(args), "args": vars(args), "agreement": agreement, "results": results}
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    env = environment(device=args.device, dtype=args.dtype, threads=args.threads)
+    write_json(out.with_suffix(".json"), env=env, args=args, agreement=agreement, results=results)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0

@@ -1,24 +1,42 @@
-"""``vla-runtime bench NAME [args]``: run a benchmark from ``vla_runtime.bench`` (the same code as
-``benchmarks/bench_NAME.py``). ``vla-runtime bench kv --help`` lists a benchmark's own options."""
+"""``vla-runtime bench NAME [args]``: run a benchmark, passing it its own arguments (the same code as
+``python benchmarks/bench_NAME.py [args]``). ``vla-runtime bench`` (or ``--list``) lists them;
+``vla-runtime bench NAME --help`` shows a benchmark's own options."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
+from pathlib import Path
 
-# benchmark name -> module with main(argv) -> int
-BENCHMARKS: dict[str, str] = {
-    "kv": "vla_runtime.bench.kv",
-}
+from ..bench.registry import default_dir, find_benchmarks, get_benchmark
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("bench", help="run a benchmark (ratios measured side by side in one run)")
-    parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    parser = sub.add_parser(
+        "bench",
+        help="run a benchmark (ratios measured side by side in one run); no NAME: list them",
+        description=__doc__,
+    )
+    parser.add_argument("--list", action="store_true", help="list the benchmarks with a line on each (also without NAME)")
+    parser.add_argument("--dir", type=Path, default=None, help=f"folder of bench_*.py scripts (default: {default_dir()})")
+    parser.add_argument("name", nargs="?", help="which benchmark (see --list)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(BENCHMARKS[args.name])
-    return module.main(args.bench_args)
+    if args.list or args.name is None:
+        return list_benchmarks(args.dir)
+    return get_benchmark(args.name, args.dir).run(args.bench_args)
+
+
+def list_benchmarks(folder: Path | None) -> int:
+    """Print ``NAME  description`` per benchmark, and a note when the scripts' folder is missing."""
+    found = find_benchmarks(folder)
+    width = max(len(name) for name in found)
+    for name, bench in found.items():
+        print(f"{name:{width}s}  {bench.summary}")
+    folder = default_dir() if folder is None else folder
+    if not folder.is_dir():
+        print(f"(no benchmarks folder at {folder}: the bench_*.py scripts run from a source checkout; see --dir)")
+    print("run one: vla-runtime bench NAME [its options]; its options: vla-runtime bench NAME --help")
+    return 0
