@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from vla_runtime.bench.harness import environment, pinned_threads, write_json
-from vla_runtime.kv import ChunkedGatedCache, ChunkGate, ChunkGateConfig, FullCache, KVConfig
+from vla_runtime.kv import ChunkedGatedCache, ChunkGate, FullCache, FullParams, KVConfig, KVMode
 from vla_runtime.kv.budget import BudgetMode
 from vla_runtime.kv.chunked_parallel import parallel_forward, step_boundaries
 from vla_runtime.models.llama import LlamaConfig, LlamaForCausalLM
@@ -89,9 +89,9 @@ def train(variant: str, args: argparse.Namespace, seed: int) -> tuple[LlamaForCa
     cfg = model_config()
     model = LlamaForCausalLM(cfg)
     window = STEP + DECODES
-    kv = KVConfig(mode="chunked", chunk=CHUNK, window=window, max_chunks=args.budget, capacity=args.budget + 4 * window)
-    gate = ChunkGate(ChunkGateConfig.from_configs(kv, cfg))
-    train_kv = kv if variant != "penalty" else KVConfig(mode="chunked", chunk=CHUNK, window=window, max_chunks=512, capacity=1024)
+    kv = KVConfig.of(KVMode.CHUNKED, chunk=CHUNK, window=window, max_chunks=args.budget, capacity=args.budget + 4 * window)
+    gate = ChunkGate(kv.gate_config(cfg.geometry))
+    train_kv = kv if variant != "penalty" else KVConfig.of(KVMode.CHUNKED, chunk=CHUNK, window=window, max_chunks=512, capacity=1024)
     budget = BudgetMode.HARD if variant == "hard-budget" else BudgetMode.SOFT
     bounds = step_boundaries(PROMPT, [STEP] * args.steps, DECODES)
     n_chunks = (sum(bounds) - PROMPT - window) // CHUNK
@@ -119,7 +119,10 @@ def evaluate(model: LlamaForCausalLM, gate: ChunkGate, kv: KVConfig, args: argpa
     ids, label, cue = sequences(args.eval, steps=args.steps, classes=args.classes, seed=10**6 + seed)
     right = held = right_full = 0
     for i in range(args.eval):
-        caches = {"chunked": ChunkedGatedCache(kv, model.cfg, gate=gate), "full": FullCache(model.cfg, capacity=sum(bounds))}
+        caches = {
+            "chunked": ChunkedGatedCache(model.cfg.geometry, kv.params, gate=gate),
+            "full": FullCache(model.cfg.geometry, FullParams(capacity=sum(bounds))),
+        }
         answers = {}
         for name, cache in caches.items():
             start = 0

@@ -37,7 +37,7 @@ from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact, make_tiny_hybridvla
 from vla_runtime.config import SessionConfig
 from vla_runtime.device import resolve_device, resolve_dtype
-from vla_runtime.kv import CACHES, FullCache, KVConfig
+from vla_runtime.kv import FullCache, FullParams, KVConfig, KVMode
 from vla_runtime.kv.rope import RopeConfig
 from vla_runtime.models.action_postprocess import postprocess_actions
 from vla_runtime.models.hybridvla.configuration_hybridvla import EOD_TOKEN_ID
@@ -97,30 +97,28 @@ def cache_variants(
 ) -> dict[str, tuple]:
     """(baseline name, fn) per variant; sessions filled with ``--history-steps`` steps of history
     (collected in ``sessions_out`` by variant name, for their KV stats)."""
-    modes = [m for m in ("full", "chunked") if m in CACHES]
-    if "chunked" not in modes:
-        log.warning("the chunked cache is not available in this build: question 1 times the full cache only")
+    modes = [KVMode.FULL, KVMode.CHUNKED]
     capacity = 64 * (args.history_steps + args.warmup + args.repeats + 8)  # full cache: every token, no wrap
     out = {}
     for family in FAMILIES:
         policy = load_policy(paths[family], device=args.device, dtype=args.dtype)
         sessions = {}
         for mode in modes:
-            kv = KVConfig(mode=mode, capacity=capacity if mode == "full" else None)
+            kv = KVConfig.of(KVMode.FULL, capacity=capacity) if mode is KVMode.FULL else KVConfig(mode)
             sessions[mode] = policy.new_session(INSTRUCTION, SessionConfig(kv=kv, history="history", seed=args.seed))
         first = {mode: s.step(obs(images[0], family)).actions for mode, s in sessions.items()}
-        if any(not np.allclose(a, first["full"], atol=1e-5) for a in first.values()):
+        if any(not np.allclose(a, first[KVMode.FULL], atol=1e-5) for a in first.values()):
             raise SystemExit(f"{family}: the first step differs between caches before anything was compressed")
         for image in images[1 : args.history_steps]:
             for s in sessions.values():
                 s.step(obs(image, family))
         for mode, s in sessions.items():
             stats = s.cache.stats()
-            log.info("%s %s: %d tokens seen, %d raw held, %.0f chunks", family, mode, stats.tokens_seen,
+            log.info("%s %s: %d tokens seen, %d raw held, %.0f chunks", family, mode.value, stats.tokens_seen,
                      stats.tokens_raw, stats.tokens_compressed)  # fmt: skip
             it = itertools.cycle(images[args.history_steps :])
-            sessions_out[f"{family} history, {mode} cache"] = s
-            out[f"{family} history, {mode} cache"] = (
+            sessions_out[f"{family} history, {mode.value} cache"] = s
+            out[f"{family} history, {mode.value} cache"] = (
                 f"{family} history, full cache",
                 lambda s=s, it=it, family=family: s.step(obs(next(it), family)),
             )
@@ -136,7 +134,8 @@ class UpstreamHybrid:
 
     def __init__(self, policy, session) -> None:
         self.policy, self.session = policy, session
-        self.cache = FullCache(policy.vlm.cfg.llm, capacity=session.kv_config.capacity)  # single mode: one step's tokens
+        capacity = session.kv_config.params.capacity  # single mode: one step's tokens
+        self.cache = FullCache(policy.vlm.cfg.llm.geometry, FullParams(capacity=capacity))
         self.generator = torch.Generator()
 
     def prefix(self, image: np.ndarray) -> torch.Tensor:

@@ -35,7 +35,7 @@ FLAGS: list[tuple[str, str, dict, str]] = [
     ("--dataset", "dataset", {"type": Path, "metavar": "DIR"}, "local LeRobot dataset directory (v3.0 or v2.1)"),
     ("--out", "out", {"type": Path, "metavar": "DIR"}, "output directory (adapter, gates, statistics, log, plot)"),
     ("--history", "history", {"choices": HISTORY_MODES}, "history (windows of steps; default) or single"),
-    ("--kv", "kv.mode", {"choices": TRAINABLE_KV_MODES}, "cache inference will use: chunked (trains the gate; default) or full"),
+    ("--kv", "kv.mode", {"choices": [m.value for m in TRAINABLE_KV_MODES]}, "cache inference will use: chunked (trains the gate; default) or full"),
     ("--chunk", "kv.chunk", _OPT_INT, "chunk size C of the chunked cache (default 16)"),
     ("--kv-window", "kv.window", _OPT_INT, "raw recent window W in tokens (default: one control step's tokens)"),
     ("--max-chunks", "kv.max_chunks", _OPT_INT, "retained-chunk budget per layer (default: bounded by capacity only)"),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from vla_runtime.config import HISTORY_MODES
 from vla_runtime.device import DTYPES
-from vla_runtime.kv import KVConfig
+from vla_runtime.kv import KVConfig, KVMode
 from vla_runtime.kv.budget import BudgetMode
 
 # what trains: LoRA + gates (the seed's recipe), the gates alone, or every weight (training from scratch)
@@ -21,7 +21,7 @@ TRAINABLE = ("lora", "gates", "all")
 LR_SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("auto", "fp32", "bf16")
 # KV modes with a training form: full (plain causal attention) and chunked (the parallel form)
-TRAINABLE_KV_MODES = ("full", "chunked")
+TRAINABLE_KV_MODES = (KVMode.FULL, KVMode.CHUNKED)
 # LoRA target shorthands (resolved in ``lora.TARGET_SETS``)
 LORA_SHORTHANDS = ("all-linear", "llm-linear")
 
@@ -128,7 +128,7 @@ class DataConfig:
 
 @dataclass
 class GateTraining:
-    """How the chunked cache's aggregator and gate train (``kv.mode == "chunked"`` in history mode).
+    """How the chunked cache's aggregator and gate train (``KVMode.CHUNKED`` in history mode).
 
     Args:
         temperature: soft gate ``g = sigmoid((s - tau) / temperature)`` at the start of training.
@@ -219,7 +219,7 @@ class FinetuneConfig:
     out: Path
     trainable: str = "lora"
     history: str = "history"
-    kv: KVConfig = field(default_factory=lambda: KVConfig(mode="chunked"))
+    kv: KVConfig = field(default_factory=lambda: KVConfig(KVMode.CHUNKED))
     lora: LoraSettings = field(default_factory=LoraSettings)
     data: DataConfig = field(default_factory=DataConfig)
     gate: GateTraining = field(default_factory=GateTraining)
@@ -256,7 +256,8 @@ class FinetuneConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` is {getattr(self, name)!r}; expected one of {', '.join(allowed)}")
         if self.kv.mode not in TRAINABLE_KV_MODES:
-            raise ValueError(f"`kv.mode` is {self.kv.mode!r}; training supports {', '.join(TRAINABLE_KV_MODES)}")
+            trainable = ", ".join(m.value for m in TRAINABLE_KV_MODES)
+            raise ValueError(f"`kv.mode` is {self.kv.mode.value!r}; training supports {trainable}")
         if self.trainable == "gates" and not self.trains_gate:
             raise ValueError(
                 "`trainable: gates` needs history mode with kv.mode 'chunked' (there is no gate to train otherwise)"
@@ -282,7 +283,7 @@ class FinetuneConfig:
     @property
     def trains_gate(self) -> bool:
         """The chunked cache compresses only in history mode; single mode and ``full`` have no gate."""
-        return self.history == "history" and self.kv.mode == "chunked"
+        return self.history == "history" and self.kv.mode is KVMode.CHUNKED
 
     @property
     def trains_lora(self) -> bool:

@@ -3,7 +3,7 @@
 ``PolicyTrainModule`` holds the policy model (LoRA injected or not) and the ``ChunkGate`` as
 submodules, so one ``DistributedDataParallel`` wraps everything that trains. Attention runs through a
 training form (an object with the cache's ``attend``): ``ParallelChunkedAttention`` (the chunked
-cache's parallel form, soft gates) in history mode with ``kv.mode == "chunked"``, else
+cache's parallel form, soft gates) in history mode with ``KVMode.CHUNKED``, else
 ``CausalForm`` (one causal forward at absolute positions, which is what ``FullCache`` streams).
 """
 
@@ -20,7 +20,6 @@ from torch.utils.checkpoint import checkpoint
 from vla_runtime.kv import KVConfig
 from vla_runtime.kv.attention import causal_attention
 from vla_runtime.kv.budget import BudgetMode
-from vla_runtime.kv.chunked_gated import ChunkedGatedConfig
 from vla_runtime.kv.chunked_parallel import ForwardSchedule, ParallelChunkedAttention
 from vla_runtime.kv.gate import ChunkGate, check_gate
 from vla_runtime.kv.rope import RopeConfig, apply_rope, rope_cos_sin
@@ -98,9 +97,9 @@ class PolicyTrainModule(nn.Module):
         self.gradient_checkpointing = gradient_checkpointing
         self.chunked = None
         if gate is not None:
-            llm_cfg = vla.language_model.cfg
-            check_gate(gate, kv, llm_cfg)
-            self.chunked = ChunkedGatedConfig.from_kv(kv, llm_cfg)
+            geometry = vla.language_model.cfg.geometry
+            self.chunked = kv.params.resolve(geometry)
+            check_gate(gate, geometry, chunk=self.chunked.chunk)
 
     def embed(self, batch: dict, layout: FlatLayout) -> torch.Tensor:
         """Input embeddings [B, N, dim]: text ids embedded, image and proprio tokens scattered in."""
@@ -148,7 +147,7 @@ class PolicyTrainModule(nn.Module):
                 layout.boundaries, layout.pinned, window=self.chunked.window, chunk=self.chunked.chunk
             )
             attn = ParallelChunkedAttention(
-                schedule, self.gate, self.chunked, self.vla.language_model.cfg, soft=True, temperature=temperature,
+                schedule, self.gate, self.chunked, self.vla.language_model.cfg.rope, soft=True, temperature=temperature,
                 budget=self.loss.budget,
             )  # fmt: skip
         else:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
+from vla_runtime.kv import KVConfig
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ def to_plain(obj):
     """Dataclasses / Paths / enums -> YAML/JSON-safe dicts and strings."""
     if isinstance(obj, enum.Enum):
         return obj.value
+    if isinstance(obj, KVConfig):  # its YAML form is flat: mode + that cache's params
+        return obj.to_dict()
     if dataclasses.is_dataclass(obj):
         return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,8 +24,7 @@ from vla_runtime.api import load_policy
 from vla_runtime.checkpoints.export import save_openvla_like
 from vla_runtime.config import SessionConfig
 from vla_runtime.device import DTYPES, resolve_device
-from vla_runtime.kv import ChunkGate, ChunkGateConfig, KVConfig, save_gate
-from vla_runtime.kv.chunked_gated import ChunkedGatedConfig
+from vla_runtime.kv import ChunkGate, KVConfig, save_gate
 from vla_runtime.kv.chunked_parallel import ForwardSchedule
 from vla_runtime.kv.gate import check_gate
 from vla_runtime.models.openvla.processing_openvla import history_frame
@@ -67,10 +66,8 @@ def lr_factor(step: int, *, schedule: str, warmup: int, max_steps: int) -> float
 def history_kv(kv: KVConfig, data: TrainingData) -> KVConfig:
     """The cache as a history session resolves it: ``window=None`` -> one frame's tokens + the decodes
     (``OpenVLASession._plan_history``). Written explicitly into ``kv_config.json``."""
-    if kv.window is not None:
-        return kv
     frame = history_frame(data.prompts[0], step=0, prev_token=0, has_proprio=data.has_proprio)
-    return replace(kv, window=frame.length(data.n_image_tokens) + data.action_dim - 1)
+    return kv.for_step(frame.length(data.n_image_tokens) + data.action_dim - 1, whole_context=False)
 
 
 class Trainer:
@@ -168,19 +165,19 @@ class Trainer:
         existing = self.policy.kv_gate
         if existing is not None:
             try:
-                check_gate(existing, self.kv, llm_cfg)
+                check_gate(existing, llm_cfg.geometry, chunk=self.kv.params.chunk)
                 log.info("continuing from the checkpoint's trained chunk gate")
                 return existing.float().to(self.device)
             except ValueError as e:
                 log.warning("the checkpoint's chunk gate does not fit (%s); training a new one", e)
-        return ChunkGate(ChunkGateConfig.from_configs(self.kv, llm_cfg)).to(self.device)
+        return ChunkGate(self.kv.gate_config(llm_cfg.geometry)).to(self.device)
 
     def _gate_may_idle(self) -> bool:
         """Whether some bucket's windows form no chunk (the gate then gets no gradient from that micro-batch,
         which DDP must be told). Every other trainable parameter is used by every forward."""
         if self.gate is None:
             return False
-        c = ChunkedGatedConfig.from_kv(self.kv, self.policy.config.llm)
+        c = self.kv.params.resolve(self.policy.config.llm.geometry)
         return any(
             ForwardSchedule.build(lay.boundaries, lay.pinned, window=c.window, chunk=c.chunk).n_chunks == 0
             for lay in self.data.layouts.values()

@@ -1,6 +1,6 @@
 """Runtime API: the contract every edge (ROS node, simulator, CLI, training) uses (DESIGN §2).
 
-    policy = load_policy(path, device="cpu", kv=KVConfig(mode="chunked"))
+    policy = load_policy(path, device="cpu", kv=KVConfig(KVMode.CHUNKED))
     session = policy.new_session("put the cup in the drawer")
     result = session.step(Observation(images={"primary": frame_uint8_hwc}))
     result.actions  # [horizon, action_dim] in robot units

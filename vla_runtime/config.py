@@ -53,7 +53,7 @@ class SessionConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.kv, dict):
-            self.kv = from_dict(KVConfig, self.kv)
+            self.kv = KVConfig.from_dict(self.kv)
         if self.history not in HISTORY_MODES:
             raise ValueError(f"`history` is {self.history!r}; expected one of {', '.join(HISTORY_MODES)}")
         if self.execution_horizon is not None and self.execution_horizon < 1:
@@ -63,10 +63,13 @@ class SessionConfig:
 def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     """Build dataclass ``cls`` from a dict, recursing into nested dataclass fields.
 
-    A nested mapping overrides the field's default instance (so a config whose default is, e.g.,
-    ``KVConfig(mode="chunked")`` keeps that mode when the mapping sets only ``chunk``).
+    A nested mapping overrides the field's default instance (so a config whose default is, e.g., a chunked
+    ``KVConfig`` keeps that mode when the mapping sets only ``chunk``). A dataclass with its own edge form
+    (``KVConfig``: a flat mapping) is read by its ``from_dict(data, base=default)`` classmethod.
     Unknown keys raise ``ValueError`` naming them and listing the valid ones.
     """
+    if cls is KVConfig:
+        return KVConfig.from_dict(data)
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__} expects a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -77,20 +80,24 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     kwargs = {}
     for key, value in data.items():
         hint = hints.get(key)
-        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+        if hint is KVConfig and isinstance(value, dict):
+            value = KVConfig.from_dict(value, base=_default(fields[key]))
+        elif dataclasses.is_dataclass(hint) and isinstance(value, dict):
             value = from_dict(hint, {**_default_values(fields[key]), **value})
         kwargs[key] = value
     return cls(**kwargs)
 
 
+def _default(f: dataclasses.Field) -> Any:
+    """A field's default value (``None`` without one)."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
 def _default_values(f: dataclasses.Field) -> dict[str, Any]:
     """The init fields of a dataclass-valued field's default instance ({} without a default)."""
-    if f.default_factory is not dataclasses.MISSING:
-        default = f.default_factory()
-    elif f.default is not dataclasses.MISSING:
-        default = f.default
-    else:
-        return {}
+    default = _default(f)
     if not dataclasses.is_dataclass(default):
         return {}
     return {g.name: getattr(default, g.name) for g in dataclasses.fields(default) if g.init}

@@ -52,7 +52,7 @@ def test_our_decoder_matches_transformers_on_converted_smollm2(smollm2_dir):
     import transformers
 
     from vla_runtime.checkpoints.causal_lm import load_causal_lm
-    from vla_runtime.kv import FullCache
+    from vla_runtime.kv import FullCache, FullParams
 
     torch.set_num_threads(2)
     lm = load_causal_lm(smollm2_dir)
@@ -61,7 +61,7 @@ def test_our_decoder_matches_transformers_on_converted_smollm2(smollm2_dir):
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
     )
     ids = torch.tensor([lm.tokenizer(prompt)["input_ids"]])
-    cache, past = FullCache(lm.cfg, capacity=64), transformers.DynamicCache(config=hf.config)
+    cache, past = FullCache(lm.cfg.geometry, FullParams(capacity=64)), transformers.DynamicCache(config=hf.config)
     generated = []
     with torch.no_grad():
         tok = ids

@@ -6,7 +6,7 @@ import torch
 
 from vla_runtime.api import ActionQueue, Observation, load_policy
 from vla_runtime.config import SessionConfig
-from vla_runtime.kv import CACHES, FullCache, KVConfig
+from vla_runtime.kv import FullCache, FullParams, KVConfig, KVMode
 from vla_runtime.models.action_postprocess import postprocess_actions
 from vla_runtime.models.cogact.configuration_cogact import AdaptiveEnsembleConfig
 from vla_runtime.models.cogact.processing_cogact import AdaptiveEnsembler
@@ -45,7 +45,7 @@ def test_single_mode_runs_upstreams_sequence(policy, frame):
         "In: What action should the robot take to put the eggplant in the basket?"))
     with torch.no_grad():
         embeds = policy.vlm.embed_prefix(policy.image_processor(image)[None], ids)
-        hidden = policy.vlm.language_model.model(inputs_embeds=embeds, cache=FullCache(policy.vlm.cfg.llm, capacity=64))
+        hidden = policy.vlm.language_model.model(inputs_embeds=embeds, cache=FullCache(policy.vlm.cfg.llm.geometry, FullParams(capacity=64)))
         normalized = policy.model.action_model.sample(
             hidden[:, -1:], cfg_scale=1.5, generator=torch.Generator().manual_seed(5)
         )
@@ -105,7 +105,7 @@ def test_action_queue_executes_k_of_the_chunk(policy, frame):
     assert len(queue) == 3  # actions 1..3 of the last chunk wait; 4..15 were dropped
 
 
-@pytest.mark.parametrize("mode", sorted(CACHES))
+@pytest.mark.parametrize("mode", list(KVMode), ids=lambda m: m.value)
 def test_history_mode_keeps_the_episode_in_every_cache(policy, frame, mode):
     session = policy.new_session(INSTRUCTION, SessionConfig(kv=KVConfig(mode=mode), history="history"))
     prompt = policy.tokenizer.prompt(INSTRUCTION)
@@ -118,9 +118,9 @@ def test_history_mode_keeps_the_episode_in_every_cache(policy, frame, mode):
     pinned = 1 + len(prompt.instruction)
     assert seen == [pinned + frame_tokens * (t + 1) for t in range(3)]
     stats = result.kv
-    if mode == "chunked":  # older frames went into chunks (kept or dropped by the gate)
+    if mode is KVMode.CHUNKED:  # older frames went into chunks (kept or dropped by the gate)
         assert stats.chunks_retained + stats.chunks_dropped > 0 and stats.tokens_raw < stats.tokens_seen
-    elif mode == "sink_window":
+    elif mode is KVMode.SINK_WINDOW:
         assert stats.tokens_raw < stats.tokens_seen
     else:
         assert stats.tokens_raw == stats.tokens_seen
@@ -137,7 +137,7 @@ def test_history_mode_streaming_equals_one_forward_over_the_episode(policy, fram
     with torch.no_grad():
         parts = [vlm.embed_forward(history_prompt(session.prompt), images=[])]
         parts += [vlm.embed_forward(session.frame, images=[vlm.embed_image(policy.image_processor(im)[None])]) for im in images]
-        hidden = vlm.language_model.model(inputs_embeds=torch.cat(parts, 1), cache=FullCache(vlm.cfg.llm, capacity=128))
+        hidden = vlm.language_model.model(inputs_embeds=torch.cat(parts, 1), cache=FullCache(vlm.cfg.llm.geometry, FullParams(capacity=128)))
         g = torch.Generator().manual_seed(3)
         torch.randn((1, 16, 7), generator=g)  # the first step's noise
         normalized = policy.model.action_model.sample(hidden[:, -1:], cfg_scale=1.5, generator=g)

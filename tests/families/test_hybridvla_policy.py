@@ -7,7 +7,7 @@ import torch
 
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.config import SessionConfig
-from vla_runtime.kv import CACHES, FullCache, KVConfig
+from vla_runtime.kv import FullCache, FullParams, KVConfig, KVMode
 from vla_runtime.models.action_postprocess import postprocess_actions
 from vla_runtime.models.hybridvla.configuration_hybridvla import BOD_TOKEN_ID, CollaborativeEnsembleConfig
 from vla_runtime.models.hybridvla.modeling_hybridvla import denoise_by_reprefill
@@ -48,7 +48,7 @@ def test_prefix_reuse_equals_reprefilling_upstreams_sequence(request, frame, fix
     prefix = upstream_prefix(policy, session, image, STATE)
     noise = torch.randn((1, chunk, 7), generator=torch.Generator().manual_seed(4))
     reference = denoise_by_reprefill(
-        policy.model.lm, policy.model.head, FullCache(policy.vlm.cfg.llm, capacity=128), policy.diffusion, noise, prefix
+        policy.model.lm, policy.model.head, FullCache(policy.vlm.cfg.llm.geometry, FullParams(capacity=128)), policy.diffusion, noise, prefix
     )
     np.testing.assert_allclose(result.actions, postprocess_actions(reference[0].numpy(), session.action_stats), atol=1e-5)
     assert result.kv.tokens_raw == prefix.shape[1]  # every appended diffusion token was rolled back
@@ -67,7 +67,7 @@ def test_ar_branch_decodes_on_the_shared_prefix(policy, frame):
     with torch.no_grad():  # upstream's AR pass: [prefix, t, x, <EOD>, 29871] + the generated tokens, one forward
         tail = policy.vlm.language_model.model.embed_tokens(torch.tensor([[32002, 29871, *session.last_tokens[0, :-1]]]))
         full = torch.cat([prefix, policy.model.head.embed_step(noise, t), tail], dim=1)
-        logits = policy.vlm.language_model(inputs_embeds=full, cache=FullCache(policy.vlm.cfg.llm, capacity=128))[:, -7:]
+        logits = policy.vlm.language_model(inputs_embeds=full, cache=FullCache(policy.vlm.cfg.llm.geometry, FullParams(capacity=128)))[:, -7:]
     np.testing.assert_array_equal(logits.argmax(-1).numpy(), session.last_tokens)
     np.testing.assert_allclose(logits.softmax(-1).amax(-1)[0].numpy(), session.last_confidences, rtol=1e-4)
     expected = postprocess_actions(policy.ar_tokens.normalized(session.last_tokens[0]), session.action_stats)
@@ -133,7 +133,7 @@ def test_modes_and_options_are_validated(tiny_hybridvla):
     assert (shifted.ar_tokens.first_id, shifted.ar_tokens.last_id) == (31737, 31992)
 
 
-@pytest.mark.parametrize("mode", sorted(CACHES))
+@pytest.mark.parametrize("mode", list(KVMode), ids=lambda m: m.value)
 def test_history_mode_keeps_only_observations_in_every_cache(policy, frame, mode):
     session = policy.new_session(INSTRUCTION, SessionConfig(kv=KVConfig(mode=mode), history="history"))
     prompt = session.prompt
@@ -146,9 +146,9 @@ def test_history_mode_keeps_only_observations_in_every_cache(policy, frame, mode
     pinned = 1 + len(prompt.instruction)
     assert seen == [pinned + frame_tokens * (t + 1) for t in range(3)]  # branch tokens rolled back each step
     stats = result.kv
-    if mode == "chunked":  # older frames went into chunks (kept or dropped by the gate)
+    if mode is KVMode.CHUNKED:  # older frames went into chunks (kept or dropped by the gate)
         assert stats.chunks_retained + stats.chunks_dropped > 0 and stats.tokens_raw < stats.tokens_seen
-    elif mode == "sink_window":
+    elif mode is KVMode.SINK_WINDOW:
         assert stats.tokens_raw < stats.tokens_seen
     else:
         assert stats.tokens_raw == stats.tokens_seen

@@ -12,7 +12,7 @@ from vla_runtime.api import FAMILIES, detect_family, load_policy
 from vla_runtime.checkpoints.openvla import hf_name
 from vla_runtime.checkpoints.prismatic_run import PrismaticRun, save_run
 from vla_runtime.checkpoints.prismatic_vlm import load_prismatic, prismatic_modules, vlm_state
-from vla_runtime.kv import FullCache
+from vla_runtime.kv import FullCache, FullParams, KVMode
 
 UPSTREAM_TRAIN_KEYS = {  # TrainConfig fields both upstreams dump to config.json
     "vla", "data_root_dir", "run_root_dir", "pretrained_checkpoint", "is_resume", "resume_step", "resume_epoch",
@@ -94,7 +94,7 @@ def test_cognition_feature_is_transformers_last_hidden_state_at_eos(tiny_cogact,
     pixels = ckpt.image_processor(frame(3))[None]
     with torch.no_grad():
         embeds = ckpt.vlm.embed_prefix(pixels, ids)  # image right after BOS
-        ours = ckpt.vlm.language_model.model(inputs_embeds=embeds, cache=FullCache(llm_cfg, capacity=64))[:, -1]
+        ours = ckpt.vlm.language_model.model(inputs_embeds=embeds, cache=FullCache(llm_cfg.geometry, FullParams(capacity=64)))[:, -1]
         ref = hf(inputs_embeds=embeds, output_hidden_states=True).hidden_states[-1][:, -1]
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
     assert llm_cfg.norm_eps == 1e-6  # tiny runs carry their own llm_config; real ones read Llama-2-7b-hf's 1e-5
@@ -175,12 +175,12 @@ def test_info_reads_structure_only(tiny_hybridvla):
 @pytest.mark.parametrize("fixture", ["tiny_cogact", "tiny_hybridvla"])
 def test_a_trained_chunk_gate_beside_the_run_is_used(request, tmp_path, fixture):
     from vla_runtime.config import SessionConfig
-    from vla_runtime.kv import ChunkGate, ChunkGateConfig, KVConfig, save_gate
+    from vla_runtime.kv import ChunkGate, KVConfig, save_gate
 
     run = copy_run(request.getfixturevalue(fixture), tmp_path / "run")
     plain = load_policy(run)
-    kv = KVConfig(mode="chunked", chunk=8, window=24)
-    gate = ChunkGate(ChunkGateConfig.from_configs(kv, plain.vlm.cfg.llm))
+    kv = KVConfig.of(KVMode.CHUNKED, chunk=8, window=24)
+    gate = ChunkGate(kv.gate_config(plain.vlm.cfg.llm.geometry))
     with torch.no_grad():
         for p in gate.parameters():
             p.add_(0.1)

@@ -107,7 +107,7 @@ def training_and_streaming_hidden(trainer, index: int):
     batch = data.batch([index], np.random.default_rng(0))
     layout = data.layouts[batch.pop("key")]
     schedule = ForwardSchedule.build(layout.boundaries, layout.pinned, window=chunked.window, chunk=chunked.chunk)
-    attn = ParallelChunkedAttention(schedule, trainer.gate, chunked, vla.language_model.cfg, soft=True, temperature=1e-4)
+    attn = ParallelChunkedAttention(schedule, trainer.gate, chunked, vla.language_model.cfg.rope, soft=True, temperature=1e-4)
     w = data.windows[index]
     real = layout.target_pos[: w.steps * data.action_dim]
     parallel = module.decode(module.embed(batch, layout), attn)[:, real]
@@ -118,7 +118,7 @@ def training_and_streaming_hidden(trainer, index: int):
     )
     images = [vla.embed_image(batch["pixels"][:, s]) for s in range(w.steps)]
     proprio = [vla.embed_proprio(batch["proprio"][:, s]) for s in range(w.steps)]
-    cache = make_cache(trainer.kv, vla.language_model.cfg, gate=trainer.gate)
+    cache = make_cache(trainer.kv, vla.language_model.cfg.geometry, gate=trainer.gate)
     hidden = [
         vla.language_model.model(inputs_embeds=vla.embed_forward(f, images=images, proprio=proprio), cache=cache, pin=f.pin)
         for f in forwards

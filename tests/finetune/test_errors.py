@@ -5,6 +5,7 @@ import pytest
 from vla_finetune.config import FinetuneConfig
 from vla_finetune.trainer import Trainer
 from vla_runtime.config import from_dict
+from vla_runtime.kv import KVMode
 
 from .conftest import make_config, write_dataset
 
@@ -81,4 +82,4 @@ def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match=r"unknown GateTraining field\(s\) \['temp'\]"):
         from_dict(FinetuneConfig, {**base, "gate": {"temp": 1}})
     # a nested mapping overrides the default instance: kv stays chunked when only the chunk is set
-    assert from_dict(FinetuneConfig, {**base, "kv": {"chunk": 8}}).kv.mode == "chunked"
+    assert from_dict(FinetuneConfig, {**base, "kv": {"chunk": 8}}).kv.mode is KVMode.CHUNKED

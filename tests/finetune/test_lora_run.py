@@ -13,6 +13,7 @@ from vla_finetune.merge import merge_adapter
 from vla_finetune.trainer import Trainer
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.config import SessionConfig
+from vla_runtime.kv import KVMode
 
 from .conftest import TASKS, make_config, training_and_streaming_hidden
 
@@ -82,7 +83,7 @@ def test_outputs_in_the_expected_formats(run, tiny_dataset):
     np.testing.assert_allclose(entry["action"]["q99"], np.quantile(actions.astype(np.float64), 0.99, axis=0))
     assert len(entry["proprio"]["q99"]) == 4 and entry["num_transitions"] == 39 and entry["num_trajectories"] == 4
     kv = json.loads((out / "kv_config.json").read_text())["kv"]
-    assert kv["mode"] == "chunked" and kv["chunk"] == 4 and kv["window"] == trainer.kv.window > 0
+    assert kv["mode"] == "chunked" and kv["chunk"] == 4 and kv["window"] == trainer.kv.params.window > 0
     session = json.loads((out / "session_config.json").read_text())
     assert session["history"] == "history" and session["kv"] == kv
 
@@ -103,7 +104,7 @@ def rollout(policy, config: SessionConfig | None = None) -> np.ndarray:
 def test_adapter_loads_and_changes_the_actions_deterministically(run, tiny_ckpt):
     _, _, out = run
     tuned = load_policy(tiny_ckpt, adapter=out)
-    assert tuned.session.history == "history" and tuned.kv.mode == "chunked" and tuned.kv_gate is not None
+    assert tuned.session.history == "history" and tuned.kv.mode is KVMode.CHUNKED and tuned.kv_gate is not None
     assert sorted(tuned.norm_stats) == ["tiny-reach"]  # the run's statistics replaced the checkpoint's
     first, second = rollout(tuned), rollout(tuned)
     np.testing.assert_array_equal(first, second)
@@ -133,6 +134,6 @@ def test_training_form_sees_what_streaming_inference_sees(run):
         parallel, streamed, cache, schedule = training_and_streaming_hidden(trainer, index)
         stats = cache.stats()  # chunk counts are summed over layers
         assert schedule.n_chunks >= 3
-        assert stats.chunks_retained + stats.chunks_dropped == schedule.n_chunks * cache.model_cfg.n_layers
+        assert stats.chunks_retained + stats.chunks_dropped == schedule.n_chunks * cache.geometry.n_layers
         assert stats.chunks_dropped > 0  # the trained gate drops chunks: the windows exercise compression
         torch.testing.assert_close(parallel, streamed, atol=1e-4, rtol=1e-4)

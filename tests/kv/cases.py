@@ -1,34 +1,57 @@
 """The cache matrix every KV test crosses (STYLE §1.3), plus the helpers and oracles the tests share.
 
-``CASES[mode]`` holds KVConfig kwargs: ``easy`` never compresses the test episodes (window >= the
-sequence), so the cache must equal ``FullCache``; ``hard`` compresses on every step. Adding a cache =
-a row here.
+``CASES[mode]`` is one row per registered cache: ``easy`` params never compress the test episodes (window
+>= the sequence), so the cache must equal ``FullCache``; ``hard`` params compress on every step (when the
+cache compresses at all, ``compresses``). Adding a cache = a row here; ``test_contract.py`` runs every
+registered cache through the contract and fails for a cache without a row.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
-from vla_runtime.kv import FullCache, KVConfig, make_cache
+from vla_runtime.kv import CACHES, FullCache, KVConfig, KVMode, make_cache
 from vla_runtime.kv.chunked_parallel import step_boundaries
 from vla_runtime.kv.rope import apply_rope, rope_cos_sin
 from vla_runtime.models.llama import LlamaConfig, LlamaForCausalLM
 
-CASES: dict[str, dict[str, dict]] = {
-    "full": {"easy": {}, "hard": {"capacity": 256}},
-    "sink_window": {"easy": {"window": 512, "n_sink": 4}, "hard": {"window": 10, "n_sink": 2, "capacity": 64}},
-    "chunked": {"easy": {"window": 512, "chunk": 4, "max_chunks": 8}, "hard": {"window": 8, "chunk": 4, "max_chunks": 3, "capacity": 64}},
+
+@dataclass(frozen=True)
+class CacheCase:
+    """One cache's row: params (``KVConfig`` keys) for the two levels, and whether ``hard`` compresses."""
+
+    easy: dict = field(default_factory=dict)
+    hard: dict = field(default_factory=dict)
+    compresses: bool = True
+
+
+CASES: dict[KVMode, CacheCase] = {
+    KVMode.FULL: CacheCase(easy={}, hard={"capacity": 256}, compresses=False),
+    KVMode.SINK_WINDOW: CacheCase(easy={"window": 512, "n_sink": 4}, hard={"window": 10, "n_sink": 2, "capacity": 64}),
+    KVMode.CHUNKED: CacheCase(
+        easy={"window": 512, "chunk": 4, "max_chunks": 8}, hard={"window": 8, "chunk": 4, "max_chunks": 3, "capacity": 64}
+    ),
 }
-COMPRESSING = ["sink_window", "chunked"]
+REGISTERED = [KVMode.parse(name) for name in CACHES]  # what the contract tests run: the registry, not the rows
+COMPRESSING = [mode for mode, case in CASES.items() if case.compresses]
 
 PROMPT = 5  # pinned prompt tokens
 STEP = 12  # prefill tokens per control step
 DECODES = 3  # single-token forwards per step
 
 
-def kv(mode: str, level: str, **overrides) -> KVConfig:
-    return KVConfig(mode=mode, **{**CASES[mode][level], **overrides})
+def case(mode: KVMode) -> CacheCase:
+    """The matrix row of ``mode``; a registered cache without one fails here, naming itself."""
+    if mode not in CASES:
+        raise AssertionError(f"cache {mode.value!r} is registered but has no row in tests/kv/cases.py CASES")
+    return CASES[mode]
+
+
+def kv(mode: KVMode, level: str, **overrides) -> KVConfig:
+    return KVConfig.of(mode, **{**getattr(case(mode), level), **overrides})
 
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
@@ -58,7 +81,7 @@ def build(mode: str, level: str, model: LlamaForCausalLM, **overrides):
 
 
 def full_cache(model: LlamaForCausalLM) -> FullCache:
-    return FullCache(model.cfg)
+    return FullCache(model.cfg.geometry)
 
 
 class ReferenceCompactCache:

@@ -1,11 +1,17 @@
-"""Every cache in ``CASES`` against ``FullCache`` and the protocol's promises (causality, rollback, stats)."""
+"""Cache-specific checks and the registry's errors; the contract every cache passes is ``test_contract.py``."""
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
 
-from vla_runtime.kv import CACHES, KVConfig, KVStats, make_cache
+import vla_runtime.kv
+from vla_runtime.cli.eval import register as register_eval
+from vla_runtime.kv import CACHES, FullCache, FullParams, KVConfig, KVMode, make_cache
+from vla_runtime.kv.slot_cache import SlotCache
 
-from .cases import CASES, COMPRESSING, PROMPT, ReferenceCompactCache, build, episode, full_cache, kv, run_stream, tiny_model
+from .cases import CASES, COMPRESSING, REGISTERED, ReferenceCompactCache, build, episode, full_cache, run_stream, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -13,128 +19,27 @@ def model():
     return tiny_model()
 
 
-def test_every_registered_cache_is_in_the_matrix():
-    assert set(CASES) == set(CACHES)
-
-
-@pytest.mark.parametrize("mode", sorted(CASES))
-def test_window_covering_the_episode_equals_full_cache(model, mode):
-    x, bounds = episode(4)
-    ref = run_stream(model, full_cache(model), x, bounds)
-    cache = build(mode, "easy", model)
-    got = run_stream(model, cache, x, bounds)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    stats = cache.stats()
-    assert stats.tokens_raw == stats.tokens_seen == x.shape[1]
-    assert stats.positions_used == x.shape[1] and stats.chunks_dropped == 0
-
-
-@pytest.mark.parametrize("mode", COMPRESSING)
-def test_compressing_cache_differs_from_full_and_stays_small(model, mode):
-    """The hard rows really compress: fewer raw tokens, bounded positions, different outputs."""
-    x, bounds = episode(6)
-    cache = build(mode, "hard", model)
-    got = run_stream(model, cache, x, bounds)
-    ref = run_stream(model, full_cache(model), x, bounds)
-    stats = cache.stats()
-    assert stats.tokens_seen == x.shape[1]
-    assert stats.tokens_raw < 30 and stats.positions_used < 40
-    assert not torch.allclose(got[:, -1], ref[:, -1], atol=1e-3)
-    # identical up to the first compression
-    first = PROMPT + 12  # the first step's prefill sees everything (nothing left the window yet)
-    torch.testing.assert_close(got[:, :first], ref[:, :first], atol=1e-5, rtol=1e-5)
+def test_every_registered_cache_has_a_row_and_every_row_a_cache():
+    assert set(CASES) == set(REGISTERED) == set(KVMode)
+    assert [m.value for m in KVMode] == list(CACHES)  # the enum is the registry, in order
 
 
 def test_sink_window_matches_the_reference_oracle(model):
     x, bounds = episode(6)
-    got = run_stream(model, build("sink_window", "hard", model), x, bounds)
-    c = CASES["sink_window"]["hard"]
+    got = run_stream(model, build(KVMode.SINK_WINDOW, "hard", model), x, bounds)
+    c = CASES[KVMode.SINK_WINDOW].hard
     ref = run_stream(model, ReferenceCompactCache(model.cfg, window=c["window"], n_sink=c["n_sink"]), x, bounds)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", sorted(CASES))
-def test_changing_a_later_frame_never_changes_an_earlier_output(model, mode):
-    x, bounds = episode(5)
-    y = x.clone()
-    cut = PROMPT + 3 * (12 + 3)  # step 3 starts here
-    y[:, cut + 2 : cut + 7] += torch.randn_like(y[:, cut + 2 : cut + 7])
-    a = run_stream(model, build(mode, "hard", model), x, bounds)
-    b = run_stream(model, build(mode, "hard", model), y, bounds)
-    assert torch.equal(a[:, : cut + 2], b[:, : cut + 2])
-    assert not torch.allclose(a[:, cut + 2 :], b[:, cut + 2 :])
-
-
-@pytest.mark.parametrize("mode", sorted(CASES))
-def test_rollback_restores_outputs_and_stats_exactly(model, mode):
-    """HybridVLA's pattern: mark, append tokens (enough to trigger compression), roll back, repeat."""
-    x, bounds = episode(5)
-    detour = torch.randn(1, 20, model.cfg.dim, generator=torch.Generator().manual_seed(9))
-    straight = build(mode, "hard", model)
-    ref = run_stream(model, straight, x, bounds)
-    cache = build(mode, "hard", model)
-    out, start = [], 0
-    with torch.no_grad():
-        for i, n in enumerate(bounds):
-            out.append(model(inputs_embeds=x[:, start : start + n], cache=cache, pin=start + n <= PROMPT))
-            start += n
-            if i % 4 == 1:  # after some forwards: two denoising-like detours, each rolled back
-                for _ in range(2):
-                    before = cache.stats()
-                    mark = cache.mark()
-                    model(inputs_embeds=detour[:, :12], cache=cache)
-                    model(inputs_embeds=detour[:, 12:], cache=cache)
-                    cache.rollback(mark)
-                    assert cache.stats().tokens_raw == before.tokens_raw
-                    assert cache.stats().chunks_retained == before.chunks_retained
-    assert torch.equal(torch.cat(out, dim=1), ref)
-    after, expected = cache.stats(), straight.stats()
-    assert (after.tokens_raw, after.chunks_retained, after.chunks_dropped, after.bytes) == (
-        expected.tokens_raw, expected.chunks_retained, expected.chunks_dropped, expected.bytes,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize("mode", COMPRESSING)
-def test_rollback_across_a_compression_is_a_clear_error(model, mode):
-    x, bounds = episode(3)
-    cache = build(mode, "hard", model)
-    run_stream(model, cache, x[:, :PROMPT], [PROMPT])
-    mark = cache.stats().tokens_seen  # a token count taken without opening a mark
-    with torch.no_grad():
-        model(inputs_embeds=x[:, PROMPT : PROMPT + 30], cache=cache)  # compresses: no open mark
-    with pytest.raises(ValueError, match="take `mark\\(\\)` before"):
-        cache.rollback(mark)
-
-
-@pytest.mark.parametrize("mode", sorted(CASES))
-def test_reset_starts_a_new_episode(model, mode):
-    x, bounds = episode(3)
-    cache = build(mode, "hard", model)
-    first = run_stream(model, cache, x, bounds)
-    cache.reset()
-    assert cache.stats() == KVStats()
-    torch.testing.assert_close(run_stream(model, cache, x, bounds), first, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("mode", COMPRESSING)
-def test_stats_bytes_follow_the_tokens_held(model, mode):
-    x, bounds = episode(6)
-    cache = build(mode, "hard", model)
-    run_stream(model, cache, x, bounds)
-    s, cfg = cache.stats(), model.cfg
-    per_token_layer = 2 * cfg.n_kv_heads * cfg.head_dim * 4
-    assert s.bytes == per_token_layer * (s.tokens_raw * cfg.n_layers + s.chunks_retained)
-    assert s.chunks_retained == s.tokens_compressed * cfg.n_layers
-
-
 def test_make_cache_errors_name_what_is_wrong(model):
     with pytest.raises(KeyError, match="available: chunked, full, sink_window"):
-        make_cache(_bad_mode(), model.cfg)
+        make_cache(_bad_mode(), model.cfg.geometry)
     for mode in COMPRESSING:
         with pytest.raises(ValueError, match="window"):
-            make_cache(KVConfig(mode=mode), model.cfg)
+            make_cache(KVConfig(mode), model.cfg.geometry)
     with pytest.raises(ValueError, match="raw slots"):
-        make_cache(KVConfig(mode="chunked", window=30, chunk=4, capacity=64, max_chunks=32), model.cfg)
+        make_cache(KVConfig.of(KVMode.CHUNKED, window=30, chunk=4, capacity=64, max_chunks=32), model.cfg.geometry)
 
 
 def _bad_mode() -> KVConfig:
@@ -143,9 +48,94 @@ def _bad_mode() -> KVConfig:
     return cfg
 
 
-@pytest.mark.parametrize("mode", COMPRESSING)
-def test_a_forward_too_large_for_the_raw_ring_is_a_clear_error(model, mode):
-    cache = make_cache(kv(mode, "hard", capacity=40), model.cfg)
-    with pytest.raises(ValueError, match="raw ring holds"):
-        with torch.no_grad():
-            model(inputs_embeds=torch.zeros(1, 45, model.cfg.dim), cache=cache)
+
+
+def test_kv_config_reads_every_yaml_spelling_it_ever_wrote():
+    """The flat form of configs written before the registry (every cache's keys), today's and errors."""
+    legacy = {"mode": "chunked", "capacity": None, "window": 48, "n_sink": 4, "chunk": 16, "max_chunks": None,
+              "aggregator_hidden": 64, "gate_hidden": 32, "backend": "auto"}  # fmt: skip
+    assert KVConfig.from_dict(legacy) == KVConfig.of(KVMode.CHUNKED, window=48)
+    legacy_full = {**legacy, "mode": "full", "window": None, "capacity": 90}
+    assert KVConfig.from_dict(legacy_full) == KVConfig.of(KVMode.FULL, capacity=90)
+    with pytest.raises(ValueError, match="`n_sink` \\(2\\) is a parameter of sink_window, not of mode 'chunked'"):
+        KVConfig.from_dict({**legacy, "n_sink": 2})
+    with pytest.raises(ValueError, match="unknown KVConfig field\\(s\\) \\['paging'\\]"):
+        KVConfig.from_dict({"mode": "full", "paging": 1})
+    with pytest.raises(ValueError, match="`mode` is 'paged'; expected one of full, sink_window, chunked"):
+        KVConfig.from_dict({"mode": "paged"})
+    with pytest.raises(ValueError, match="takes ChunkedGatedParams params, got FullParams"):
+        KVConfig(KVMode.CHUNKED, FullParams())
+    base = KVConfig.of(KVMode.CHUNKED, chunk=8)  # a default overridden key by key (FinetuneConfig's kv)
+    assert KVConfig.from_dict({"window": 4}, base=base) == KVConfig.of(KVMode.CHUNKED, chunk=8, window=4)
+    assert KVConfig.from_dict({"mode": "full"}, base=base) == KVConfig(KVMode.FULL)
+
+
+def test_sessions_fill_in_sizes_each_cache_has():
+    step = 37
+    assert KVConfig(KVMode.FULL).for_step(step, whole_context=False) == KVConfig(KVMode.FULL)
+    assert KVConfig(KVMode.FULL).for_step(step, whole_context=True).params.capacity == step
+    chunked = KVConfig.of(KVMode.CHUNKED, window=5).for_step(step, whole_context=True)
+    assert (chunked.params.window, chunked.params.capacity) == (5, step)
+    assert KVConfig(KVMode.SINK_WINDOW).for_step(step, whole_context=False).params.window == step
+
+
+def test_only_the_chunked_cache_asks_for_a_gate(model):
+    geometry = model.cfg.geometry
+    gated = {mode for mode in KVMode if KVConfig(mode).gate_config(geometry) is not None}
+    assert gated == {KVMode.CHUNKED}
+    g = KVConfig.of(KVMode.CHUNKED, chunk=8, gate_hidden=12).gate_config(geometry)
+    assert (g.n_layers, g.head_dim, g.chunk, g.gate_hidden) == (2, 16, 8, 12)
+
+
+def test_the_cli_offers_exactly_the_registered_caches():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    register_eval(parser.add_subparsers())
+    (eval_parser,) = parser._subparsers._group_actions[0].choices.values()
+    (kv_flag,) = [a for a in eval_parser._actions if "--kv" in a.option_strings]
+    assert tuple(kv_flag.choices) == tuple(CACHES)
+
+
+def test_a_cache_class_must_name_its_params():
+    with pytest.raises(TypeError, match="Nameless must set `params_class` to its CacheParams dataclass"):
+        type("Nameless", (SlotCache,), {})
+    with pytest.raises(TypeError, match="must set `params_class`"):
+        type("Stringly", (SlotCache,), {"params_class": "chunked"})
+
+
+def test_kv_never_imports_the_models():
+    """DESIGN §1: ``kv`` knows a ``CacheGeometry``, not the models (TYPE_CHECKING imports included)."""
+    offenders = []
+    for path in sorted(Path(vla_runtime.kv.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+                if node.level >= 2 and (node.module or "").startswith("models"):
+                    offenders.append(f"{path.name}: from {'.' * node.level}{node.module}")
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            offenders += [f"{path.name}: {n}" for n in names if n.startswith("vla_runtime.models")]
+    assert offenders == []
+
+
+def test_full_cache_can_be_filled_from_outside(model):
+    """KEEP's prefill writes a prompt's K/V itself (``buffers``) and then ``hold``s it."""
+    x, bounds = episode(2)
+    ref = full_cache(model)
+    run_stream(model, ref, x, bounds)
+    n = x.shape[1]
+    filled = FullCache(model.cfg.geometry, FullParams(capacity=n + 4))
+    k, v = filled.buffers(n)
+    k_ref, v_ref = ref.buffers(n)
+    k.copy_(k_ref)
+    v.copy_(v_ref)
+    filled.hold(n)
+    assert filled.stats() == ref.stats()
+    step = torch.randn(1, 3, model.cfg.dim)
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs_embeds=step, cache=filled), model(inputs_embeds=step, cache=ref), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="holds 0..24 tokens, asked to hold 25"):
+        FullCache(model.cfg.geometry, FullParams(capacity=24)).hold(25)

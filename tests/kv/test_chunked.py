@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vla_runtime.kv import ChunkedGatedCache, ChunkGate, ChunkGateConfig, FullCache, KVConfig, make_cache
+from vla_runtime.kv import ChunkedGatedCache, ChunkGate, ChunkGateConfig, FullCache, KVConfig, KVMode, make_cache
 from vla_runtime.kv.chunked_gated import admit, apply_admission
 
 from .cases import CASES, ReferenceCompactCache, episode, kv, run_stream, tiny_model
@@ -16,7 +16,7 @@ def model():
 
 def make_gate(model, kv_cfg: KVConfig, *, seed: int = 0, spread: float = 0.0, bias: float | None = None) -> ChunkGate:
     torch.manual_seed(seed)
-    gate = ChunkGate(ChunkGateConfig.from_configs(kv_cfg, model.cfg))
+    gate = ChunkGate(kv_cfg.gate_config(model.cfg.geometry))
     with torch.no_grad():
         if spread:
             gate.readout_weight.normal_(0.0, spread)
@@ -67,8 +67,8 @@ def test_lstm_scores_depend_only_on_earlier_chunks():
 def test_default_chunked_cache_equals_an_explicit_mean_pooled_reference(model):
     """Untrained gate: mean-pooled chunks, all kept, FIFO beyond the budget (ties evict the oldest)."""
     x, bounds = episode(6)
-    c = CASES["chunked"]["hard"]
-    cache = make_cache(kv("chunked", "hard"), model.cfg)
+    c = CASES[KVMode.CHUNKED].hard
+    cache = make_cache(kv(KVMode.CHUNKED, "hard"), model.cfg.geometry)
     got = run_stream(model, cache, x, bounds)
     ref = run_stream(
         model, ReferenceCompactCache(model.cfg, window=c["window"], chunk=c["chunk"], max_chunks=c["max_chunks"]), x, bounds
@@ -82,8 +82,8 @@ def test_default_chunked_cache_equals_an_explicit_mean_pooled_reference(model):
 
 def test_budget_is_respected_and_drop_counts_add_up(model):
     x, bounds = episode(8)
-    kv_cfg = kv("chunked", "hard", max_chunks=4)
-    cache = ChunkedGatedCache(kv_cfg, model.cfg, gate=make_gate(model, kv_cfg, spread=3.0, bias=0.0))
+    kv_cfg = kv(KVMode.CHUNKED, "hard", max_chunks=4)
+    cache = ChunkedGatedCache(model.cfg.geometry, kv_cfg.params, gate=make_gate(model, kv_cfg, spread=3.0, bias=0.0))
     start = 0
     with torch.no_grad():
         for n in bounds:
@@ -102,11 +102,11 @@ def test_budget_is_respected_and_drop_counts_add_up(model):
 
 def test_keep_drop_decision_is_per_layer(model):
     x, bounds = episode(4)
-    kv_cfg = kv("chunked", "hard", max_chunks=16)
+    kv_cfg = kv(KVMode.CHUNKED, "hard", max_chunks=16)
     gate = make_gate(model, kv_cfg)
     with torch.no_grad():
         gate.tau[1] = 10.0  # layer 1 drops everything, layer 0 keeps everything
-    cache = ChunkedGatedCache(kv_cfg, model.cfg, gate=gate)
+    cache = ChunkedGatedCache(model.cfg.geometry, kv_cfg.params, gate=gate)
     run_stream(model, cache, x, bounds)
     kept0, kept1 = cache.retained_per_layer()
     assert kept0 == cache.chunks_formed > 0 and kept1 == 0
@@ -117,21 +117,21 @@ def test_a_window_filling_the_store_needs_no_chunk_slots(model):
     """Single-mode sessions size capacity = window = the step's tokens: no chunk can form, none is reserved."""
     x, bounds = episode(1)
     n = x.shape[1]
-    cache = make_cache(KVConfig(mode="chunked", window=n, chunk=4, capacity=n), model.cfg)
-    assert cache.cfg.max_chunks == 0
-    torch.testing.assert_close(run_stream(model, cache, x, bounds), run_stream(model, FullCache(model.cfg), x, bounds), atol=1e-5, rtol=1e-5)
+    cache = make_cache(KVConfig.of(KVMode.CHUNKED, window=n, chunk=4, capacity=n), model.cfg.geometry)
+    assert cache.params.max_chunks == 0
+    torch.testing.assert_close(run_stream(model, cache, x, bounds), run_stream(model, FullCache(model.cfg.geometry), x, bounds), atol=1e-5, rtol=1e-5)
     assert cache.stats().positions_used == n
 
 
 def test_raising_tau_never_keeps_more(model):
     x, bounds = episode(5)
-    kv_cfg = kv("chunked", "hard", max_chunks=64, capacity=128)
+    kv_cfg = kv(KVMode.CHUNKED, "hard", max_chunks=64, capacity=128)
     kept = []
     for tau in (-1.0, 0.0, 0.5, 1.0, 5.0):
         gate = make_gate(model, kv_cfg, spread=3.0, bias=0.0)
         with torch.no_grad():
             gate.tau.fill_(tau)
-        cache = ChunkedGatedCache(kv_cfg, model.cfg, gate=gate)
+        cache = ChunkedGatedCache(model.cfg.geometry, kv_cfg.params, gate=gate)
         run_stream(model, cache, x, bounds)
         kept.append(cache.stats().chunks_retained)
     assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]
@@ -155,8 +155,8 @@ def test_admit_evicts_the_lowest_score_and_the_oldest_on_ties():
 
 def test_surviving_kv_never_moves_when_a_chunk_is_evicted(model):
     x, bounds = episode(6)
-    kv_cfg = kv("chunked", "hard")
-    cache = ChunkedGatedCache(kv_cfg, model.cfg, gate=make_gate(model, kv_cfg, spread=3.0, bias=8.0))
+    kv_cfg = kv(KVMode.CHUNKED, "hard")
+    cache = ChunkedGatedCache(model.cfg.geometry, kv_cfg.params, gate=make_gate(model, kv_cfg, spread=3.0, bias=8.0))
     run_stream(model, cache, x, bounds[:8])
     store = cache.store
     before_valid = cache.chunk_valid.clone()
@@ -179,8 +179,8 @@ def test_ten_thousand_step_episode_keeps_memory_flat_and_positions_bounded():
     The held bytes and the allocated tensors stop growing after warm-up, positions stay bounded."""
     model = tiny_model()
     cfg = model.cfg
-    kv_cfg = KVConfig(mode="chunked", window=8, chunk=8, max_chunks=8, capacity=48)
-    cache = ChunkedGatedCache(kv_cfg, cfg, gate=make_gate(model, kv_cfg, spread=2.0, bias=0.0))
+    kv_cfg = KVConfig.of(KVMode.CHUNKED, window=8, chunk=8, max_chunks=8, capacity=48)
+    cache = ChunkedGatedCache(cfg.geometry, kv_cfg.params, gate=make_gate(model, kv_cfg, spread=2.0, bias=0.0))
     allocated = lambda: sum(t.numel() for t in vars(cache).values() if torch.is_tensor(t)) + cache.store.k.numel()  # noqa: E731
     attn = model.model.layers[0].self_attn
     frames = torch.randn(1, 64, cfg.dim, generator=torch.Generator().manual_seed(0))
@@ -203,7 +203,7 @@ def test_ten_thousand_step_episode_keeps_memory_flat_and_positions_bounded():
     most = per_token * cfg.n_layers * (5 + 8 + 8 - 1 + 8)  # prompt + window + filling chunk + budget
     assert stats.tokens_seen == 5 + 10_000 + 10 > 9 * cfg.max_position
     assert warm.bytes <= most and stats.bytes <= most and allocated() == warm_allocated
-    assert stats.positions_used <= kv_cfg.capacity < cfg.max_position
+    assert stats.positions_used <= kv_cfg.params.capacity < cfg.max_position
     assert stats.tokens_raw < 5 + 8 + 8 and max(cache.retained_per_layer()) <= 8
     assert stats.chunks_retained + stats.chunks_dropped == cache.chunks_formed * cfg.n_layers
     assert 0 < stats.retained_ratio < 1

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vla_runtime.kv import KVConfig, make_cache, matching_sink_window
+from vla_runtime.kv import KVConfig, KVMode, make_cache, matching_sink_window
 
 from .cases import PROMPT, episode, tiny_model
 
@@ -21,13 +21,14 @@ def bytes_per_forward(model, cache, x: torch.Tensor, bounds: list[int]) -> list[
 
 def test_the_matched_window_holds_the_bytes_of_a_full_chunk_budget():
     model = tiny_model()
-    chunked = KVConfig(mode="chunked", window=8, chunk=4, max_chunks=3, n_sink=2, capacity=64)
-    sink = matching_sink_window(chunked)
-    assert (sink.mode, sink.window, sink.n_sink, sink.capacity) == ("sink_window", 3 + 8 + 4 - 1 - 2, 2, 64)
+    chunked = KVConfig.of(KVMode.CHUNKED, window=8, chunk=4, max_chunks=3, capacity=64)
+    sink = matching_sink_window(chunked, n_sink=2)
+    p = sink.params
+    assert (sink.mode, p.window, p.n_sink, p.capacity) == (KVMode.SINK_WINDOW, 3 + 8 + 4 - 1 - 2, 2, 64)
     x, bounds = episode(10)
-    chunked_cache = make_cache(chunked, model.cfg)
+    chunked_cache = make_cache(chunked, model.cfg.geometry)
     held_chunked = bytes_per_forward(model, chunked_cache, x, bounds)
-    held_sink = bytes_per_forward(model, make_cache(sink, model.cfg), x, bounds)
+    held_sink = bytes_per_forward(model, make_cache(sink, model.cfg.geometry), x, bounds)
     assert chunked_cache.stats().chunks_retained == 3 * model.cfg.n_layers  # the budget is full (untrained gate keeps all)
     # once both are full, the sliding window holds a constant amount: the chunked cache's most
     assert max(held_chunked) == max(held_sink) == held_sink[-1]
@@ -36,6 +37,6 @@ def test_the_matched_window_holds_the_bytes_of_a_full_chunk_budget():
 
 def test_matching_needs_a_chunked_config_with_its_sizes():
     with pytest.raises(ValueError, match="takes a chunked KVConfig, got mode 'full'"):
-        matching_sink_window(KVConfig(mode="full"))
+        matching_sink_window(KVConfig(KVMode.FULL))
     with pytest.raises(ValueError, match="needs the chunked cache's `window` and `max_chunks`"):
-        matching_sink_window(KVConfig(mode="chunked", max_chunks=8))
+        matching_sink_window(KVConfig.of(KVMode.CHUNKED, max_chunks=8))

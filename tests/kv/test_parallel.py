@@ -5,13 +5,13 @@ import bisect
 import pytest
 import torch
 
-from vla_runtime.kv import ChunkedGatedCache, ChunkGate, ChunkGateConfig, KVConfig
+from vla_runtime.kv import ChunkedGatedCache, ChunkGate, ChunkGateConfig, KVConfig, KVMode
 from vla_runtime.kv.budget import BudgetMode, beaten_counts, visible_chunks
 from vla_runtime.kv.chunked_parallel import ForwardSchedule, Segment, parallel_forward, step_boundaries
 
 from .cases import PROMPT, episode, kv, run_stream, tiny_model
 
-KV = kv("chunked", "hard")  # window 8, chunk 4, budget 3: compresses every step
+KV = kv(KVMode.CHUNKED, "hard")  # window 8, chunk 4, budget 3: compresses every step
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def model():
 def dropping_gate(model, kv_cfg: KVConfig = KV, seed: int = 1) -> ChunkGate:
     """A gate whose scores straddle tau: some chunks kept, some dropped, kept ones compete for the budget."""
     torch.manual_seed(seed)
-    gate = ChunkGate(ChunkGateConfig.from_configs(kv_cfg, model.cfg))
+    gate = ChunkGate(kv_cfg.gate_config(model.cfg.geometry))
     with torch.no_grad():
         gate.readout_weight.normal_(0.0, 3.0)
         gate.readout_bias.zero_()
@@ -50,10 +50,10 @@ def test_schedule_replays_the_cache_bookkeeping():
 def test_hard_parallel_form_equals_streaming_inference(model, gate_kind, budget):
     """Budget 3 evicts on every step (one chunk at a time through ``admit``); budget 64 never fills, so
     the cache admits each step's chunks in one batch: both must match the parallel replay."""
-    kv_cfg = kv("chunked", "hard", max_chunks=budget, capacity=budget + 40)
+    kv_cfg = kv(KVMode.CHUNKED, "hard", max_chunks=budget, capacity=budget + 40)
     x, bounds = episode(7)
-    gate = ChunkGate(ChunkGateConfig.from_configs(kv_cfg, model.cfg)) if gate_kind == "untrained" else dropping_gate(model)
-    cache = ChunkedGatedCache(kv_cfg, model.cfg, gate=gate)
+    gate = ChunkGate(kv_cfg.gate_config(model.cfg.geometry)) if gate_kind == "untrained" else dropping_gate(model)
+    cache = ChunkedGatedCache(model.cfg.geometry, kv_cfg.params, gate=gate)
     streamed = run_stream(model, cache, x, bounds)
     with torch.no_grad():
         logits, aux = parallel_forward(model, x, bounds, PROMPT, gate, kv_cfg, soft=False)
@@ -108,7 +108,7 @@ def test_batch_rows_are_independent_windows(model):
 
 def test_soft_gates_train_the_gate_and_the_retention_loss(model):
     x, bounds = episode(4)
-    gate = ChunkGate(ChunkGateConfig.from_configs(KV, model.cfg))
+    gate = ChunkGate(KV.gate_config(model.cfg.geometry))
     logits, aux = parallel_forward(model, x, bounds, PROMPT, gate, KV, soft=True, temperature=1.0)
     loss = torch.nn.functional.cross_entropy(logits[0, :-1], logits[0, 1:].argmax(-1)) + aux.kept_ratio
     loss.backward()
@@ -122,7 +122,7 @@ def test_soft_gates_train_the_gate_and_the_retention_loss(model):
 
 def test_bad_input_is_a_clear_error(model):
     x, bounds = episode(2)
-    gate = ChunkGate(ChunkGateConfig.from_configs(KV, model.cfg))
+    gate = ChunkGate(KV.gate_config(model.cfg.geometry))
     with pytest.raises(ValueError, match="boundaries cover"):
         parallel_forward(model, x[:, :-1], bounds, PROMPT, gate, KV)
     with pytest.raises(ValueError, match="does not fit|needs"):
@@ -135,10 +135,10 @@ def test_whole_episode_parallel_form_equals_streaming_and_reports_the_retained_c
     temperature too (under either budget mode), and the cache's ``retained_starts()`` are the chunks the
     parallel form says are held at the end."""
     budget = 3
-    kv_cfg = kv("chunked", "hard", max_chunks=budget, capacity=budget + 40)
+    kv_cfg = kv(KVMode.CHUNKED, "hard", max_chunks=budget, capacity=budget + 40)
     x, bounds = episode(32, seed=2)
     gate = dropping_gate(model, kv_cfg, seed=3)
-    cache = ChunkedGatedCache(kv_cfg, model.cfg, gate=gate)
+    cache = ChunkedGatedCache(model.cfg.geometry, kv_cfg.params, gate=gate)
     streamed = run_stream(model, cache, x, bounds)
     with torch.no_grad():
         hard, aux = parallel_forward(model, x, bounds, PROMPT, gate, kv_cfg, soft=False)
@@ -158,7 +158,7 @@ def test_whole_episode_parallel_form_equals_streaming_and_reports_the_retained_c
 def test_soft_budget_lets_the_loss_reach_evicted_chunks(model):
     """With the budget full, the hard-budget form gives a chunk evicted before any forward saw it no
     gradient (it is masked); the soft budget does, which lets training pull a needed chunk into the budget."""
-    kv_cfg = kv("chunked", "hard", max_chunks=2, capacity=42)
+    kv_cfg = kv(KVMode.CHUNKED, "hard", max_chunks=2, capacity=42)
     x, bounds = episode(12, seed=4)
     grads = {}
     for mode in BudgetMode:

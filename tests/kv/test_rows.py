@@ -4,13 +4,14 @@ for every cache of the matrix, while the rows hold different histories."""
 import pytest
 import torch
 
+from vla_runtime.kv import KVMode
 from vla_runtime.kv.rows import RowsCache
 
-from .cases import CASES, build, episode, tiny_model
+from .cases import REGISTERED, build, episode, tiny_model
 
 
 @pytest.mark.parametrize("level", ["easy", "hard"])
-@pytest.mark.parametrize("mode", sorted(CASES))
+@pytest.mark.parametrize("mode", REGISTERED, ids=lambda m: m.value)
 @torch.no_grad()
 def test_rows_equal_separate_streams(mode, level):
     model = tiny_model()
@@ -41,7 +42,7 @@ def test_rows_equal_separate_streams(mode, level):
 def test_mark_and_rollback_reach_every_row():
     model = tiny_model()
     x, bounds = episode(2, batch=2)
-    rows = [build("full", "easy", model) for _ in range(2)]
+    rows = [build(KVMode.FULL, "easy", model) for _ in range(2)]
     together = RowsCache(rows)
     model(inputs_embeds=x[:, : bounds[0]], cache=together, pin=True)
     held = [r.stats().tokens_seen for r in rows]

@@ -10,7 +10,7 @@ import torch
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import SessionConfig
-from vla_runtime.kv import ChunkedGatedCache, ChunkGate, ChunkGateConfig, KVConfig, KVStats, save_gate
+from vla_runtime.kv import ChunkedGatedCache, ChunkGate, KVConfig, KVMode, KVStats, save_gate
 from vla_runtime.kv.chunked_parallel import parallel_forward
 from vla_runtime.models.openvla.processing_openvla import history_sequence
 
@@ -35,8 +35,8 @@ def episode(policy, kv: KVConfig, images) -> tuple[list, object]:
 def test_untrained_chunked_history_session_matches_full_until_the_first_chunk(checkpoint):
     policy = load_policy(checkpoint)
     images = frames(STEPS)
-    full, _ = episode(policy, KVConfig(mode="full"), images)
-    chunked, session = episode(policy, KVConfig(mode="chunked", chunk=8), images)
+    full, _ = episode(policy, KVConfig(KVMode.FULL), images)
+    chunked, session = episode(policy, KVConfig.of(KVMode.CHUNKED, chunk=8), images)
     assert isinstance(session.cache, ChunkedGatedCache) and session.cache.gate is policy.kv_gate
     assert isinstance(policy.kv_gate, ChunkGate)  # the untrained default, owned by the policy
     before_chunks = [i for i, r in enumerate(chunked) if r.kv.chunks_retained + r.kv.chunks_dropped == 0]
@@ -54,9 +54,9 @@ def test_untrained_chunked_history_session_matches_full_until_the_first_chunk(ch
 def test_chunked_history_session_with_a_window_covering_the_episode_equals_full(checkpoint):
     policy = load_policy(checkpoint)
     images = frames(3)
-    full, _ = episode(policy, KVConfig(mode="full"), images)
-    for mode in ("chunked", "sink_window"):
-        wide, _ = episode(policy, KVConfig(mode=mode, window=400), images)
+    full, _ = episode(policy, KVConfig(KVMode.FULL), images)
+    for mode in (KVMode.CHUNKED, KVMode.SINK_WINDOW):
+        wide, _ = episode(policy, KVConfig.of(mode, window=400), images)
         for a, b in zip(wide, full):
             np.testing.assert_array_equal(a.actions, b.actions)
             assert a.kv.tokens_raw == b.kv.tokens_raw
@@ -66,9 +66,9 @@ def test_a_trained_gate_beside_the_checkpoint_is_loaded_and_used(checkpoint, tmp
     ckpt = tmp_path / "with-gate"
     shutil.copytree(checkpoint, ckpt)
     policy = load_policy(ckpt)
-    kv = KVConfig(mode="chunked", chunk=4, max_chunks=3, gate_hidden=8)
+    kv = KVConfig.of(KVMode.CHUNKED, chunk=4, max_chunks=3, gate_hidden=8)
     torch.manual_seed(0)
-    gate = ChunkGate(ChunkGateConfig.from_configs(kv, policy.config.llm))
+    gate = ChunkGate(kv.gate_config(policy.config.llm.geometry))
     with torch.no_grad():
         gate.tau.fill_(10.0)  # a gate that drops every chunk
     save_gate(gate, ckpt, kv)
@@ -80,16 +80,16 @@ def test_a_trained_gate_beside_the_checkpoint_is_loaded_and_used(checkpoint, tmp
     assert session.cache.gate is loaded.kv_gate
     assert results[-1].kv.chunks_retained == 0 and results[-1].kv.chunks_dropped > 0
     assert results[-1].kv.retained_ratio == 0.0
-    assert load_policy(ckpt, kv=KVConfig(mode="full")).kv.mode == "full"  # an explicit KVConfig wins
+    assert load_policy(ckpt, kv=KVConfig(KVMode.FULL)).kv.mode is KVMode.FULL  # an explicit KVConfig wins
 
 
 def test_history_session_equals_the_parallel_form_over_its_forwards(checkpoint):
     """The training form over contract 2's ``history_sequence`` predicts exactly the action tokens the
     streaming session generated (hard gates, a gate that drops some chunks, a budget that evicts)."""
     policy = load_policy(checkpoint)
-    kv = KVConfig(mode="chunked", chunk=4, max_chunks=4)
+    kv = KVConfig.of(KVMode.CHUNKED, chunk=4, max_chunks=4)
     torch.manual_seed(0)
-    policy.kv_gate = gate = ChunkGate(ChunkGateConfig.from_configs(kv, policy.config.llm))
+    policy.kv_gate = gate = ChunkGate(kv.gate_config(policy.config.llm.geometry))
     with torch.no_grad():
         gate.readout_weight.normal_(0.0, 3.0)
         gate.readout_bias.zero_()

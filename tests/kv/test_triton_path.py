@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vla_runtime.kv import ChunkGate, ChunkGateConfig, KVConfig, make_cache
+from vla_runtime.kv import ChunkGate, KVConfig, KVMode, make_cache
 from vla_runtime.kv.chunked_parallel import step_boundaries
 from vla_runtime.kv.rope import RopeConfig
 from vla_runtime.models.llama import LlamaConfig, LlamaForCausalLM
@@ -24,7 +24,7 @@ from vla_runtime.models.llama import LlamaConfig, LlamaForCausalLM
 from .cases import COMPRESSING, run_stream
 
 ROOT = Path(__file__).resolve().parents[2]
-SIZES = {"chunked": dict(window=4, chunk=2, max_chunks=3, capacity=40), "sink_window": dict(window=5, n_sink=1, capacity=40)}
+SIZES = {KVMode.CHUNKED: dict(window=4, chunk=2, max_chunks=3, capacity=40), KVMode.SINK_WINDOW: dict(window=5, n_sink=1, capacity=40)}
 
 
 def kernel_device() -> str | None:
@@ -48,15 +48,16 @@ def test_kernel_path_equals_torch_path(mode):
     x = torch.randn(1, sum(bounds), cfg.dim, device=device)
     outs = []
     for backend in ("torch", "triton"):
-        kv_cfg = KVConfig(mode=mode, backend=backend, **SIZES[mode])
+        kv_cfg = KVConfig.of(mode, backend=backend, **SIZES[mode])
         extra = {}
-        if mode == "chunked":
+        gate_cfg = kv_cfg.gate_config(cfg.geometry)
+        if gate_cfg is not None:
             torch.manual_seed(1)
-            extra["gate"] = gate = ChunkGate(ChunkGateConfig.from_configs(kv_cfg, cfg)).to(device)
+            extra["gate"] = gate = ChunkGate(gate_cfg).to(device)
             with torch.no_grad():  # some chunks dropped, some evicted
                 gate.readout_weight.normal_(0.0, 3.0)
                 gate.readout_bias.zero_()
-        cache = make_cache(kv_cfg, cfg, device=device, **extra)
+        cache = make_cache(kv_cfg, cfg.geometry, device=device, **extra)
         assert cache.backend.name == backend
         outs.append(run_stream(model, cache, x, bounds, pinned=3))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
@@ -67,7 +68,7 @@ def test_triton_backend_where_it_cannot_run_is_a_clear_error():
         pytest.skip("the kernels can run here")
     cfg = LlamaConfig.from_name("tiny")
     with pytest.raises(ValueError, match="'triton' cannot run"):
-        make_cache(KVConfig(mode="chunked", window=8, backend="triton"), cfg)
+        make_cache(KVConfig.of(KVMode.CHUNKED, window=8, backend="triton"), cfg.geometry)
 
 
 def test_kernel_path_under_triton_interpreter():

@@ -2,14 +2,14 @@
 
 import torch
 
-from vla_runtime.kv import FullCache
+from vla_runtime.kv import FullCache, FullParams
 from vla_runtime.memory.branches import continuation_logprobs
 
 
 def test_candidates_in_one_forward_match_one_at_a_time(tiny_lm):
     prompt = torch.randint(3, 30000, (1, 20), generator=torch.Generator().manual_seed(3))
     candidates = [[5], [7, 8, 9], [7, 8], [100, 2000, 3000, 4000]]
-    cache = FullCache(tiny_lm.cfg, capacity=32)
+    cache = FullCache(tiny_lm.cfg.geometry, FullParams(capacity=32))
     with torch.no_grad():
         logits = tiny_lm(prompt, cache=cache)[0, -1]
         expected = []

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vla_runtime.kv import FullCache
+from vla_runtime.kv import FullCache, FullParams
 from vla_runtime.kv.rope import apply_rope, rerotate, rope_cos_sin
 from vla_runtime.memory import KVStore, MemoryPrefill, PrefillConfig
 from vla_runtime.memory.methods import METHODS
@@ -13,7 +13,7 @@ from .conftest import make_prompt
 
 def full_logits(model, prompt):
     with torch.no_grad():
-        cache = FullCache(model.cfg, capacity=prompt.n_tokens + 8)
+        cache = FullCache(model.cfg.geometry, FullParams(capacity=prompt.n_tokens + 8))
         return model(torch.tensor([prompt.token_ids()]), cache=cache)[0, -1], cache
 
 
@@ -29,8 +29,8 @@ def test_recompute_all_equals_full_prefill(tiny_lm, method, cfg, schedule):
     res = run(tiny_lm, prompt, method=method, load_schedule=schedule, **cfg)
     torch.testing.assert_close(res.logits, ref, atol=1e-5, rtol=1e-5)
     n = prompt.n_tokens
-    torch.testing.assert_close(res.cache.k[:, :, :, :n], ref_cache.k[:, :, :, :n], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(res.cache.v[:, :, :, :n], ref_cache.v[:, :, :, :n], atol=1e-5, rtol=1e-5)
+    for got, want in zip(res.cache.buffers(n), ref_cache.buffers(n)):  # k, v: [L, 1, Hkv, n, D]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_decoding_continues_from_the_assembled_cache(tiny_lm):
@@ -62,15 +62,17 @@ def reuse_reference(model, prompt, units_kv):
     """Full reuse built by hand: a FullCache filled with each unit's stored KV rotated at its new
     positions (prefix exact), then one forward of the query."""
     cfg = model.cfg
-    cache = FullCache(cfg, capacity=prompt.n_tokens + 8)
+    cache = FullCache(cfg.geometry, FullParams(capacity=prompt.n_tokens + 8))
+    held = sum(k.shape[2] for k, _ in units_kv)
+    k_held, v_held = cache.buffers(held)  # [L, 1, Hkv, held, D]
     pos = 0
     for k, v in units_kv:  # [L, Hkv, n, D]
         n = k.shape[2]
         cos, sin = rope_cos_sin(torch.arange(pos, pos + n), cfg.rope)
-        cache.k[:, 0, :, pos : pos + n] = apply_rope(k, cos, sin)
-        cache.v[:, 0, :, pos : pos + n] = v
+        k_held[:, 0, :, pos : pos + n] = apply_rope(k, cos, sin)
+        v_held[:, 0, :, pos : pos + n] = v
         pos += n
-    cache.length = pos
+    cache.hold(pos)
     with torch.no_grad():
         return model(torch.tensor([prompt.query_ids]), cache=cache)[0, -1]
 

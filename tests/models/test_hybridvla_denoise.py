@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vla_runtime.kv import FullCache
+from vla_runtime.kv import FullCache, FullParams
 from vla_runtime.models.diffusion import DiffusionConfig, GaussianDiffusion
 from vla_runtime.models.hybridvla.configuration_hybridvla import EOD_TOKEN_ID, DiffusionHeadConfig
 from vla_runtime.models.hybridvla.modeling_hybridvla import (
@@ -34,14 +34,14 @@ def test_prefix_reuse_equals_reprefill(future_window, fused):
     lm, head, prefix = build(future_window)
     diffusion = GaussianDiffusion(DiffusionConfig(sample_steps=4))
     noise = torch.randn(1, future_window + 1, 7, generator=torch.Generator().manual_seed(1))
-    cache = FullCache(LLM_CFG, capacity=128)
+    cache = FullCache(LLM_CFG.geometry, FullParams(capacity=128))
     if fused:  # the prefix goes in with the first step's [t, x]
         reused = denoise_on_cache(lm, head, cache, diffusion, noise, prefix=prefix)
     else:
         lm.model(inputs_embeds=prefix, cache=cache)
         reused = denoise_on_cache(lm, head, cache, diffusion, noise)
     assert cache.mark() == prefix.shape[1]  # every step's [t, x] was rolled back, the prefix stayed
-    reference = denoise_by_reprefill(lm, head, FullCache(LLM_CFG, capacity=128), diffusion, noise, prefix)
+    reference = denoise_by_reprefill(lm, head, FullCache(LLM_CFG.geometry, FullParams(capacity=128)), diffusion, noise, prefix)
     torch.testing.assert_close(reused, reference, atol=1e-5, rtol=1e-4)
     assert not torch.allclose(reused, noise, atol=1e-3)
 
@@ -51,7 +51,7 @@ def test_upstream_fixed_trim_is_wrong_for_a_longer_window():
     lm, head, prefix = build(3)
     diffusion = GaussianDiffusion(DiffusionConfig(sample_steps=4))
     noise = torch.randn(1, 4, 7, generator=torch.Generator().manual_seed(1))
-    cache = FullCache(LLM_CFG, capacity=256)
+    cache = FullCache(LLM_CFG.geometry, FullParams(capacity=256))
     lm.model(inputs_embeds=prefix, cache=cache)
     steps = []
 
@@ -63,13 +63,13 @@ def test_upstream_fixed_trim_is_wrong_for_a_longer_window():
         return head.eps(h[:, 1:])
 
     fixed_trim = diffusion.ddim_sample(eps_fn, noise)
-    reference = denoise_by_reprefill(lm, head, FullCache(LLM_CFG, capacity=128), diffusion, noise, prefix)
+    reference = denoise_by_reprefill(lm, head, FullCache(LLM_CFG.geometry, FullParams(capacity=128)), diffusion, noise, prefix)
     assert not torch.allclose(fixed_trim, reference, atol=1e-4)
 
 
 def test_ar_decode_matches_one_full_forward():
     lm, head, prefix = build(0)
-    cache = FullCache(LLM_CFG, capacity=128)
+    cache = FullCache(LLM_CFG.geometry, FullParams(capacity=128))
     lm.model(inputs_embeds=prefix, cache=cache)
     noise, t = torch.randn(1, 1, 7), torch.tensor([37])
     ids, conf = decode_ar_actions(lm, head, cache, noise=noise, t=t, tail_ids=(EOD_TOKEN_ID, 29871), n_tokens=7)
@@ -77,6 +77,6 @@ def test_ar_decode_matches_one_full_forward():
     tail = lm.model.embed_tokens(torch.tensor([[EOD_TOKEN_ID, 29871]]))
     with torch.no_grad():
         full = torch.cat([prefix, head.embed_step(noise, t), tail, lm.model.embed_tokens(ids[:, :-1])], dim=1)
-        logits = lm(inputs_embeds=full, cache=FullCache(LLM_CFG, capacity=128))[:, -7:]
+        logits = lm(inputs_embeds=full, cache=FullCache(LLM_CFG.geometry, FullParams(capacity=128)))[:, -7:]
     assert torch.equal(logits.argmax(-1), ids)
     torch.testing.assert_close(logits.softmax(-1).amax(-1), conf, atol=1e-5, rtol=1e-4)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from vla_runtime.kv import FullCache
+from vla_runtime.kv import FullCache, FullParams
 from vla_runtime.models.generation import SamplingConfig, generate
 from vla_runtime.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -67,7 +67,7 @@ def test_prefill_and_20_decode_steps_match_transformers(case):
     torch.manual_seed(1)
     prompt = torch.randint(0, 300, (1, 12))
     with torch.no_grad():
-        cache = FullCache(ours.cfg, capacity=64)
+        cache = FullCache(ours.cfg.geometry, FullParams(capacity=64))
         ours_logits = [ours(prompt, cache=cache)]
         past = transformers.DynamicCache(config=hf.config)
         hf_out = hf(prompt, past_key_values=past, use_cache=True)
@@ -89,7 +89,7 @@ def test_greedy_generate_matches_transformers_generate():
     prompt = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = hf.generate(prompt, max_new_tokens=15, do_sample=False, pad_token_id=0)[:, 9:]
-    got = generate(ours, FullCache(ours.cfg, capacity=64), input_ids=prompt, max_new_tokens=15)
+    got = generate(ours, FullCache(ours.cfg.geometry, FullParams(capacity=64)), input_ids=prompt, max_new_tokens=15)
     assert torch.equal(got, expected)
 
 
@@ -101,7 +101,7 @@ def test_sampled_generate_is_seeded_and_respects_top_k():
 
     def run(seed):
         return generate(
-            ours, FullCache(ours.cfg, capacity=64), input_ids=prompt, max_new_tokens=10, sampling=sampling,
+            ours, FullCache(ours.cfg.geometry, FullParams(capacity=64)), input_ids=prompt, max_new_tokens=10, sampling=sampling,
             generator=torch.Generator().manual_seed(seed),
         )
 
@@ -109,9 +109,9 @@ def test_sampled_generate_is_seeded_and_respects_top_k():
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
     # with top_k=1 sampling degenerates to greedy
-    greedy = generate(ours, FullCache(ours.cfg, capacity=64), input_ids=prompt, max_new_tokens=10)
+    greedy = generate(ours, FullCache(ours.cfg.geometry, FullParams(capacity=64)), input_ids=prompt, max_new_tokens=10)
     top1 = generate(
-        ours, FullCache(ours.cfg, capacity=64), input_ids=prompt, max_new_tokens=10,
+        ours, FullCache(ours.cfg.geometry, FullParams(capacity=64)), input_ids=prompt, max_new_tokens=10,
         sampling=SamplingConfig(temperature=2.0, top_k=1), generator=torch.Generator().manual_seed(0),
     )
     assert torch.equal(greedy, top1)
@@ -120,7 +120,7 @@ def test_sampled_generate_is_seeded_and_respects_top_k():
 def test_full_cache_rollback_replays_identically():
     hf = make_hf("llama", dict(num_key_value_heads=2))
     ours = ours_from_hf(hf)
-    cache = FullCache(ours.cfg, capacity=64)
+    cache = FullCache(ours.cfg.geometry, FullParams(capacity=64))
     with torch.no_grad():
         ours(torch.arange(1, 8)[None], cache=cache)
         mark = cache.mark()
@@ -134,6 +134,6 @@ def test_full_cache_rollback_replays_identically():
 def test_full_cache_overflow_is_a_clear_error():
     cfg = LlamaConfig.from_name("tiny")
     model = LlamaForCausalLM(cfg)
-    cache = FullCache(cfg, capacity=8)
+    cache = FullCache(cfg.geometry, FullParams(capacity=8))
     with pytest.raises(ValueError, match="capacity 8"):
         model(torch.zeros(1, 9, dtype=torch.long), cache=cache)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import ActionDecoding, SessionConfig
-from vla_runtime.kv import FullCache
+from vla_runtime.kv import FullCache, FullParams
 from vla_runtime.models.openvla.configuration_openvla import TOWER_PREFIXES, VISION_BACKBONES
 from vla_runtime.models.openvla.modeling_openvla import tower_features
 from vla_runtime.models.openvla.processing_openvla import history_sequence
@@ -95,7 +95,7 @@ def test_prefill_and_decode_logits_match_transformers(tiny_openvla, frame):
     input_ids = torch.tensor([prompt.input_ids])
     pixels = policy.image_processor(frame(7))[None]
     with torch.no_grad():
-        cache = FullCache(policy.config.llm, capacity=128)
+        cache = FullCache(policy.config.llm.geometry, FullParams(capacity=128))
         ours = model(pixels, input_ids, cache=cache)  # [1, T', V]
         text = ref.llm.get_input_embeddings()(input_ids)
         embeds = torch.cat([text[:, :1], ref.image_tokens(pixels), text[:, 1:]], dim=1)  # image right after BOS
@@ -164,7 +164,7 @@ def test_history_mode_equals_one_forward_over_the_history_sequence(proprio, tiny
         image_tokens = [model.embed_image(policy.image_processor(im)[None]) for im in images]
         prop = [model.embed_proprio(session.state_input(s)) for s in states] if proprio else []
         embeds = torch.cat([model.embed_forward(f, images=image_tokens, proprio=prop) for f in forwards], dim=1)
-        whole = decoder(inputs_embeds=embeds, cache=FullCache(policy.config.llm, capacity=embeds.shape[1]))
+        whole = decoder(inputs_embeds=embeds, cache=FullCache(policy.config.llm.geometry, FullParams(capacity=embeds.shape[1])))
     assert whole.shape[1] == sum(h.shape[1] for h in captured) == session.cache.stats().tokens_raw
     start = 0
     for hidden in captured:

@@ -8,7 +8,7 @@ from vla_runtime import kv as kv_module
 from vla_runtime.api import FAMILIES, Observation, Policy, load_policy
 from vla_runtime.config import SessionConfig
 from vla_runtime.device import resolve_dtype
-from vla_runtime.kv import FullCache, KVConfig
+from vla_runtime.kv import ChunkedGatedParams, FullCache, FullParams, KVConfig, KVMode, SinkWindowParams
 from vla_runtime.models.openvla.policy_openvla import OpenVLAPolicy
 
 
@@ -100,34 +100,36 @@ def test_history_mode_grows_one_step_at_a_time_and_reset_forgets(tiny_openvla, f
     assert session.step(obs(frame(30))).kv.tokens_raw == 1 + len(session.prompt.instruction) + per_step
 
 
-class RecordingCache(FullCache):
-    """Stands in for a registered cache class to see what the session passes to it (make_cache's contract)."""
+def recording_cache(params_class, made: list):
+    """Stands in for a registered cache class (same ``params_class``) to see what the session passes to it
+    through ``make_cache`` (the registry's constructor contract); it builds a ``FullCache``."""
 
-    made: list = []
+    def build(geometry, params, *, batch, device, dtype, **extra):
+        made.append((params, extra))
+        return FullCache(geometry, FullParams(capacity=params.capacity), batch=batch, device=device, dtype=dtype)
 
-    def __init__(self, kv_cfg, model_cfg, *, batch, device, dtype, **extra):
-        super().__init__(model_cfg, capacity=kv_cfg.capacity, batch=batch, device=device, dtype=dtype)
-        RecordingCache.made.append((kv_cfg, extra))
+    build.params_class = params_class
+    return build
 
 
-def test_sessions_build_caches_through_make_cache_with_the_gate_only_when_chunked(tiny_openvla, frame, monkeypatch):
-    monkeypatch.setitem(kv_module.CACHES, "chunked", RecordingCache)
-    monkeypatch.setitem(kv_module.CACHES, "sink_window", RecordingCache)
-    RecordingCache.made.clear()
+def test_sessions_build_caches_through_make_cache_with_the_gate_only_when_it_asks(tiny_openvla, frame, monkeypatch):
+    made = []
+    monkeypatch.setitem(kv_module.CACHES, "chunked", recording_cache(ChunkedGatedParams, made))
+    monkeypatch.setitem(kv_module.CACHES, "sink_window", recording_cache(SinkWindowParams, made))
     policy = load_policy(tiny_openvla)
     policy.kv_gate = torch.nn.Identity()  # whatever the owner hands over
-    chunked = policy.new_session("pour the bottle", SessionConfig(kv=KVConfig(mode="chunked"), history="history"))
+    chunked = policy.new_session("pour the bottle", SessionConfig(kv=KVConfig(KVMode.CHUNKED), history="history"))
     chunked.step(obs(frame(0)))
-    sink = policy.new_session("pour the bottle", SessionConfig(kv=KVConfig(mode="sink_window", window=40), history="history"))
-    (kv_chunked, extra_chunked), (kv_sink, extra_sink) = RecordingCache.made
+    sink = policy.new_session("pour the bottle", SessionConfig(kv=KVConfig.of(KVMode.SINK_WINDOW, window=40), history="history"))
+    (params_chunked, extra_chunked), (params_sink, extra_sink) = made
     one_step = 16 + len(chunked.prompt.out) + 1 + 1 + 6  # prev token + image + "\nOut:" + 29871 + 6 fed tokens
-    assert kv_chunked.window == one_step and kv_chunked.capacity is None
+    assert params_chunked.window == one_step and params_chunked.capacity is None
     assert extra_chunked == {"gate": policy.kv_gate} and extra_sink == {}
-    assert kv_sink.window == 40 and isinstance(sink.cache, RecordingCache)
+    assert params_sink.window == 40 and isinstance(sink.cache, FullCache)
 
 
 def test_full_cache_capacity_in_history_mode_is_the_model_limit(tiny_openvla, frame):
-    policy = load_policy(tiny_openvla, kv=KVConfig(capacity=90))
+    policy = load_policy(tiny_openvla, kv=KVConfig.of(KVMode.FULL, capacity=90))
     session = policy.new_session("wipe the table", SessionConfig(kv=policy.kv, history="history"))
     session.step(obs(frame(0)))
     session.step(obs(frame(1)))

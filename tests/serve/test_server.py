@@ -9,10 +9,10 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from vla_runtime.api import Observation
 from vla_runtime.config import SessionConfig
-from vla_runtime.kv import KVConfig
+from vla_runtime.kv import KVConfig, KVMode
 from vla_runtime.serve import ServeConfig
 
-HISTORY = SessionConfig(history="history", kv=KVConfig(mode="full"))
+HISTORY = SessionConfig(history="history", kv=KVConfig(KVMode.FULL))
 
 
 def alone(policy, config, prompt, frames, state=None):

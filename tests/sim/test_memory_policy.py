@@ -24,11 +24,12 @@ def test_shipped_memory_policy_acts_in_range_and_holds_its_budget():
     import torch
 
     from vla_runtime.api import load_policy
+    from vla_runtime.kv import KVMode
     from vla_runtime.sim import MetaWorldConfig, make_env
 
     torch.set_num_threads(1)
     policy = load_policy(MEMORY, device="cpu")
-    assert policy.kv_gate is not None and policy.session.kv.mode == "chunked" and policy.session.history == "history"
+    assert policy.kv_gate is not None and policy.session.kv.mode is KVMode.CHUNKED and policy.session.history == "history"
     (action,) = [v["action"] for v in json.loads((MEMORY / "dataset_statistics.json").read_text()).values()]
     low, high = np.array(action["q01"]), np.array(action["q99"])
     layers = policy.info()["llm"]["layers"]

@@ -7,7 +7,7 @@ import torch
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import SessionConfig
-from vla_runtime.kv import ChunkGate, ChunkGateConfig, KVConfig
+from vla_runtime.kv import ChunkGate, KVConfig, KVMode
 from vla_runtime.sim.evaluate import EpisodeResult, episode_record
 from vla_runtime.sim.retention import RetentionTrace, describe_sources, plot_episodes
 
@@ -20,8 +20,8 @@ def traced(tmp_path_factory):
     traced after every step."""
     torch.manual_seed(0)
     policy = load_policy(make_tiny_openvla(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0))
-    kv = KVConfig(mode="chunked", chunk=8, max_chunks=3)
-    gate = ChunkGate(ChunkGateConfig.from_configs(kv, policy.config.llm))
+    kv = KVConfig.of(KVMode.CHUNKED, chunk=8, max_chunks=3)
+    gate = ChunkGate(kv.gate_config(policy.config.llm.geometry))
     with torch.no_grad():
         gate.readout_weight.normal_(0.0, 3.0)
         gate.readout_bias.zero_()
@@ -41,7 +41,7 @@ def test_trace_maps_the_held_chunks_to_their_source_steps(traced):
     per_step = np.diff(trace.step_ends)
     assert len(set(per_step.tolist())) == 1  # every step appends the same tokens after the first
     grid = trace.held_by_step()  # [source step, control step]
-    layers = session.cache.model_cfg.n_layers
+    layers = session.cache.geometry.n_layers
     for x, s in enumerate(stats):
         assert grid[:, x].sum() == pytest.approx(s.chunks_retained / layers)  # every held chunk, once
     starts = session.cache.retained_starts()  # the cache's own state after the last step

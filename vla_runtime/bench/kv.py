@@ -34,13 +34,14 @@ from pathlib import Path
 
 import torch
 
-from ..kv import ChunkGate, ChunkGateConfig, FullCache, KVConfig, make_cache
+from ..kv import ChunkGate, FullCache, KVConfig, KVMode, make_cache
+from ..kv.gate import ChunkGateConfig
 from ..models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
 from .harness import environment, pinned_threads, pyplot, save_figure, summarize, write_json
 
 log = logging.getLogger(__name__)
 
-METHODS = ("full", "sink_window", "chunked")
+METHODS = (KVMode.FULL, KVMode.SINK_WINDOW, KVMode.CHUNKED)
 PARTS = ("layer", "e2e")
 
 
@@ -100,17 +101,17 @@ def step_flops(
 
 
 # ---- caches and history ----------------------------------------------------------------------------
-def kv_configs(args: argparse.Namespace, length: int) -> dict[str, KVConfig]:
+def kv_configs(args: argparse.Namespace, length: int) -> dict[KVMode, KVConfig]:
     """Each timed step runs on a fresh copy of the history, so room for the history plus one step suffices;
     the chunked cache gets a chunk slot for every chunk the history can form (no budget)."""
     step = args.frame + args.decode
     sink_slots = args.prompt + args.n_sink + 2 * args.window + step
     chunk_slots = (length + step) // args.chunk + 1
     return {
-        "full": KVConfig(mode="full", capacity=length + step),
-        "sink_window": KVConfig(mode="sink_window", window=args.window, n_sink=args.n_sink, capacity=sink_slots),
-        "chunked": KVConfig(
-            mode="chunked", window=args.window, chunk=args.chunk, capacity=3 * (args.window + args.chunk) + chunk_slots
+        KVMode.FULL: KVConfig.of(KVMode.FULL, capacity=length + step),
+        KVMode.SINK_WINDOW: KVConfig.of(KVMode.SINK_WINDOW, window=args.window, n_sink=args.n_sink, capacity=sink_slots),
+        KVMode.CHUNKED: KVConfig.of(
+            KVMode.CHUNKED, window=args.window, chunk=args.chunk, capacity=3 * (args.window + args.chunk) + chunk_slots
         ),
     }
 
@@ -119,10 +120,10 @@ def benchmark_gate(kv_cfg: KVConfig, cfg: LlamaConfig, seed: int, *, calibration
     """A gate that keeps about half of the chunks: readout weights ~ N(0, 1) and, per layer, ``tau`` set to
     the median score the gate gives a calibration stream of random chunks (the history is random too)."""
     torch.manual_seed(seed)
-    gate = ChunkGate(ChunkGateConfig.from_configs(kv_cfg, cfg))
+    gate = ChunkGate(kv_cfg.gate_config(cfg.geometry))
     with torch.no_grad():
         gate.readout_weight.normal_()
-        shape = (cfg.n_layers, 1, cfg.n_kv_heads, calibration_chunks, kv_cfg.chunk, cfg.head_dim)
+        shape = (cfg.n_layers, 1, cfg.n_kv_heads, calibration_chunks, gate.cfg.chunk, cfg.head_dim)
         k_rep, v_rep = gate.aggregate(torch.randn(shape), torch.randn(shape))  # [L, 1, Hkv, n, D]
         scores, _ = gate.score(k_rep, v_rep, gate.init_state(1, cfg.n_kv_heads))  # [L, 1, n]
         gate.tau.copy_(scores[:, 0].median(dim=1).values)
@@ -132,9 +133,9 @@ def benchmark_gate(kv_cfg: KVConfig, cfg: LlamaConfig, seed: int, *, calibration
 def fill_history(cache, cfg: LlamaConfig, length: int, *, prompt: int, frame: int, gen: torch.Generator, dtype) -> None:
     """Bring ``cache`` to the state after ``length`` history tokens (random q/k/v, the prompt pinned)."""
     if isinstance(cache, FullCache):  # holds everything: write it directly (rotated keys are just numbers)
-        for buf in (cache.k, cache.v):
-            buf[:, :, :, :length].normal_(generator=gen)
-        cache.length = length
+        for buf in cache.buffers(length):
+            buf.normal_(generator=gen)
+        cache.hold(length)
         return
     done = 0
     while done < length:
@@ -210,9 +211,10 @@ def bench_part(part: str, args: argparse.Namespace, dtype: torch.dtype) -> dict:
     for length in args.lengths:
         snapshots, gates = {}, {}
         for method, kv_cfg in kv_configs(args, length).items():
-            gates[method] = benchmark_gate(kv_cfg, cfg, args.seed) if method == "chunked" else None
+            needs_gate = kv_cfg.gate_config(cfg.geometry) is not None
+            gates[method] = benchmark_gate(kv_cfg, cfg, args.seed) if needs_gate else None
             extra = {"gate": gates[method]} if gates[method] is not None else {}
-            cache = make_cache(kv_cfg, cfg, device=args.device, dtype=dtype, **extra)
+            cache = make_cache(kv_cfg, cfg.geometry, device=args.device, dtype=dtype, **extra)
             fill_history(cache, cfg, length, prompt=args.prompt, frame=args.frame, gen=gen, dtype=dtype)
             snapshots[method] = cache
         times, last = time_interleaved(forward, snapshots, frame_x, decode_x, warmup=args.warmup, repeats=args.repeats)
@@ -243,8 +245,8 @@ def bench_part(part: str, args: argparse.Namespace, dtype: torch.dtype) -> dict:
             record["cpu_ratio"] = base["cpu_ms"] / record["cpu_ms"]
             record["bytes_ratio"] = base["kv_bytes"] / record["kv_bytes"]
             record["flops_ratio"] = base["gflops"] / record["gflops"]
-            results[f"{part}/{method}/{length}"] = record
-            log.info("%s %s L=%d: %.1f ms", part, method, length, record["median_ms"])
+            results[f"{part}/{method.value}/{length}"] = record
+            log.info("%s %s L=%d: %.1f ms", part, method.value, length, record["median_ms"])
         del snapshots, last
     return results
 
@@ -258,19 +260,20 @@ def check_agreement(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, f
     bounds = [args.prompt] + ([args.frame] + [1] * args.decode) * 2
     big = len(x[0]) + 8
     configs = {
-        "full": KVConfig(capacity=big),
-        "sink_window": KVConfig(mode="sink_window", window=big, capacity=2 * big),
-        "chunked": KVConfig(mode="chunked", window=big, chunk=args.chunk, capacity=4 * big),
+        KVMode.FULL: KVConfig.of(KVMode.FULL, capacity=big),
+        KVMode.SINK_WINDOW: KVConfig.of(KVMode.SINK_WINDOW, window=big, capacity=2 * big),
+        KVMode.CHUNKED: KVConfig.of(KVMode.CHUNKED, window=big, chunk=args.chunk, capacity=4 * big),
     }
     outs = {}
-    for name, kv_cfg in configs.items():
-        cache = make_cache(kv_cfg, cfg, device=args.device, dtype=dtype)
+    for mode, kv_cfg in configs.items():
+        cache = make_cache(kv_cfg, cfg.geometry, device=args.device, dtype=dtype)
         start, pieces = 0, []
         for n in bounds:
             pieces.append(model(inputs_embeds=x[:, start : start + n], cache=cache, pin=start == 0))
             start += n
-        outs[name] = torch.cat(pieces, dim=1)
-    diffs = {name: float((out - outs["full"]).abs().max()) for name, out in outs.items() if name != "full"}
+        outs[mode] = torch.cat(pieces, dim=1)
+    full = outs.pop(KVMode.FULL)
+    diffs = {mode.value: float((out - full).abs().max()) for mode, out in outs.items()}
     for name, diff in diffs.items():
         if diff > 1e-3:
             raise RuntimeError(f"{name} with a window covering the episode differs from the full cache by {diff}")
@@ -303,7 +306,7 @@ def plot(results: dict, path: Path) -> None:
     parts = sorted({name.split("/")[0] for name in results}, key=PARTS.index)
     fig, axes = plt.subplots(2, len(parts), figsize=(6 * len(parts), 8), squeeze=False)
     for col, part in enumerate(parts):
-        for method in METHODS:
+        for method in (m.value for m in METHODS):
             rows = sorted((int(n.split("/")[2]), r) for n, r in results.items() if n.startswith(f"{part}/{method}/"))
             if not rows:
                 continue

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..kv.registry import CACHES, KVMode
+
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 DEMO_MODEL = ASSETS / "mw-tiny-openvla"
 DEMO_TASK = "drawer-close-v3"
@@ -30,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", default=DEMO_TASK, help=f"Meta-World task or memory task (memory-reference, memory-counting, "
                    f"memory-order); default {DEMO_TASK}, the demo policy's best task")  # fmt: skip
     p.add_argument("--seed", type=int, default=1000, help="episode seed (default 1000; the shipped policies were trained on seeds 0-49)")
-    p.add_argument("--kv", choices=("full", "sink_window", "chunked"), default="chunked", help="KV cache (default chunked)")
+    p.add_argument("--kv", choices=tuple(CACHES), default="chunked", help="KV cache (default chunked)")
     p.add_argument("--history", choices=("history", "single"), default="history", help="history mode (default) or single frame")
     p.add_argument("--max-steps", type=int, default=150, help="step limit (default 150; memory tasks end by 160)")
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the video and retention picture go (default runs/demo)")
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     session = replace(policy.session, history=args.history, kv=_demo_cache(policy.session.kv, args, info["image_tokens"]))
     video = None if args.no_video else args.out / f"{args.task}-seed{args.seed}.mp4"
     env_config = MetaWorldConfig(cameras=("corner",), resolution=(size, size), max_steps=args.max_steps)
-    traced = args.kv == "chunked" and args.history == "history"
+    traced = KVMode.parse(args.kv) is KVMode.CHUNKED and args.history == "history"
     with make_env("metaworld", env_config) as env:
         print(f"{args.task} seed {args.seed}: {env.instruction(args.task, args.seed)!r}, kv={args.kv}, {args.history} mode ...", flush=True)
         result = run_episode(env, policy, args.task, args.seed, session, video_path=video, trace_retention=traced)
@@ -97,14 +99,16 @@ def _print_kv(kv: dict, layers: int) -> None:
 def _demo_cache(trained, args: argparse.Namespace, image_tokens: int):
     """The cache of ``--kv``: the chunked cache the policy was trained with (its budget and window), a full
     cache sized for the step limit, or the sliding window holding the chunked cache's KV bytes."""
-    from ..kv import KVConfig
+    from ..kv import ChunkedGatedParams, KVConfig
     from ..kv.config import matching_sink_window
 
-    chunked = trained if trained.mode == "chunked" else KVConfig(mode="chunked")
-    if args.kv == "chunked":
+    mode = KVMode.parse(args.kv)
+    chunked = trained if trained.mode is KVMode.CHUNKED else KVConfig(KVMode.CHUNKED)
+    if mode is KVMode.CHUNKED:
         return chunked
-    if args.kv == "full":  # every token of the episode: step limit x (frame + proprio + prompt suffix + actions)
-        return KVConfig(mode="full", capacity=(args.max_steps + 1) * (image_tokens + 16))
-    if chunked.window is not None and chunked.max_chunks is not None:
+    if mode is KVMode.FULL:  # every token of the episode: step limit x (frame + proprio + prompt suffix + actions)
+        return KVConfig.of(KVMode.FULL, capacity=(args.max_steps + 1) * (image_tokens + 16))
+    p: ChunkedGatedParams = chunked.params
+    if p.window is not None and p.max_chunks is not None:
         return matching_sink_window(chunked)
-    return KVConfig(mode="sink_window")
+    return KVConfig(KVMode.SINK_WINDOW)

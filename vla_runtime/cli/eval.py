@@ -21,7 +21,8 @@ from pathlib import Path
 
 from ..api import detect_family, load_policy
 from ..config import HISTORY_MODES, SessionConfig
-from ..kv.config import KV_MODES, KVConfig, matching_sink_window
+from ..kv.config import KVConfig, matching_sink_window
+from ..kv.registry import CACHES, KVMode
 from ..sim import METAWORLD_ALL_TASKS, make_env
 from ..sim.base import check_task
 from ..sim.evaluate import EvalConfig, evaluate
@@ -37,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, help="policy checkpoint directory (anything load_policy reads)")
     add_sim_args(p, sims=("metaworld", "rlbench"))
     p.add_argument("--episodes", type=int, default=10, help="episodes per task (default: %(default)s)")
-    p.add_argument("--kv", choices=KV_MODES, default="full", help="KV cache mode (default: %(default)s)")
+    p.add_argument("--kv", choices=tuple(CACHES), default="full", help="KV cache mode (default: %(default)s)")
     p.add_argument("--kv-capacity", type=int, default=None,
                    help="tokens a cache holds (default: the model's max_position); a full cache in history mode needs "
                         "about steps x tokens per step")
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         "sim": args.sim,
         "sim_config": repr(env_config),
         "session": repr(session),
-        "kv": {"mode": kv.mode, "window": kv.window, "max_chunks": kv.max_chunks, "matched_chunks": args.kv_match_chunks},
+        "kv": {**_report_keys(kv), "matched_chunks": args.kv_match_chunks},
         "seed": args.seed,
         "workers": args.workers,
     }
@@ -124,29 +125,44 @@ def run(args: argparse.Namespace) -> int:
 
 def kv_config(args: argparse.Namespace) -> KVConfig:
     """The session's cache from the ``--kv*`` flags; ``--kv-match-chunks`` sizes a sink window (and says so)."""
-    kv = KVConfig(mode=args.kv, capacity=args.kv_capacity, window=args.kv_window, max_chunks=args.kv_max_chunks)
+    flags = {"capacity": args.kv_capacity, "window": args.kv_window, "max_chunks": args.kv_max_chunks}
+    kv = KVConfig.from_dict({"mode": args.kv, **flags})
     if args.kv_match_chunks is None:
-        if kv.mode == "chunked" and kv.window is not None and kv.max_chunks is not None:
-            print(f"a sink_window cache with --kv-window {matching_sink_window(kv).window} holds the same KV bytes")
+        if _matchable(kv):
+            print(f"a sink_window cache with --kv-window {matching_sink_window(kv).params.window} holds the same KV bytes")
         return kv
-    if args.kv != "sink_window":
+    if kv.mode is not KVMode.SINK_WINDOW:
         raise ValueError(f"--kv-match-chunks sizes a sink_window cache; got --kv {args.kv}")
     if args.kv_window is None:
         raise ValueError("--kv-match-chunks needs --kv-window: the raw window W (tokens) of the chunked cache to match")
-    chunked = KVConfig(mode="chunked", capacity=args.kv_capacity, window=args.kv_window, max_chunks=args.kv_match_chunks)
+    chunked = KVConfig.of(KVMode.CHUNKED, capacity=args.kv_capacity, window=args.kv_window, max_chunks=args.kv_match_chunks)
     kv = matching_sink_window(chunked)
-    print(f"sink_window: window {kv.window} tokens holds the KV bytes of chunked (window {chunked.window}, "
-          f"chunk {chunked.chunk}, {chunked.max_chunks} chunks, n_sink {chunked.n_sink})")  # fmt: skip
+    c, s = chunked.params, kv.params
+    print(f"sink_window: window {s.window} tokens holds the KV bytes of chunked (window {c.window}, "
+          f"chunk {c.chunk}, {c.max_chunks} chunks, n_sink {s.n_sink})")  # fmt: skip
     return kv
+
+
+def _matchable(kv: KVConfig) -> bool:
+    """A chunked cache whose window and budget are both set (``matching_sink_window`` can size one for it)."""
+    keys = kv.to_dict()
+    return kv.mode is KVMode.CHUNKED and keys["window"] is not None and keys["max_chunks"] is not None
+
+
+def _report_keys(kv: KVConfig) -> dict:
+    """``mode``, ``window`` and ``max_chunks`` of the report (``None`` where the cache has no such parameter)."""
+    keys = kv.to_dict()
+    return {"mode": keys["mode"], "window": keys.get("window"), "max_chunks": keys.get("max_chunks")}
 
 
 def kv_label(kv: KVConfig) -> str:
     """Short description of a cache for titles: ``kv=chunked W48 M32``."""
-    parts = [f"kv={kv.mode}"]
-    if kv.window is not None and kv.mode != "full":
-        parts.append(f"W{kv.window}")
-    if kv.max_chunks is not None and kv.mode == "chunked":
-        parts.append(f"M{kv.max_chunks}")
+    keys = _report_keys(kv)
+    parts = [f"kv={keys['mode']}"]
+    if keys["window"] is not None:
+        parts.append(f"W{keys['window']}")
+    if keys["max_chunks"] is not None:
+        parts.append(f"M{keys['max_chunks']}")
     return " ".join(parts)
 
 

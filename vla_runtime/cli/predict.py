@@ -19,7 +19,7 @@ import numpy as np
 
 from ..config import HISTORY_MODES, ActionDecoding
 from ..device import DTYPES
-from ..kv.config import KV_MODES
+from ..kv.registry import CACHES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +50,7 @@ def add_session_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unnorm-key", help="dataset key of the action statistics (needed when the checkpoint has several)")
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="weights/activations dtype (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--kv", choices=KV_MODES, default="full", help="KV cache (default full)")
+    p.add_argument("--kv", choices=tuple(CACHES), default="full", help="KV cache (default full)")
     p.add_argument("--history", choices=HISTORY_MODES, default="single", help="single = stock OpenVLA; history = one cache per episode")
     p.add_argument("--center-crop", action="store_true", help="0.9-area centre crop (models trained with image augmentation)")
 

@@ -1,63 +1,50 @@
-"""KV caches behind one protocol; ``make_cache`` turns a ``KVConfig`` into a cache.
+"""KV caches behind the attend seam; ``make_cache`` turns a ``KVConfig`` into a cache.
 
-A cache class is built as ``cls(kv_cfg, model_cfg, *, batch, device, dtype, **extra)`` (``FullCache``
-takes its capacity only). Adding a cache = its file, a ``CACHES`` entry, a row in ``tests/kv/cases.py``
-and a DESIGN.md line.
+Recipe: adding a cache is one file, one registry line and one test row.
+
+1. ``vla_runtime/kv/<name>.py``: a ``@dataclass(frozen=True)`` params class deriving from ``CacheParams``
+   (``DecoupledParams`` for a pre-RoPE store with a raw window) that validates its fields in
+   ``__post_init__``, and the cache, a ``SlotCache`` subclass with ``params_class`` set, the constructor
+   ``(geometry, params=None, *, batch, device, dtype)``, ``attend``, ``end_forward``, ``held_slots`` and
+   ``stats`` (``mark``/``rollback``/``reset``/bytes come from ``SlotCache``).
+2. One line in ``registry.CACHES``: ``"<name>": <Cache>``. ``KVMode``, ``KVConfig``'s YAML/CLI keys,
+   ``make_cache`` and the CLI ``--kv`` choices follow from it.
+3. One row in ``tests/kv/cases.py`` (``CASES``): the contract tests in ``tests/kv/test_contract.py`` run
+   every registered cache against ``FullCache`` and the protocol's promises, and fail on a cache without a row.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import torch
-
-from .base import KVCache, KVStats, kv_bytes
-from .chunked_gated import ChunkedGatedCache, ChunkedGatedConfig
+from .base import AttendSeam, CacheParams, DecoupledParams, EpisodeCache, KVCache, KVStats
+from .chunked_gated import ChunkedGatedCache, ChunkedGatedParams
 from .config import KVConfig, matching_sink_window
-from .full import FullCache
-from .gate import ChunkGate, ChunkGateConfig, has_gate, load_gate, save_gate
-from .sink_window import SinkWindowCache, SinkWindowConfig
-
-if TYPE_CHECKING:
-    from ..models.llama import LlamaConfig
-
-CACHES: dict[str, type] = {"full": FullCache, "sink_window": SinkWindowCache, "chunked": ChunkedGatedCache}
-
-
-def make_cache(
-    kv_cfg: KVConfig,
-    model_cfg: "LlamaConfig",
-    *,
-    batch: int = 1,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    **extra,
-) -> KVCache:
-    """Build the cache ``kv_cfg.mode`` names. ``extra`` carries what a mode needs beyond sizes:
-    ``gate=`` the policy's ``ChunkGate`` for ``chunked`` (absent or ``None`` = the untrained default,
-    which mean-pools and keeps every chunk)."""
-    if kv_cfg.mode not in CACHES:
-        raise KeyError(f"unknown KV mode {kv_cfg.mode!r}; available: {', '.join(sorted(CACHES))}")
-    cls = CACHES[kv_cfg.mode]
-    if cls is FullCache:
-        return FullCache(model_cfg, capacity=kv_cfg.capacity, batch=batch, device=device, dtype=dtype)
-    return cls(kv_cfg, model_cfg, batch=batch, device=device, dtype=dtype, **extra)
-
+from .full import FullCache, FullParams
+from .gate import ChunkGate, ChunkGateConfig
+from .gate_io import has_gate, load_gate, save_gate
+from .geometry import CacheGeometry
+from .registry import CACHES, KVMode, make_cache
+from .sink_window import SinkWindowCache, SinkWindowParams
 
 __all__ = [
     "CACHES",
+    "AttendSeam",
+    "CacheGeometry",
+    "CacheParams",
     "ChunkGate",
     "ChunkGateConfig",
     "ChunkedGatedCache",
-    "ChunkedGatedConfig",
+    "ChunkedGatedParams",
+    "DecoupledParams",
+    "EpisodeCache",
     "FullCache",
+    "FullParams",
     "KVCache",
     "KVConfig",
+    "KVMode",
     "KVStats",
     "SinkWindowCache",
-    "SinkWindowConfig",
+    "SinkWindowParams",
     "has_gate",
-    "kv_bytes",
     "load_gate",
     "make_cache",
     "matching_sink_window",

@@ -1,6 +1,6 @@
 """Which attention implementation a decoupled cache uses: chosen once, at construction.
 
-The choice is ``vla_kernels.attention_backend`` (``KVConfig.backend``: ``auto`` = Triton on CUDA when the
+The choice is ``vla_kernels.attention_backend`` (the ``backend`` parameter: ``auto`` = Triton on CUDA when the
 kernels support the device/dtype/head dim, also overridable with ``$VLA_KV_BACKEND``; ``torch``;
 ``triton`` = an error listing the reasons where it cannot run). Triton means the cache hands its
 pre-RoPE store, slot list and positions to ``vla_kernels.chunked_attention`` (contract 4). Torch means
@@ -11,13 +11,12 @@ keys out (positions 0..N-1 in attention order), keeping rotated copies between l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from vla_kernels import attention_backend
 
-if TYPE_CHECKING:
-    from ..models.llama import LlamaConfig
+from .geometry import CacheGeometry
 
 
 @dataclass(frozen=True)
@@ -28,7 +27,7 @@ class AttentionBackend:
     kernel: Callable[..., torch.Tensor] | None = None
 
 
-def select_backend(name: str, model_cfg: "LlamaConfig", *, device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
-    """Resolve ``KVConfig.backend`` for this model, device and dtype."""
-    chosen = attention_backend(name, device, dtype=dtype, head_dim=model_cfg.head_dim)
+def select_backend(name: str, geometry: CacheGeometry, *, device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
+    """Resolve a cache's ``backend`` parameter for this model geometry, device and dtype."""
+    chosen = attention_backend(name, device, dtype=dtype, head_dim=geometry.head_dim)
     return AttentionBackend(chosen.name, chosen if chosen.name == "triton" else None)

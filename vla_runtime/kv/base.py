@@ -1,15 +1,26 @@
-"""The KV seam: the protocol every cache implements, and the stats it reports.
+"""The KV seam: what the decoder calls, what a session calls, the stats a cache reports and the base of
+every cache's hyper-parameters.
 
-The decoder computes q/k/v (k *before* RoPE) and calls ``cache.attend(layer, q, k, v)``;
-the cache stores, assigns positions, applies RoPE and computes attention (DESIGN §3).
+The decoder computes q/k/v (k *before* RoPE) and calls ``cache.attend(layer, q, k, v)``, then
+``cache.end_forward()`` once per forward (``AttendSeam``); the cache stores, assigns positions, applies
+RoPE and computes attention (DESIGN §3). A session owns the cache for an episode and also marks, rolls
+back, resets and reads stats (``EpisodeCache``). A registered cache is both (``KVCache``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from .gate import ChunkGateConfig
+    from .geometry import CacheGeometry
+
+KV_BACKENDS = ("auto", "torch", "triton")
+
+P = TypeVar("P", bound="CacheParams")
 
 
 @dataclass(frozen=True)
@@ -41,8 +52,9 @@ class KVStats:
 
 
 @runtime_checkable
-class KVCache(Protocol):
-    """Protocol of every cache. Shapes: ``B`` batch, ``Hq``/``Hkv`` heads, ``T`` new tokens, ``D`` head dim."""
+class AttendSeam(Protocol):
+    """What the decoder needs (``models/llama.py``). Shapes: ``B`` batch, ``Hq``/``Hkv`` heads, ``T`` new
+    tokens, ``D`` head dim. The training form (``ParallelChunkedAttention``) and the KEEP prefill are seams too."""
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store new k/v for ``layer``, rotate q and keys with the cache's positions, attend.
@@ -58,6 +70,11 @@ class KVCache(Protocol):
         ``pin=True`` pins everything held so far (the prompt): it is never compressed or evicted.
         """
         ...
+
+
+@runtime_checkable
+class EpisodeCache(Protocol):
+    """What a session needs from the cache it owns for an episode."""
 
     def mark(self) -> int:
         """Open a mark: a token count to ``rollback`` to. Nothing held changes while it is open (compressing
@@ -77,7 +94,64 @@ class KVCache(Protocol):
         ...
 
 
-def kv_bytes(n_tokens: int, *, n_layers: int, n_kv_heads: int, head_dim: int, batch: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for ``n_tokens`` tokens in every layer."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * n_tokens * n_layers * n_kv_heads * head_dim * batch * itemsize
+@runtime_checkable
+class KVCache(AttendSeam, EpisodeCache, Protocol):
+    """A cache ``make_cache`` builds: the decoder's seam and the session's handle in one object."""
+
+
+@dataclass(frozen=True)
+class CacheParams:
+    """Base of every cache's hyper-parameters (one subclass per cache, in the cache's file).
+
+    Args:
+        capacity: slots the cache holds, all regions together; ``None`` = the model's ``max_position``.
+    """
+
+    capacity: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.capacity is not None and self.capacity < 1:
+            raise ValueError(f"`capacity` must be >= 1 or None, got {self.capacity}")
+
+    def for_step(self: P, tokens: int, *, whole_context: bool) -> P:
+        """Fill unset sizes from a policy's step of ``tokens`` tokens; ``whole_context``: the step is all the
+        cache will hold (single mode), so it also bounds ``capacity``."""
+        return replace(self, capacity=self.capacity or tokens) if whole_context else self
+
+    def resolve(self: P, geometry: "CacheGeometry") -> P:
+        """These params with every unset size decided for ``geometry`` (what the cache runs with)."""
+        return replace(self, capacity=self.capacity or geometry.max_position)
+
+    def gate_config(self, geometry: "CacheGeometry") -> "ChunkGateConfig | None":
+        """The learnable ``ChunkGate`` this cache needs (its owner builds or loads it); ``None``: no gate."""
+        return None
+
+
+@dataclass(frozen=True)
+class DecoupledParams(CacheParams):
+    """Base of the caches with decoupled positions (pre-RoPE store, compacted positions, a raw window).
+
+    Args:
+        window: raw recent window W in tokens; ``None`` = one frame (the policy fills it in, ``for_step``).
+        backend: attention implementation, one of ``KV_BACKENDS``; ``auto`` = Triton on CUDA, torch elsewhere.
+    """
+
+    window: int | None = None
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"`window` must be >= 1 or None, got {self.window}")
+        if self.backend not in KV_BACKENDS:
+            raise ValueError(f"`backend` is {self.backend!r}; expected one of {', '.join(KV_BACKENDS)}")
+
+    def for_step(self: P, tokens: int, *, whole_context: bool) -> P:
+        """As ``CacheParams.for_step``; an unset ``window`` becomes the step's tokens."""
+        return replace(super().for_step(tokens, whole_context=whole_context), window=self.window or tokens)
+
+    def resolve(self: P, geometry: "CacheGeometry") -> P:
+        """As ``CacheParams.resolve``; ``window`` must be set by now (``ValueError`` otherwise)."""
+        if self.window is None:
+            raise ValueError("the cache's `window` is None: set it (the policy fills in one frame of tokens)")
+        return super().resolve(geometry)

@@ -31,72 +31,73 @@ the exact state. The training form that reproduces this cache in one forward is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
 import torch
 
 from .backend import select_backend
-from .base import KVStats
-from .config import KVConfig
+from .base import DecoupledParams, KVStats
 from .gate import ChunkGate, ChunkGateConfig, check_gate
+from .geometry import CacheGeometry
+from .slot_cache import SlotCache
 from .store import RotatedView, SlotStore, attend_slots
-
-if TYPE_CHECKING:
-    from ..models.llama import LlamaConfig
 
 _NEVER = torch.iinfo(torch.int64).max
 RAW_AREA_WINDOWS = 3  # max_chunks=None: raw area = 3 * (window + chunk) slots
 
 
 @dataclass(frozen=True)
-class ChunkedGatedConfig:
-    """Resolved sizes of a ``ChunkedGatedCache``.
+class ChunkedGatedParams(DecoupledParams):
+    """Hyper-parameters of ``ChunkedGatedCache`` (and ``capacity``, ``window``, ``backend`` of ``DecoupledParams``:
+    the store holds pinned + raw ring + ``max_chunks`` slots and compacted positions stay below ``capacity``).
 
     Args:
         chunk: tokens per chunk C.
-        window: raw recent window W (never compressed).
-        max_chunks: retained chunks per layer M (the budget; also the chunk slots of the store); 0 = none.
-        capacity: store slots S = pinned + raw ring + M; compacted positions stay below it.
-        backend: ``KVConfig.backend``.
+        max_chunks: retained chunks per layer M (the budget; also the chunk slots of the store); 0 = none kept;
+            ``None`` = every slot the raw area does not need (``resolve``).
+        aggregator_hidden: hidden size of the per-layer 2-layer MLP aggregator (``ChunkGate``).
+        gate_hidden: hidden size of the per-layer LSTM retention gate (``ChunkGate``).
     """
 
-    chunk: int
-    window: int
-    max_chunks: int
-    capacity: int
-    backend: str = "auto"
+    chunk: int = 16
+    max_chunks: int | None = None
+    aggregator_hidden: int = 64
+    gate_hidden: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("chunk", "window", "capacity"):
+        super().__post_init__()
+        for name in ("chunk", "aggregator_hidden", "gate_hidden"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
-        if self.max_chunks < 0:
-            raise ValueError(f"`max_chunks` must be >= 0, got {self.max_chunks}")
+        if self.max_chunks is not None and self.max_chunks < 0:
+            raise ValueError(f"`max_chunks` must be >= 0 or None, got {self.max_chunks}")
+        if self.capacity is None or self.window is None or not self.max_chunks:
+            return
         raw = self.capacity - self.max_chunks
-        if self.max_chunks and raw <= self.window + self.chunk:
+        if raw <= self.window + self.chunk:
             raise ValueError(
                 f"`capacity` ({self.capacity}) - `max_chunks` ({self.max_chunks}) = {raw} raw slots must exceed "
                 f"window + chunk ({self.window + self.chunk}) plus one forward's tokens"
             )
 
-    @classmethod
-    def from_kv(cls, kv: KVConfig, model_cfg: "LlamaConfig") -> "ChunkedGatedConfig":
+    def resolve(self, geometry: CacheGeometry) -> "ChunkedGatedParams":
         """``capacity=None`` -> the model's ``max_position``; ``max_chunks=None`` -> every slot the raw
         area does not need, leaving ``RAW_AREA_WINDOWS * (window + chunk)`` slots for the pinned prompt,
         the window, a filling chunk and a forward of up to about two windows."""
-        if kv.window is None:
-            raise ValueError("KVConfig.window is None: set it (the policy fills in one frame of tokens)")
-        capacity = kv.capacity or model_cfg.max_position
-        max_chunks = kv.max_chunks
-        if max_chunks is None:  # 0 when the window fills the store (no chunk can form before it is full)
-            max_chunks = max(0, capacity - RAW_AREA_WINDOWS * (kv.window + kv.chunk))
-        return cls(
-            chunk=kv.chunk,
-            window=kv.window,
-            max_chunks=max_chunks,
-            capacity=capacity,
-            backend=kv.backend,
+        p = super().resolve(geometry)
+        if p.max_chunks is not None:
+            return p
+        # 0 when the window fills the store (no chunk can form before it is full)
+        return replace(p, max_chunks=max(0, p.capacity - RAW_AREA_WINDOWS * (p.window + p.chunk)))
+
+    def gate_config(self, geometry: CacheGeometry) -> ChunkGateConfig:
+        """The ``ChunkGate`` geometry this cache needs (its owner, the policy, builds or loads it)."""
+        return ChunkGateConfig(
+            n_layers=geometry.n_layers,
+            head_dim=geometry.head_dim,
+            chunk=self.chunk,
+            aggregator_hidden=self.aggregator_hidden,
+            gate_hidden=self.gate_hidden,
         )
 
 
@@ -152,13 +153,15 @@ def apply_admission(
     )
 
 
-class ChunkedGatedCache:
+class ChunkedGatedCache(SlotCache):
     """The KV-Efficient cache; see the module docstring. The gate (weights) is owned by the policy."""
+
+    params_class = ChunkedGatedParams
 
     def __init__(
         self,
-        kv_cfg: KVConfig,
-        model_cfg: "LlamaConfig",
+        geometry: CacheGeometry,
+        params: ChunkedGatedParams | None = None,
         *,
         batch: int = 1,
         device: torch.device | str = "cpu",
@@ -167,22 +170,22 @@ class ChunkedGatedCache:
     ) -> None:
         """``gate``: the policy's ``ChunkGate``; ``None`` builds the untrained default (mean-pooling
         aggregator, keeps every chunk)."""
-        self.cfg = cfg = ChunkedGatedConfig.from_kv(kv_cfg, model_cfg)
+        super().__init__(geometry, params)
+        p = self.params
         if gate is None:
-            gate = ChunkGate(ChunkGateConfig.from_configs(kv_cfg, model_cfg)).to(device)
-        check_gate(gate, kv_cfg, model_cfg)
-        self.model_cfg = model_cfg
+            gate = ChunkGate(p.gate_config(geometry)).to(device)
+        check_gate(gate, geometry, chunk=p.chunk)
         self.gate = gate
         self.batch = batch
         # one scratch slot past the chunk slots takes the writes of layers that do not keep a chunk
         self.store = SlotStore(
-            model_cfg, slots=cfg.capacity + 1, chunk_slots=cfg.max_chunks + 1, batch=batch, device=device, dtype=dtype
+            geometry, slots=p.capacity + 1, chunk_slots=p.max_chunks + 1, batch=batch, device=device, dtype=dtype
         )
-        self._scratch = torch.tensor(cfg.capacity, device=device)
-        self._layers = torch.arange(model_cfg.n_layers, device=device)
-        self.backend = select_backend(cfg.backend, model_cfg, device=device, dtype=dtype)
+        self._scratch = torch.tensor(p.capacity, device=device)
+        self._layers = torch.arange(geometry.n_layers, device=device)
+        self.backend = select_backend(p.backend, geometry, device=device, dtype=dtype)
         self.view = RotatedView(self.store) if self.backend.kernel is None else None
-        n, m = model_cfg.n_layers, cfg.max_chunks
+        n, m = geometry.n_layers, p.max_chunks
         self.chunk_valid = torch.zeros(n, m, dtype=torch.bool, device=device)
         self.chunk_score = torch.zeros(n, m, dtype=torch.float32, device=device)
         self.chunk_age = torch.zeros(n, m, dtype=torch.long, device=device)
@@ -192,21 +195,19 @@ class ChunkedGatedCache:
 
     def reset(self) -> None:
         """Forget the episode (tokens, chunks, LSTM state); the gate's weights are untouched."""
-        self.store.reset()
+        super().reset()
         self.chunk_valid.zero_()
         self.chunk_score.zero_()
         self.chunk_age.zero_()
         self.gate_dropped.zero_()
         self.budget_dropped.zero_()
-        self.lstm_state = self.gate.init_state(self.batch, self.model_cfg.n_kv_heads, device=self.chunk_valid.device)
+        self.lstm_state = self.gate.init_state(self.batch, self.geometry.n_kv_heads, device=self.chunk_valid.device)
         self.chunks_formed = 0
         self._chunk_token_start: list[int] = []  # first token of every chunk formed, chronological
         self._chunk_slots: list[torch.Tensor] | None = None  # per layer, chronological; rebuilt after changes
         self._plan = None
         self._slots: list[torch.Tensor | slice] = []
         self._n_keys: list[int] = []
-        self._mark: int | None = None
-        self._positions_used = 0
         self._pinned_slots = torch.arange(0, device=self.chunk_valid.device)
 
     # ---- attention ---------------------------------------------------------------------------------
@@ -246,18 +247,17 @@ class ChunkedGatedCache:
     def end_forward(self, *, pin: bool = False) -> None:
         if self._plan is None:
             return
-        self.store.commit(self._plan.new)
-        self._positions_used = max(self._positions_used, max(self._n_keys))
+        may_compress = self._commit(self._plan.new, max(self._n_keys))
         self._plan = None
         if pin:
             self.store.pin()
-        elif self._mark is None:
+        elif may_compress:
             self._compress()
 
     @torch.no_grad()
     def _compress(self) -> None:
-        s, c = self.store, self.cfg.chunk
-        n = chunk_schedule(s.n_raw, window=self.cfg.window, chunk=c)
+        s, c = self.store, self.params.chunk
+        n = chunk_schedule(s.n_raw, window=self.params.window, chunk=c)
         if n == 0:
             return
         idx = s.token_slots(s.raw_head, s.raw_head + n * c).view(n, c)
@@ -266,7 +266,7 @@ class ChunkedGatedCache:
         scores = scores.mean(1).to(self.chunk_score.dtype)  # [L, n]: batch rows share one layout
         keep = scores > self.gate.threshold().detach().to(scores.dtype)[:, None]
         k_rep, v_rep = k_rep.to(s.k.dtype), v_rep.to(s.v.dtype)
-        if self.chunks_formed + n <= self.cfg.max_chunks:  # no layer can fill its budget: admit all at once
+        if self.chunks_formed + n <= self.params.max_chunks:  # no layer can fill its budget: admit all at once
             self._admit_all(k_rep, v_rep, scores, keep)
         else:
             for j in range(n):
@@ -299,7 +299,7 @@ class ChunkedGatedCache:
         target = torch.where(keep, s.raw_end + slot, self._scratch)  # [L, n]
         s.k[self._layers[:, None], :, :, target] = k_rep.permute(0, 3, 1, 2, 4)  # [L, n, B, Hkv, D]
         s.v[self._layers[:, None], :, :, target] = v_rep.permute(0, 3, 1, 2, 4)
-        hit = torch.nn.functional.one_hot(slot, self.cfg.max_chunks).bool() & keep[..., None]  # [L, n, M]
+        hit = torch.nn.functional.one_hot(slot, self.params.max_chunks).bool() & keep[..., None]  # [L, n, M]
         taken = hit.any(1)
         ages = torch.arange(self.chunks_formed, self.chunks_formed + n, device=keep.device)
         self.chunk_valid = self.chunk_valid | taken
@@ -307,40 +307,32 @@ class ChunkedGatedCache:
         self.chunk_age = torch.where(taken, (hit * ages[None, :, None]).sum(1), self.chunk_age)
         self.chunks_formed += n
 
-    # ---- mark / rollback / stats ---------------------------------------------------------------------
-    def mark(self) -> int:
-        """Open a mark: no compression until ``rollback`` closes it, so the rollback is exact."""
-        self._mark = self.store.length
-        return self._mark
-
-    def rollback(self, mark: int) -> None:
-        """Drop the tokens appended after ``mark`` and close the open mark."""
-        self.store.check_rollback(mark)
-        self.store.length = mark
-        self._mark = None
-
+    # ---- stats -------------------------------------------------------------------------------------
     def retained_per_layer(self) -> list[int]:
         return self.chunk_valid.sum(-1).tolist()
 
     def retained_starts(self) -> tuple[tuple[int, ...], ...]:
         """Per layer: the first token (counted from the episode start, like ``KVStats.tokens_seen``) of each
-        retained chunk, chronological; a chunk covers ``cfg.chunk`` tokens from there. One host sync: call
+        retained chunk, chronological; a chunk covers ``params.chunk`` tokens from there. One host sync: call
         it when you want to show what the gate kept, not on every step."""
         ages = self.chunk_age.masked_fill(~self.chunk_valid, _NEVER).sort(dim=-1).values.tolist()
         return tuple(tuple(self._chunk_token_start[a] for a in row if a != _NEVER) for row in ages)
 
+    def held_slots(self) -> int:
+        """Pinned and raw tokens in every layer, plus the retained chunks of each layer."""
+        s = self.store
+        return (s.n_pinned + s.n_raw) * self.geometry.n_layers + int(self.chunk_valid.sum())
+
     def stats(self) -> KVStats:
-        s, c = self.store, self.model_cfg
+        s, n_layers = self.store, self.geometry.n_layers
         retained = int(self.chunk_valid.sum())
         dropped = int(self.gate_dropped.sum() + self.budget_dropped.sum())
-        held_raw = s.n_pinned + s.n_raw
-        per_token = 2 * self.batch * c.n_kv_heads * c.head_dim * s.k.element_size()
         return KVStats(
-            tokens_raw=held_raw,
-            tokens_compressed=retained / c.n_layers,
+            tokens_raw=s.n_pinned + s.n_raw,
+            tokens_compressed=retained / n_layers,
             chunks_retained=retained,
             chunks_dropped=dropped,
-            bytes=per_token * (held_raw * c.n_layers + retained),
+            bytes=self.held_bytes(),
             positions_used=self._positions_used,
             retained_ratio=retained / (retained + dropped) if retained + dropped else 1.0,
             tokens_seen=s.length,

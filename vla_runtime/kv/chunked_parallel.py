@@ -56,13 +56,14 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from .budget import BudgetMode, beaten_counts, log_membership, visible_chunks
-from .chunked_gated import ChunkedGatedConfig, chunk_schedule
+from .chunked_gated import ChunkedGatedParams, chunk_schedule
 from .config import KVConfig
 from .gate import ChunkGate, check_gate
+from .rope import RopeConfig
 from .segment_attention import SegmentPlan, attend_segments
 
 if TYPE_CHECKING:
-    from ..models.llama import LlamaConfig, LlamaForCausalLM
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ class ParallelChunkedAttention:
     """The training form as an object with ``attend``: ``model(inputs_embeds=x, cache=this)`` runs it.
 
     One instance per forward (it collects the gates' outputs for ``aux``). ``end_forward`` is a no-op.
+    ``params``: the cache's resolved ``ChunkedGatedParams`` (``max_chunks`` set); ``rope``: the model's schedule.
     ``budget`` says how the soft form treats chunks the budget evicts (``budget.BudgetMode``).
     """
 
@@ -175,8 +177,8 @@ class ParallelChunkedAttention:
         self,
         schedule: ForwardSchedule,
         gate: ChunkGate,
-        cfg: ChunkedGatedConfig,
-        model_cfg: "LlamaConfig",
+        params: ChunkedGatedParams,
+        rope: RopeConfig,
         *,
         soft: bool = True,
         temperature: float = 1.0,
@@ -186,8 +188,8 @@ class ParallelChunkedAttention:
             raise ValueError(f"`temperature` must be > 0, got {temperature}")
         self.schedule = schedule
         self.gate = gate
-        self.cfg = cfg
-        self.model_cfg = model_cfg
+        self.params = params
+        self.rope = rope
         self.soft = soft
         self.temperature = temperature
         self.budget = budget
@@ -221,7 +223,7 @@ class ParallelChunkedAttention:
         scores, log_g, kept: [B, n]. Returns visible, shown [B, S, n] bool, bias [B, S, n] or ``None``
         (hard gates), retained [B, n] bool (held after the last forward).
         """
-        m, n = self.cfg.max_chunks, scores.shape[1]
+        m, n = self.params.max_chunks, scores.shape[1]
         formed = torch.tensor(self.formed + [n], device=scores.device)  # [S + 1]: the end as a last "segment"
         with torch.no_grad():
             visible = visible_chunks(beaten_counts(scores.detach(), kept), kept, formed, m)  # [B, S + 1, n]
@@ -259,7 +261,7 @@ class ParallelChunkedAttention:
         if self._plan is None:
             self._plan = SegmentPlan.build(sched, self.formed, q.device)
         return attend_segments(
-            self._plan, self.model_cfg.rope, q, k_raw, v, k_rep, v_rep, visible=visible, shown=shown, bias=bias
+            self._plan, self.rope, q, k_raw, v, k_rep, v_rep, visible=visible, shown=shown, bias=bias
         )
 
     def aux(self) -> ParallelAux:
@@ -275,7 +277,7 @@ class ParallelChunkedAttention:
 
 
 def parallel_forward(
-    model: "LlamaForCausalLM",
+    model: "nn.Module",
     inputs_embeds: torch.Tensor,
     boundaries: Sequence[int],
     pinned_len: int,
@@ -289,13 +291,14 @@ def parallel_forward(
     """One forward of ``model`` over whole history windows, seeing what streaming inference sees.
 
     Args:
-        model: a ``LlamaForCausalLM`` (the VLA's language model).
+        model: the VLA's language model: called as ``model(inputs_embeds=, cache=)``, its ``cfg.geometry`` the
+            ``CacheGeometry`` streaming caches get.
         inputs_embeds: [B, N, dim] the windows' input embeddings (B windows, one schedule).
         boundaries: tokens of each streaming forward in order, summing to N: the pinned prompt, then per
             control step its prefill and single-token decodes (``step_boundaries`` builds the OpenVLA one).
         pinned_len: tokens of the pinned prompt (a prefix of the forwards; 0 = nothing pinned).
         gate: the ``ChunkGate`` to train or check.
-        kv_cfg: the ``chunked`` KVConfig inference uses (``chunk``, ``window``, ``max_chunks``, ``capacity``).
+        kv_cfg: the ``KVMode.CHUNKED`` KVConfig inference uses (``chunk``, ``window``, ``max_chunks``, ``capacity``).
         soft: ``True`` = soft gates (score bias ``log g``) for training; ``False`` = hard gates, equal to
             a streaming ``ChunkedGatedCache`` run over the same forwards.
         temperature: of the soft gate ``g = sigmoid((s - tau) / temperature)`` and the relaxed budget.
@@ -306,12 +309,13 @@ def parallel_forward(
     """
     if inputs_embeds.dim() != 3:
         raise ValueError(f"`inputs_embeds` must be [B, N, dim], got shape {tuple(inputs_embeds.shape)}")
-    cfg = ChunkedGatedConfig.from_kv(kv_cfg, model.cfg)
-    check_gate(gate, kv_cfg, model.cfg)
-    schedule = ForwardSchedule.build(boundaries, pinned_len, window=cfg.window, chunk=cfg.chunk)
-    attn = ParallelChunkedAttention(
-        schedule, gate, cfg, model.cfg, soft=soft, temperature=temperature, budget=budget
-    )
+    if not isinstance(kv_cfg.params, ChunkedGatedParams):
+        raise ValueError(f"parallel_forward reproduces the chunked cache; got a KVConfig of mode {kv_cfg.mode.value!r}")
+    geometry = model.cfg.geometry
+    params = kv_cfg.params.resolve(geometry)
+    check_gate(gate, geometry, chunk=params.chunk)
+    schedule = ForwardSchedule.build(boundaries, pinned_len, window=params.window, chunk=params.chunk)
+    attn = ParallelChunkedAttention(schedule, gate, params, geometry.rope, soft=soft, temperature=temperature, budget=budget)
     logits = model(inputs_embeds=inputs_embeds, cache=attn)
     return logits, attn.aux()
 

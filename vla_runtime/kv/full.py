@@ -6,86 +6,95 @@ rotated copies are stored). Buffers are preallocated; new tokens are written by 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from .attention import causal_attention
-from .base import KVStats, kv_bytes
+from .base import CacheParams, KVStats
+from .geometry import CacheGeometry
 from .rope import apply_rope, rope_cos_sin
+from .slot_cache import SlotCache
+from .store import SlotStore
 
-if TYPE_CHECKING:
-    from ..models.llama import LlamaConfig
+
+@dataclass(frozen=True)
+class FullParams(CacheParams):
+    """Hyper-parameters of ``FullCache``: only ``capacity`` (tokens; ``None`` = the model's ``max_position``)."""
 
 
-class FullCache:
-    """Every token kept, absolute positions. Buffers ``k, v: [L, B, Hkv, capacity, D]``."""
+class FullCache(SlotCache):
+    """Every token kept, absolute positions. Buffers ``store.k, store.v: [L, B, Hkv, capacity, D]`` (k rotated)."""
+
+    params_class = FullParams
 
     def __init__(
         self,
-        model_cfg: "LlamaConfig",
+        geometry: CacheGeometry,
+        params: FullParams | None = None,
         *,
-        capacity: int | None = None,
         batch: int = 1,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.cfg = model_cfg
-        self.capacity = capacity or model_cfg.max_position
-        shape = (model_cfg.n_layers, batch, model_cfg.n_kv_heads, self.capacity, model_cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0
+        super().__init__(geometry, params)
+        self.capacity = self.params.capacity
+        self.store = SlotStore(
+            geometry, slots=self.capacity, chunk_slots=0, batch=batch, device=device, dtype=dtype, rotate_on_read=False
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
         self._pending = 0
         self._cos = self._sin = None
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        t = q.shape[2]
+        """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] (k pre-RoPE) -> [B, Hq, T, D]."""
+        t, start = q.shape[2], self.length
         if self._cos is None:  # first layer of this forward: positions once for all layers
-            end = self.length + t
-            if end > self.capacity:
+            if start + t > self.capacity:
                 raise ValueError(
-                    f"FullCache is full: {self.length} tokens held + {t} new > capacity {self.capacity}; "
+                    f"FullCache is full: {start} tokens held + {t} new > capacity {self.capacity}; "
                     "raise KVConfig.capacity or use mode='chunked'"
                 )
-            pos = torch.arange(self.length, end, device=q.device)
-            self._cos, self._sin = rope_cos_sin(pos, self.cfg.rope)
+            pos = torch.arange(start, start + t, device=q.device)
+            self._cos, self._sin = rope_cos_sin(pos, self.geometry.rope)
             self._pending = t
-        start, end = self.length, self.length + t
-        self.k[layer, :, :, start:end] = apply_rope(k_raw, self._cos, self._sin)
-        self.v[layer, :, :, start:end] = v
+        end = start + t
+        k, v_all = self.store.k[layer], self.store.v[layer]  # [B, Hkv, capacity, D]
+        k[:, :, start:end] = apply_rope(k_raw, self._cos, self._sin)
+        v_all[:, :, start:end] = v
         q = apply_rope(q, self._cos, self._sin)
-        return causal_attention(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], past=start)
+        return causal_attention(q, k[:, :, :end], v_all[:, :, :end], past=start)
 
     def end_forward(self, *, pin: bool = False) -> None:
-        self.length += self._pending
+        """Commit the forward's tokens (``pin`` changes nothing: every token is kept anyway)."""
+        self._commit(self._pending, self.length + self._pending)
         self._pending = 0
         self._cos = self._sin = None
 
-    def mark(self) -> int:
-        return self.length
+    # ---- filling from outside (a prefill that computes attention itself, e.g. KEEP) ------------------
+    def buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writable views of the first ``n`` token slots: k (rotated at positions 0..n-1), v: [L, B, Hkv, n, D].
 
-    def rollback(self, mark: int) -> None:
-        if not 0 <= mark <= self.length:
-            raise ValueError(f"mark {mark} is outside the {self.length} tokens held")
-        self.length = mark
+        For code that computes a prompt's K/V itself: write them here, then ``hold(n)``.
+        """
+        if n > self.capacity:
+            raise ValueError(f"FullCache holds {self.capacity} tokens, asked for {n}")
+        return self.store.k[:, :, :, :n], self.store.v[:, :, :, :n]
+
+    def hold(self, n: int) -> None:
+        """The first ``n`` slots (written through ``buffers``) are the tokens held from now on."""
+        if not 0 <= n <= self.capacity:
+            raise ValueError(f"FullCache holds 0..{self.capacity} tokens, asked to hold {n}")
+        self.store.length = n
+        self._positions_used = max(self._positions_used, n)
+
+    # ---- stats -------------------------------------------------------------------------------------
+    def held_slots(self) -> int:
+        return self.length * self.geometry.n_layers
 
     def stats(self) -> KVStats:
-        return KVStats(
-            tokens_raw=self.length,
-            bytes=kv_bytes(
-                self.length,
-                n_layers=self.cfg.n_layers,
-                n_kv_heads=self.cfg.n_kv_heads,
-                head_dim=self.cfg.head_dim,
-                batch=self.k.shape[1],
-                dtype=self.k.dtype,
-            ),
-            positions_used=self.length,
-            tokens_seen=self.length,
-        )
-
-    def reset(self) -> None:
-        self.length = 0
-        self._pending = 0
-        self._cos = self._sin = None
+        n = self.length
+        return KVStats(tokens_raw=n, bytes=self.held_bytes(), positions_used=n, tokens_seen=n)

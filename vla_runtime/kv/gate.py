@@ -21,30 +21,19 @@ For every decoder layer ``l`` (weights stacked over layers, so all layers run in
   ``log g`` to the attention scores of the chunk's key.
 
 The module holds weights only; the LSTM ``(h, c)`` and the chunk scores are episode state kept by the
-cache. ``save_gate``/``load_gate`` write/read ``gates.safetensors`` + ``kv_config.json``.
+cache. ``ChunkedGatedParams.gate_config`` says which gate a cache needs; ``gate_io`` saves and loads gates.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
-from .config import KVConfig
-
-if TYPE_CHECKING:
-    from ..models.llama import LlamaConfig
-
-GATE_WEIGHTS = "gates.safetensors"
-GATE_CONFIG = "kv_config.json"
+from .geometry import CacheGeometry
 
 LSTMState = tuple[torch.Tensor, torch.Tensor]
 
@@ -75,17 +64,6 @@ class ChunkGateConfig:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
         if not math.isfinite(self.keep_margin):
             raise ValueError(f"`keep_margin` must be finite, got {self.keep_margin}")
-
-    @classmethod
-    def from_configs(cls, kv_cfg: KVConfig, model_cfg: "LlamaConfig", **overrides) -> "ChunkGateConfig":
-        return cls(
-            n_layers=model_cfg.n_layers,
-            head_dim=model_cfg.head_dim,
-            chunk=kv_cfg.chunk,
-            aggregator_hidden=kv_cfg.aggregator_hidden,
-            gate_hidden=kv_cfg.gate_hidden,
-            **overrides,
-        )
 
 
 class StackedMLP(nn.Module):
@@ -222,67 +200,14 @@ class ChunkGate(nn.Module):
         )
 
 
-def check_gate(gate: ChunkGate, kv_cfg: KVConfig, model_cfg: "LlamaConfig") -> None:
+def check_gate(gate: ChunkGate, geometry: CacheGeometry, *, chunk: int) -> None:
     """Raise ``ValueError`` if ``gate`` is not a ``ChunkGate`` built for this model geometry and chunk size."""
     if not isinstance(gate, ChunkGate):
         raise ValueError(f"the chunked cache needs a ChunkGate (vla_runtime.kv.gate), got {type(gate).__name__}")
-    want = {"n_layers": model_cfg.n_layers, "head_dim": model_cfg.head_dim, "chunk": kv_cfg.chunk}
+    want = {"n_layers": geometry.n_layers, "head_dim": geometry.head_dim, "chunk": chunk}
     for name, value in want.items():
         got = getattr(gate.cfg, name)
         if got != value:
             raise ValueError(
                 f"ChunkGate has `{name}`={got} but the cache needs {value} (gate built for another model or KVConfig)"
             )
-
-
-def save_gate(gate: ChunkGate, directory: str | Path, kv_cfg: KVConfig) -> Path:
-    """Write ``gates.safetensors`` (float32 weights) and ``kv_config.json`` into ``directory``; returns it."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: p.detach().float().contiguous().cpu() for name, p in gate.state_dict().items()}
-    save_file(tensors, str(directory / GATE_WEIGHTS), metadata={"format": "pt", "kind": "vla_runtime.ChunkGate"})
-    meta = {"kv": asdict(kv_cfg), "gate": asdict(gate.cfg)}
-    (directory / GATE_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
-    return directory
-
-
-def has_gate(directory: str | Path) -> bool:
-    """Whether ``directory`` holds a saved gate (``gates.safetensors`` + ``kv_config.json``)."""
-    directory = Path(directory)
-    return (directory / GATE_WEIGHTS).is_file() and (directory / GATE_CONFIG).is_file()
-
-
-def load_gate(directory: str | Path, *, device: torch.device | str = "cpu") -> tuple[ChunkGate, KVConfig]:
-    """Read a gate written by ``save_gate``. Raises ``FileNotFoundError`` naming a missing file and
-    ``ValueError`` naming missing, unexpected or mis-shaped tensors."""
-    from ..config import from_dict
-
-    directory = Path(directory)
-    for name in (GATE_WEIGHTS, GATE_CONFIG):
-        if not (directory / name).is_file():
-            raise FileNotFoundError(f"{directory / name} does not exist (a gate is saved as {GATE_WEIGHTS} + {GATE_CONFIG})")
-    try:
-        meta = json.loads((directory / GATE_CONFIG).read_text())
-        kv_cfg = from_dict(KVConfig, meta["kv"])
-        gate_cfg = ChunkGateConfig(**meta["gate"])
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{directory / GATE_CONFIG} is not a gate config ({e!r}); expected keys 'kv' and 'gate'") from e
-    gate = ChunkGate(gate_cfg)
-    try:
-        tensors = load_file(str(directory / GATE_WEIGHTS))
-    except SafetensorError as e:
-        raise ValueError(f"{directory / GATE_WEIGHTS} is not a readable safetensors file (truncated or corrupt): {e}") from e
-    expected = gate.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    shapes = sorted(
-        f"{k}: {tuple(tensors[k].shape)} != {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in tensors and tensors[k].shape != v.shape
-    )
-    if missing or unexpected or shapes:
-        raise ValueError(
-            f"{directory / GATE_WEIGHTS} does not match {GATE_CONFIG}: missing {missing}, unexpected {unexpected}, shapes {shapes}"
-        )
-    gate.load_state_dict(tensors)
-    return gate.to(device), kv_cfg

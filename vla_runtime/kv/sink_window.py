@@ -9,75 +9,62 @@ cache"), so an episode of any length stays inside the model's position range.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .backend import select_backend
-from .base import KVStats, kv_bytes
-from .config import KVConfig
+from .base import DecoupledParams, KVStats
+from .geometry import CacheGeometry
+from .slot_cache import SlotCache
 from .store import RotatedView, SlotStore, attend_slots
-
-if TYPE_CHECKING:
-    from ..models.llama import LlamaConfig
 
 
 @dataclass(frozen=True)
-class SinkWindowConfig:
-    """Args:
-    window: recent raw tokens kept W.
-    n_sink: tokens after the pinned prompt kept as attention sinks.
-    capacity: store slots (pinned + sinks + window + one forward's tokens must fit).
-    backend: ``KVConfig.backend``.
+class SinkWindowParams(DecoupledParams):
+    """Hyper-parameters of ``SinkWindowCache`` (and ``capacity``, ``window``, ``backend`` of ``DecoupledParams``;
+    the store's slots must fit pinned + sinks + window + one forward's tokens).
+
+    Args:
+        n_sink: tokens after the pinned prompt kept as attention sinks.
     """
 
-    window: int
     n_sink: int = 4
-    capacity: int = 2048
-    backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"`window` must be >= 1, got {self.window}")
+        super().__post_init__()
         if self.n_sink < 0:
             raise ValueError(f"`n_sink` must be >= 0, got {self.n_sink}")
-        if self.capacity <= self.window + self.n_sink:
+        if self.capacity is not None and self.window is not None and self.capacity <= self.window + self.n_sink:
             raise ValueError(f"`capacity` ({self.capacity}) must exceed window + n_sink ({self.window + self.n_sink})")
 
-    @classmethod
-    def from_kv(cls, kv: KVConfig, model_cfg: "LlamaConfig") -> "SinkWindowConfig":
-        if kv.window is None:
-            raise ValueError("KVConfig.window is None: set it (the policy fills in one frame of tokens)")
-        return cls(window=kv.window, n_sink=kv.n_sink, capacity=kv.capacity or model_cfg.max_position, backend=kv.backend)
 
-
-class SinkWindowCache:
+class SinkWindowCache(SlotCache):
     """Pinned prompt + ``n_sink`` sinks + recent ``window`` tokens; see the module docstring."""
+
+    params_class = SinkWindowParams
 
     def __init__(
         self,
-        kv_cfg: KVConfig,
-        model_cfg: "LlamaConfig",
+        geometry: CacheGeometry,
+        params: SinkWindowParams | None = None,
         *,
         batch: int = 1,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.cfg = cfg = SinkWindowConfig.from_kv(kv_cfg, model_cfg)
-        self.model_cfg = model_cfg
-        self.store = SlotStore(model_cfg, slots=cfg.capacity, chunk_slots=0, batch=batch, device=device, dtype=dtype)
-        self.backend = select_backend(cfg.backend, model_cfg, device=device, dtype=dtype)
+        super().__init__(geometry, params)
+        p = self.params
+        self.store = SlotStore(geometry, slots=p.capacity, chunk_slots=0, batch=batch, device=device, dtype=dtype)
+        self.backend = select_backend(p.backend, geometry, device=device, dtype=dtype)
         self.view = RotatedView(self.store) if self.backend.kernel is None else None
         self.reset()
 
     def reset(self) -> None:
-        self.store.reset()
+        super().reset()
         self._plan = None
         self._slots: torch.Tensor | slice | None = None
         self._n_keys = 0
         self._sinks = 0
-        self._mark: int | None = None
-        self._positions_used = 0
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] (k pre-RoPE) -> [B, Hq, T, D]."""
@@ -98,39 +85,23 @@ class SinkWindowCache:
         if self._plan is None:
             return
         s = self.store
-        s.commit(self._plan.new)
-        self._positions_used = max(self._positions_used, self._n_keys)
+        may_trim = self._commit(self._plan.new, self._n_keys)
         self._plan = self._slots = None
         if pin:
             s.pin()
-        elif self._mark is None:
-            take = min(self.cfg.n_sink - self._sinks, s.n_raw)
+        elif may_trim:
+            take = min(self.params.n_sink - self._sinks, s.n_raw)
             if take > 0:
                 s.pin(s.n_pinned + take)
                 self._sinks += take
-            if s.n_raw > self.cfg.window:
-                s.drop_raw(s.n_raw - self.cfg.window)
+            if s.n_raw > self.params.window:
+                s.drop_raw(s.n_raw - self.params.window)
 
-    def mark(self) -> int:
-        """Open a mark: nothing is trimmed until ``rollback`` closes it."""
-        self._mark = self.store.length
-        return self._mark
-
-    def rollback(self, mark: int) -> None:
-        """Drop the tokens appended after ``mark`` and close the open mark."""
-        self.store.check_rollback(mark)
-        self.store.length = mark
-        self._mark = None
+    def held_slots(self) -> int:
+        return (self.store.n_pinned + self.store.n_raw) * self.geometry.n_layers
 
     def stats(self) -> KVStats:
         s = self.store
-        held = s.n_pinned + s.n_raw
-        c = self.model_cfg
         return KVStats(
-            tokens_raw=held,
-            bytes=kv_bytes(
-                held, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, batch=s.k.shape[1], dtype=s.k.dtype
-            ),
-            positions_used=self._positions_used,
-            tokens_seen=s.length,
+            tokens_raw=s.n_pinned + s.n_raw, bytes=self.held_bytes(), positions_used=self._positions_used, tokens_seen=s.length
         )

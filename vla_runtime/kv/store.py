@@ -1,6 +1,7 @@
-"""Slot store shared by the decoupled-position caches (``SinkWindowCache``, ``ChunkedGatedCache``).
+"""Slot store shared by every cache (``SlotCache`` holds one): K/V buffers plus the token bookkeeping.
 
-One pre-RoPE key store and one value store per layer, ``k, v: [L, B, Hkv, S, D]``, allocated once:
+One key store and one value store per layer, ``k, v: [L, B, Hkv, S, D]``, allocated once (keys pre-RoPE
+in the decoupled-position caches; ``FullCache``, whose positions never shift, stores them rotated):
 
     slots [0, n_pinned)          pinned prefix: token t at slot t; never moves, never compressed
     slots [n_pinned, raw_end)    raw ring: token t >= n_pinned at n_pinned + (t - n_pinned) % ring_cap
@@ -15,16 +16,13 @@ everything in ``[n_pinned, raw_head)`` compressed or dropped. New tokens are wri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .attention import causal_attention
 from .backend import AttentionBackend
+from .geometry import CacheGeometry
 from .rope import RopeConfig, apply_rope, inv_freq, rope_cos_sin
-
-if TYPE_CHECKING:
-    from ..models.llama import LlamaConfig
 
 
 class RopeTable:
@@ -67,25 +65,28 @@ class ForwardPlan:
 
 
 class SlotStore:
-    """Pre-RoPE K/V buffers plus the token bookkeeping of pinned prefix and raw ring (see module doc)."""
+    """K/V buffers plus the token bookkeeping of pinned prefix and raw ring (see module doc)."""
 
     def __init__(
         self,
-        model_cfg: "LlamaConfig",
+        geometry: CacheGeometry,
         *,
         slots: int,
         chunk_slots: int,
         batch: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        rotate_on_read: bool = True,
     ) -> None:
-        self.cfg = model_cfg
+        """``rotate_on_read``: keys are stored pre-RoPE and rotated at compacted positions when read (a
+        ``RopeTable`` is built); ``False``: the owner stores rotated keys (``FullCache``)."""
         self.slots = slots
         self.raw_end = slots - chunk_slots
-        shape = (model_cfg.n_layers, batch, model_cfg.n_kv_heads, slots, model_cfg.head_dim)
-        self.k = torch.empty(shape, device=device, dtype=dtype)  # every read slot is written first
-        self.v = torch.empty(shape, device=device, dtype=dtype)
-        self.rope = RopeTable(model_cfg.rope, slots, device)
+        shape = (geometry.n_layers, batch, geometry.n_kv_heads, slots, geometry.head_dim)
+        alloc = torch.empty if rotate_on_read else torch.zeros  # decoupled caches write every slot they read
+        self.k = alloc(shape, device=device, dtype=dtype)
+        self.v = alloc(shape, device=device, dtype=dtype)
+        self.rope = RopeTable(geometry.rope, slots, device) if rotate_on_read else None
         self.device = torch.device(device)
         self.reset()
 
@@ -158,6 +159,11 @@ class SlotStore:
         self.raw_head += n
         self.last_change = self.length
         self.layout_version += 1
+
+    def slot_bytes(self) -> int:
+        """Bytes one slot takes in one layer, K and V together (read off the buffers)."""
+        per_layer_slot = lambda t: t[0, :, :, 0].numel() * t.element_size()  # noqa: E731  [B, Hkv, D]
+        return per_layer_slot(self.k) + per_layer_slot(self.v)
 
     def check_rollback(self, mark: int) -> None:
         if not self.last_change <= mark <= self.length:

@@ -80,8 +80,8 @@ def continuation_logprobs(model: LlamaForCausalLM, cache: FullCache, next_logits
     rest = [i for i, t in enumerate(tails) if t]
     if not rest:
         return scores
-    s = cache.length
-    branch = BranchCache.for_model(model, [len(tails[i]) for i in rest], cache.k[:, 0, :, :s], cache.v[:, 0, :, :s])
+    k, v = cache.buffers(cache.length)  # [L, 1, Hkv, S, D]
+    branch = BranchCache.for_model(model, [len(tails[i]) for i in rest], k[:, 0], v[:, 0])
     ids = torch.tensor([[t for i in rest for t in tails[i]]], device=next_logits.device)
     logp = model(ids, cache=branch)[0].float().log_softmax(-1)  # [T, V]
     pos = 0

@@ -6,8 +6,8 @@ the rows computed at that layer. ``PrefillRun`` is the cache object the layer ta
 ``attend`` protocol): it owns a working buffer of the whole prompt's pre-RoPE keys per layer
 (stored KV loaded for rows not computed, fresh k for computed rows), rotates all keys at their
 absolute positions, and attends with a true causal mask by position (a row sees key j iff
-``pos[j] <= pos[row]``). Values and rotated keys land directly in a ``FullCache`` that afterwards
-holds the whole prompt, so decoding continues with the ordinary model forward.
+``pos[j] <= pos[row]``). Values and rotated keys land directly in a ``FullCache`` (written through its
+``buffers``, then ``hold``) that afterwards holds the whole prompt, so decoding continues with the ordinary model forward.
 
 The paper's three interfaces: ``load_memory(memory_id, layer_id)``, ``prefill_layer(input, layer_id,
 kv)`` and ``importance_evaluation(layer_id, memory_ids, attention)``.
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kv.attention import masked_attention
-from ..kv.full import FullCache
+from ..kv.full import FullCache, FullParams
 from ..kv.rope import apply_rope, rope_cos_sin
 from ..models.llama import LlamaForCausalLM
 from .branches import BranchCache
@@ -144,12 +144,13 @@ class PrefillRun:
         rows, s = self.rows, self.prompt.n_tokens
         self.loader.wait(layer)
         k_pre = self.k_pre[layer]  # [Hkv, S, D]
-        v_all = self.out.v[layer, :, :, :s]  # [1, Hkv, S, D]
+        k_out, v_out = self.out.buffers(s)  # [L, 1, Hkv, S, D]: written in place, held from `run` on
+        v_all = v_out[layer]  # [1, Hkv, S, D]
         v_stored = v_all[0][:, rows].clone() if layer in self.plan.stored_value_layers else None
         k_pre[:, rows] = k_raw[0]
         v_all[0][:, rows] = v[0]
         k_rot = apply_rope(k_pre[None], self.cos, self.sin)  # [1, Hkv, S, D]
-        self.out.k[layer, :, :, :s] = k_rot
+        k_out[layer] = k_rot
         q_rot = apply_rope(q, self.cos[rows], self.sin[rows])
         mask = self.pos[None, :] <= rows[:, None]  # [T, S]
         out = masked_attention(q_rot, k_rot, v_all, mask)
@@ -194,7 +195,7 @@ class PrefillRun:
 
     def store_prompt_kv(self, key: str, n: int) -> None:
         """Put the first ``n`` prompt tokens' KV (pre-RoPE keys, values) into the store as a unit."""
-        kv = UnitKV(self.k_pre[:, :, :n].clone(), self.out.v[:, 0, :, :n].clone())
+        kv = UnitKV(self.k_pre[:, :, :n].clone(), self.out.buffers(n)[1][:, 0].clone())
         self.engine.store.put(key, kv)
 
 
@@ -241,7 +242,7 @@ class MemoryPrefill:
         a, b = m.start, m.end
         return self.store.read_layer(
             m.unit, layer_id, m.offset, m.offset + m.length,
-            run.k_pre[layer_id, :, a:b], run.out.v[layer_id, 0, :, a:b], non_blocking=self.device.type == "cuda",
+            run.k_pre[layer_id, :, a:b], run.out.buffers(b)[1][layer_id, 0, :, a:b], non_blocking=self.device.type == "cuda",
         )  # fmt: skip
 
     def prefill_layer(self, input: torch.Tensor, layer_id: int, kv: PrefillRun) -> tuple[torch.Tensor, PrefillRun]:
@@ -305,7 +306,7 @@ class MemoryPrefill:
     def _out_cache(self, n_tokens: int) -> FullCache:
         need = n_tokens + self.decode_capacity
         if self._out is None or self._out.capacity < need:
-            self._out = FullCache(self.model.cfg, capacity=need, device=self.device, dtype=self.dtype)
+            self._out = FullCache(self.model.cfg.geometry, FullParams(capacity=need), device=self.device, dtype=self.dtype)
         self._out.reset()
         return self._out
 
@@ -344,7 +345,7 @@ class MemoryPrefill:
                 logits = self.model.lm_head(self.model.model.norm(x[:, -1:])).float()[0, -1]
             finally:
                 loader.close()
-            run.out.length = prompt.n_tokens
+            run.out.hold(prompt.n_tokens)
             self.method.finish(run)
         t1 = time.perf_counter()
         n_mem = prompt.n_memory

@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kv.base import KVCache
+from ..kv.base import AttendSeam
+from ..kv.geometry import CacheGeometry
 from ..kv.rope import RopeConfig
 
 
@@ -50,6 +51,17 @@ class LlamaConfig:
             raise ValueError(f"`n_heads` ({self.n_heads}) must be a multiple of `n_kv_heads` ({self.n_kv_heads})")
         if self.rope.head_dim != self.head_dim:
             raise ValueError(f"`rope.head_dim` ({self.rope.head_dim}) must equal `head_dim` ({self.head_dim})")
+
+    @property
+    def geometry(self) -> CacheGeometry:
+        """What a KV cache needs to know about this decoder (``kv`` never sees the model config)."""
+        return CacheGeometry(
+            n_layers=self.n_layers,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            max_position=self.max_position,
+            rope=self.rope,
+        )
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
@@ -152,7 +164,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: AttendSeam) -> torch.Tensor:
         """x: [B, T, dim] -> [B, T, dim]."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
@@ -181,7 +193,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: AttendSeam) -> torch.Tensor:
         """Pre-norm residual block. x: [B, T, dim] -> [B, T, dim]."""
         x = x + self.self_attn(self.input_layernorm(x), cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -200,7 +212,7 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         *,
-        cache: KVCache,
+        cache: AttendSeam,
         pin: bool = False,
     ) -> torch.Tensor:
         """input_ids: [B, T] or inputs_embeds: [B, T, dim] -> final-normed hidden states [B, T, dim].
@@ -230,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         *,
-        cache: KVCache,
+        cache: AttendSeam,
         pin: bool = False,
         last_only: bool = False,
     ) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from ..api import PRIMARY_CAMERA, EpisodeSession, Observation, StepResult, validate_instruction
 from ..config import SessionConfig
 from ..device import synchronize
-from ..kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make_cache
+from ..kv import ChunkGate, KVConfig, has_gate, load_gate, make_cache
 from .openvla.processing_openvla import (
     ActionStats,
     Forward,
@@ -86,11 +86,15 @@ class PrismaticPolicy:
     def norm_stats(self) -> dict:
         return self.config.norm_stats
 
-    def chunk_gate(self, kv: KVConfig) -> ChunkGate:
-        """The gate a chunked cache uses: the loaded one, else an untrained default (mean-pooling aggregator,
-        keeps every chunk) built once for ``kv``'s chunk size and kept on the policy."""
+    def chunk_gate(self, kv: KVConfig) -> ChunkGate | None:
+        """The ``ChunkGate`` the cache of ``kv`` uses, ``None`` when it needs none (``KVConfig.gate_config``): the
+        loaded one, else an untrained default (mean-pooling aggregator, keeps every chunk) built once for ``kv``'s
+        chunk size and kept on the policy."""
+        gate_cfg = kv.gate_config(self.vlm.cfg.llm.geometry)
+        if gate_cfg is None:
+            return None
         if self.kv_gate is None:
-            self.kv_gate = ChunkGate(ChunkGateConfig.from_configs(kv, self.vlm.cfg.llm)).to(self.device)
+            self.kv_gate = ChunkGate(gate_cfg).to(self.device)
         return self.kv_gate
 
     def new_session(self, instruction: str, config: SessionConfig | None = None) -> "PrismaticSession":
@@ -180,13 +184,11 @@ class PrismaticSession(EpisodeSession):
         self.frame = frame_layout(self.prompt, history=self.history, suffix=self._suffix(self.prompt), proprio=self.uses_proprio)
         step_tokens = self.frame.length(policy.vlm.cfg.vision.num_patches) + self.head_tokens
         kv: KVConfig = self.config.kv
-        if self.history:
-            kv = replace(kv, window=kv.window or step_tokens)
-        else:
-            kv = replace(kv, capacity=kv.capacity or step_tokens, window=kv.window or step_tokens)
+        kv = kv.for_step(step_tokens, whole_context=not self.history)
         self.kv_config = kv
-        extra = {"gate": policy.chunk_gate(kv)} if kv.mode == "chunked" else {}
-        self.cache = make_cache(kv, policy.vlm.cfg.llm, batch=1, device=policy.device, dtype=policy.dtype, **extra)
+        gate = policy.chunk_gate(kv)
+        extra = {} if gate is None else {"gate": gate}
+        self.cache = make_cache(kv, policy.vlm.cfg.llm.geometry, batch=1, device=policy.device, dtype=policy.dtype, **extra)
         self._pinned = False
 
     @torch.inference_mode()  # caches may hold inference tensors from the steps; clear them in the same mode

@@ -98,7 +98,7 @@ class PolicyEngine:
             "action_dim": int(policy.action_dim),
             "action_horizon": int(policy.chunk_size),
             "history": cfg.history,
-            "kv": cfg.kv.mode,
+            "kv": cfg.kv.mode.value,
             "max_batch": self.batch.max_batch if self.batched else 1,
         }
 

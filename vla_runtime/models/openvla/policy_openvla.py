@@ -28,7 +28,7 @@ from ...checkpoints.openvla import OpenVLACheckpoint, load_openvla
 from ...api import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_instruction
 from ...config import ActionDecoding, SessionConfig, from_dict
 from ...device import resolve_device, resolve_dtype, synchronize
-from ...kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make_cache
+from ...kv import ChunkGate, KVConfig, has_gate, load_gate, make_cache
 from .configuration_openvla import OpenVLAConfig, read_json
 from .processing_openvla import (
     ActionStats,
@@ -57,7 +57,7 @@ class OpenVLAPolicy(Policy):
             vocabulary (``FULL``, upstream's choice; ids outside the action range clip to the end bins).
         session: default ``SessionConfig`` of ``new_session(instruction)`` (its ``kv``/``unnorm_key`` are
             replaced by the two arguments above); a fine-tuned model brings the one it was trained for.
-        kv_gate: the trained ``ChunkGate`` for ``KVConfig(mode="chunked")`` (``None`` = untrained default).
+        kv_gate: the trained ``ChunkGate`` for a chunked ``KVConfig`` (``None`` = untrained default).
     """
 
     name = "openvla"
@@ -86,7 +86,7 @@ class OpenVLAPolicy(Policy):
         self.device, self.dtype = device, dtype
         self.kv = kv or KVConfig()
         self.decoding = decoding
-        # The learnable chunk aggregator/gate (vla_runtime.kv.gate.ChunkGate) for KVConfig(mode="chunked");
+        # The learnable chunk aggregator/gate (vla_runtime.kv.gate.ChunkGate) for a chunked KVConfig;
         # owned here (contract 3), handed to the cache, trained by finetune/. Loaded from gates.safetensors
         # (beside the checkpoint or in an adapter directory); None = the untrained default, built by
         # `chunk_gate` on first use.
@@ -114,11 +114,15 @@ class OpenVLAPolicy(Policy):
         key = resolve_unnorm_key(self.norm_stats, unnorm_key)
         return ActionStats.from_dict(self.norm_stats[key]["action"], what=f"{key} action")
 
-    def chunk_gate(self, kv: KVConfig) -> torch.nn.Module:
-        """The ``ChunkGate`` a chunked cache uses: the loaded one, else an untrained default (mean-pooling
-        aggregator, keeps every chunk) built once for ``kv``'s chunk size and kept on the policy."""
+    def chunk_gate(self, kv: KVConfig) -> ChunkGate | None:
+        """The ``ChunkGate`` the cache of ``kv`` uses, ``None`` when it needs none (``KVConfig.gate_config``): the
+        loaded one, else an untrained default (mean-pooling aggregator, keeps every chunk) built once for ``kv``'s
+        chunk size and kept on the policy."""
+        gate_cfg = kv.gate_config(self.config.llm.geometry)
+        if gate_cfg is None:
+            return None
         if self.kv_gate is None:
-            self.kv_gate = ChunkGate(ChunkGateConfig.from_configs(kv, self.config.llm)).to(self.device)
+            self.kv_gate = ChunkGate(gate_cfg).to(self.device)
         return self.kv_gate
 
     def new_session(self, instruction: str, config: SessionConfig | None = None) -> "OpenVLASession":
@@ -198,8 +202,9 @@ class OpenVLASession(EpisodeSession):
         self.prompt = policy.tokenizer.prompt(instruction)
         kv = self._plan_history(self.config.kv) if self._history else self._plan_single(self.config.kv)
         self.kv_config = kv
-        extra = {"gate": policy.chunk_gate(kv)} if kv.mode == "chunked" else {}
-        self.cache = make_cache(kv, cfg.llm, batch=1, device=policy.device, dtype=policy.dtype, **extra)
+        gate = policy.chunk_gate(kv)
+        extra = {} if gate is None else {"gate": gate}
+        self.cache = make_cache(kv, cfg.llm.geometry, batch=1, device=policy.device, dtype=policy.dtype, **extra)
         self._prev_token: int | None = None
         self._pinned = False
 
@@ -208,13 +213,13 @@ class OpenVLASession(EpisodeSession):
         cfg = self.policy.config
         self.layout = single_layout(self.prompt, has_proprio=cfg.proprio_dim is not None)
         tokens = self.layout.length(cfg.vision.num_patches) + self.action_dim - 1
-        return replace(kv, capacity=kv.capacity or tokens, window=kv.window or tokens)
+        return kv.for_step(tokens, whole_context=True)
 
     def _plan_history(self, kv: KVConfig) -> KVConfig:
         """History mode: the default raw window is one control step's tokens."""
         cfg = self.policy.config
         frame = history_frame(self.prompt, step=0, prev_token=0, has_proprio=cfg.proprio_dim is not None)
-        return replace(kv, window=kv.window or frame.length(cfg.vision.num_patches) + self.action_dim - 1)
+        return kv.for_step(frame.length(cfg.vision.num_patches) + self.action_dim - 1, whole_context=False)
 
     @torch.inference_mode()  # the cache holds inference tensors from the steps; clear them in the same mode
     def reset(self, instruction: str | None = None) -> None:

@@ -253,17 +253,21 @@ def test_parameter_files_name_only_declared_parameters_with_valid_values(path):
     config_from_params(config, values)  # types and values validate
 
 
-def test_param_specs_cover_every_kv_config_field():
-    from vla_runtime.kv.config import KVConfig
+def test_param_specs_cover_every_registered_caches_parameters():
+    from vla_runtime.kv import CACHES
     import dataclasses
 
     names = {spec.name for spec in param_specs(PolicyNodeConfig)}
-    assert {f"kv.{f.name}" for f in dataclasses.fields(KVConfig)} <= names
+    expected = {"kv.mode"} | {f"kv.{f.name}" for cls in CACHES.values() for f in dataclasses.fields(cls.params_class)}
+    assert {"kv.window", "kv.n_sink", "kv.chunk", "kv.max_chunks"} <= expected and expected <= names
 
 
 def test_optional_sizes_use_zero_for_unset():
-    cfg = config_from_params(PolicyNodeConfig, {"checkpoint": "x", "kv.max_chunks": 0, "kv.window": 32, "execution_horizon": 0})
-    assert cfg.kv.max_chunks is None and cfg.kv.window == 32 and cfg.session_config().execution_horizon is None
+    values = {"checkpoint": "x", "kv.mode": "chunked", "kv.max_chunks": 0, "kv.window": 32, "execution_horizon": 0}
+    cfg = config_from_params(PolicyNodeConfig, values)
+    assert cfg.kv.params.max_chunks is None and cfg.kv.params.window == 32 and cfg.session_config().execution_horizon is None
+    with pytest.raises(ValueError, match="`window` \\(32\\) is a parameter of sink_window, chunked, not of mode 'full'"):
+        config_from_params(PolicyNodeConfig, {**values, "kv.mode": "full"})
     cfg = config_from_params(PolicyNodeConfig, {"checkpoint": "x", "control_rate_hz": 10})  # an int for a float
     assert cfg.control_rate_hz == 10.0 and isinstance(cfg.control_rate_hz, float)
     with pytest.raises(ValueError, match=r"parameter `action_low\[1\]` is 'a' \(str\); expected float"):

@@ -1,7 +1,7 @@
 """Node parameters as dataclasses: one source of truth for declaration, YAML files and validation.
 
 Each node's configuration is a dataclass whose fields are its ROS parameters (nested dataclasses
-become dotted names: ``kv.mode``). ``param_specs`` lists them for ``declare_parameter`` and for the
+become dotted names: ``kv.mode``; ``KVConfig`` contributes its flat YAML keys, ``KVConfig.edge_fields``). ``param_specs`` lists them for ``declare_parameter`` and for the
 static tests that check launch files and parameter YAMLs; ``config_from_params`` turns the values a
 node received back into the validated dataclass. ROS parameters have no ``None``: an optional
 integer is ``0`` for "unset", an optional string is ``""``.
@@ -99,7 +99,7 @@ class PolicyNodeConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.kv, dict):
-            self.kv = KVConfig(**self.kv)
+            self.kv = KVConfig.from_dict(self.kv)
         if not self.checkpoint:
             raise ValueError("parameter `checkpoint` is empty; set it to a checkpoint directory (-p checkpoint:=DIR)")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -243,6 +243,9 @@ def param_specs(cls: type, prefix: str = "") -> list[ParamSpec]:
     for f in dataclasses.fields(cls):
         hint, optional = _unwrap(hints[f.name])
         name = prefix + f.name
+        if hint is KVConfig:
+            specs.extend(_kv_specs(name + "."))
+            continue
         if dataclasses.is_dataclass(hint):
             specs.extend(param_specs(hint, prefix=name + "."))
             continue
@@ -253,6 +256,17 @@ def param_specs(cls: type, prefix: str = "") -> list[ParamSpec]:
         if optional:
             description += " (0 or empty = unset)"
         specs.append(ParamSpec(name, hint, default, description, optional))
+    return specs
+
+
+def _kv_specs(prefix: str) -> list[ParamSpec]:
+    """The cache's parameters: ``kv.mode`` and every registered cache's params, flat (``KVConfig.edge_fields``)."""
+    specs = []
+    for f in KVConfig.edge_fields():
+        hint, optional = _unwrap(f.type)
+        default = {int: 0, str: "", float: 0.0}[hint] if f.default is None else f.default
+        description = f"KVConfig.{f.name}" + (" (0 or empty = unset)" if optional else "")
+        specs.append(ParamSpec(prefix + f.name, hint, default, description, optional))
     return specs
 
 
@@ -270,6 +284,9 @@ def config_from_params(cls: type[T], values: dict[str, Any], prefix: str = "") -
     for f in dataclasses.fields(cls):
         hint, optional = _unwrap(hints[f.name])
         name = prefix + f.name
+        if hint is KVConfig:
+            kwargs[f.name] = _kv_from_params(values, prefix=name + ".")
+            continue
         if dataclasses.is_dataclass(hint):
             kwargs[f.name] = config_from_params(hint, values, prefix=name + ".")
             continue
@@ -277,6 +294,15 @@ def config_from_params(cls: type[T], values: dict[str, Any], prefix: str = "") -
             continue
         kwargs[f.name] = _coerce(name, values[name], hint, optional)
     return cls(**kwargs)
+
+
+def _kv_from_params(values: dict[str, Any], prefix: str) -> KVConfig:
+    """``KVConfig`` from its flat ``kv.*`` parameters (``KVConfig.from_dict`` says which belong to the mode)."""
+    flat = {}
+    for spec in _kv_specs(prefix):
+        if spec.name in values:
+            flat[spec.name[len(prefix) :]] = _coerce(spec.name, values[spec.name], spec.kind, spec.optional)
+    return KVConfig.from_dict(flat)
 
 
 def _coerce(name: str, value: Any, hint: Any, optional: bool) -> Any:

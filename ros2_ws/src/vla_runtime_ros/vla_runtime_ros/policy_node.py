@@ -165,7 +165,7 @@ class PolicyNode(PolicyControl, LifecycleNode):
         self._frame_guard = self.create_guard_condition(self._on_frame_ready)  # default group, like the control timer
         self.get_logger().info(
             f"configured: {type(policy).__name__} action_dim={policy.action_dim} chunk={policy.chunk_size} "
-            f"history={cfg.history} kv={cfg.kv.mode} control={cfg.control_rate_hz} Hz dry_run={cfg.dry_run}"
+            f"history={cfg.history} kv={cfg.kv.mode.value} control={cfg.control_rate_hz} Hz dry_run={cfg.dry_run}"
         )
         return TransitionCallbackReturn.SUCCESS
 
