@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...api import BatchInputError, Observation, StepResult
-from ...device import synchronize
-from ...kv.rows import RowsCache
+from ..device import synchronize
+from ..kv.rows import RowsCache
+from .base import BatchInputError, Observation, StepResult
 
 if TYPE_CHECKING:
-    from .policy_openvla import OpenVLAPolicy, OpenVLASession
+    from .openvla import OpenVLAPolicy, OpenVLASession
 
 
 def _rows_cache(sessions: list["OpenVLASession"], rows: list[int]):

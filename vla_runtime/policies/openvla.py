@@ -23,14 +23,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...checkpoints.adapter import has_lora, merge_lora
-from ...checkpoints.openvla import OpenVLACheckpoint, load_openvla
-from ...api import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_instruction
-from ...config import ActionDecoding, SessionConfig, from_dict
-from ...device import resolve_device, resolve_dtype, synchronize
-from ...kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make_cache
-from .configuration_openvla import OpenVLAConfig, read_json
-from .processing_openvla import (
+from ..checkpoints.adapter import has_lora, merge_lora
+from ..checkpoints.openvla import OpenVLACheckpoint, load_openvla
+from ..config import ActionDecoding, SessionConfig, from_dict
+from ..device import resolve_device, resolve_dtype, synchronize
+from ..kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make_cache
+from ..models.openvla.configuration_openvla import OpenVLAConfig, read_json
+from ..models.openvla.processing_openvla import (
     ActionStats,
     ActionTokenizer,
     center_crop,
@@ -39,6 +38,7 @@ from .processing_openvla import (
     resolve_unnorm_key,
     single_layout,
 )
+from .base import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_instruction
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,8 @@ class OpenVLAPolicy(Policy):
         return OpenVLASession(self, instruction, config)
 
     def step_batch(self, sessions: list["OpenVLASession"], observations: list[Observation]) -> list[StepResult]:
-        """One step of each session as one batch (see ``batching_openvla``)."""
-        from .batching_openvla import step_batch
+        """One step of each session as one batch (see ``openvla_batching``)."""
+        from .openvla_batching import step_batch
 
         return step_batch(self, sessions, observations)
 
@@ -238,7 +238,7 @@ class OpenVLASession(EpisodeSession):
         embeds = self.context(image_tokens, proprio, timings)
         return self.finish(self._decode(embeds, timings), timings, start)
 
-    # ---- the phases of a step (``batching_openvla`` runs them for several sessions at once) ------------
+    # ---- the phases of a step (``openvla_batching`` runs them for several sessions at once) ------------
 
     def inputs(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Validate and preprocess: pixel values [1, 3 * towers, S, S] and the proprio input [1, P] (``None``
