@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..checkpoints.adapter import has_lora, merge_lora
 from ..checkpoints.openvla import OpenVLACheckpoint, load_openvla
 from ..config import ActionDecoding, SessionConfig, from_dict
 from ..device import resolve_device, resolve_dtype, synchronize
 from ..kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make_cache
+from ..models.generation import TokenHead, decode
 from ..models.openvla.configuration_openvla import OpenVLAConfig, read_json
 from ..models.openvla.processing_openvla import (
     ActionStats,
@@ -272,29 +272,26 @@ class OpenVLASession(EpisodeSession):
             state = self.proprio_stats.normalize(state)
         return torch.as_tensor(state, dtype=self.policy.dtype, device=self.policy.device)[None]  # [1, P]
 
-    def next_token(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [B, dim] -> greedy tokens [B, 1] (``policy.decoding``). Restricted decoding
-        computes only the action rows of ``lm_head`` (the same numbers as the full head's rows, 125x less work)."""
+    def token_head(self) -> TokenHead:
+        """How action tokens are picked (``policy.decoding``): greedy over the whole vocabulary, or over the
+        action ids only, computing just those rows of ``lm_head`` (the same numbers as the full head's rows,
+        125x less work)."""
         lm_head = self.policy.model.language_model.lm_head
         if self.policy.decoding is ActionDecoding.FULL:
-            return lm_head(hidden).argmax(-1, keepdim=True)
-        first, last = self.actions.first_id, self.actions.last_id
-        return F.linear(hidden, lm_head.weight[first : last + 1]).argmax(-1, keepdim=True) + first
+            return TokenHead(lm_head)
+        return TokenHead(lm_head, id_range=(self.actions.first_id, self.actions.last_id))
 
     def _decode(self, embeds: torch.Tensor, timings: dict) -> torch.Tensor:
         """Forward ``embeds`` [1, T, dim], then decode the action tokens -> ids [1, action_dim]."""
-        policy = self.policy
+        policy, head = self.policy, self.token_head()
         decoder = policy.model.language_model.model
         start = time.perf_counter()
-        tok = self.next_token(decoder(inputs_embeds=embeds, cache=self.cache)[:, -1])
+        logits = head.logits(decoder(inputs_embeds=embeds, cache=self.cache)[:, -1])
         synchronize(policy.device)
         timings["prefill"] += (time.perf_counter() - start) * 1e3
         start = time.perf_counter()
-        tokens = [tok]
-        for _ in range(self.action_dim - 1):
-            tok = self.next_token(decoder(tok, cache=self.cache)[:, -1])
-            tokens.append(tok)
-        ids = torch.cat(tokens, dim=1)  # [1, action_dim]
+        ids = decode(lambda tok: head.logits(decoder(tok, cache=self.cache)[:, -1]), logits, head.pick,
+                     max_new_tokens=self.action_dim)  # [1, action_dim]
         synchronize(policy.device)
         timings["decode"] = (time.perf_counter() - start) * 1e3
         return ids
