@@ -24,7 +24,7 @@ import torch
 
 from ..checkpoints.adapter import has_lora, merge_lora
 from ..checkpoints.openvla import OpenVLACheckpoint, load_openvla
-from ..config import ActionDecoding, SessionConfig, from_dict
+from ..config import ActionDecoding, HistoryMode, SessionConfig, from_dict
 from ..device import resolve_device, resolve_dtype, synchronize
 from ..kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make_cache
 from ..models.generation import TokenHead, decode
@@ -185,7 +185,7 @@ class OpenVLASession(EpisodeSession):
         self.actions = ActionTokenizer(cfg.n_bins, cfg.vocab_size_text, stats)
         proprio = policy.norm_stats.get(self.unnorm_key, {}).get("proprio") if self.unnorm_key else None
         self.proprio_stats = ActionStats.from_dict(proprio, what="proprio") if proprio and cfg.proprio_dim else None
-        self._history = config.history == "history"  # no bound methods kept on self: a dropped session is freed at once
+        self._history = config.history is HistoryMode.HISTORY  # no bound methods kept on self: a dropped session is freed at once
         self.last_tokens: np.ndarray | None = None  # [1, action_dim] ids of the last step
         self._build(instruction)
 

@@ -25,7 +25,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..config import SessionConfig
+from ..config import HistoryMode, SessionConfig
 from ..device import synchronize
 from ..kv import ChunkGate, ChunkGateConfig, KVConfig, has_gate, load_gate, make_cache
 from ..models.openvla.processing_openvla import (
@@ -142,7 +142,7 @@ class PrismaticSession(EpisodeSession):
         if "action" not in stats:
             raise KeyError(f"dataset statistics {self.unnorm_key!r} have no 'action' entry (keys: {sorted(stats)})")
         self.action_stats = ActionStats.from_dict(stats["action"], what=f"{self.unnorm_key} action")
-        self.history = config.history == "history"
+        self.history = config.history is HistoryMode.HISTORY
         self.generator = torch.Generator().manual_seed(config.seed)
         self._build(instruction)
 
