@@ -30,7 +30,7 @@ from vla_runtime.bench.harness import (
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import ActionDecoding
 from vla_runtime.images import read_image
-from vla_runtime.models.openvla.policy_openvla import OpenVLAPolicy
+from vla_runtime.policies.openvla import OpenVLAPolicy
 from vla_runtime.models.openvla.processing_openvla import ActionTokenizer
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "demo_scene.png"

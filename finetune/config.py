@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vla_runtime.config import HISTORY_MODES
+from vla_runtime.config import HistoryMode, history_mode
 from vla_runtime.device import DTYPES
 from vla_runtime.kv import KVConfig, KVMode
 from vla_runtime.kv.budget import BudgetMode
@@ -218,7 +218,7 @@ class FinetuneConfig:
     dataset: Path
     out: Path
     trainable: str = "lora"
-    history: str = "history"
+    history: HistoryMode = HistoryMode.HISTORY  # a string from YAML/CLI is turned into the enum
     kv: KVConfig = field(default_factory=lambda: KVConfig(KVMode.CHUNKED))
     lora: LoraSettings = field(default_factory=LoraSettings)
     data: DataConfig = field(default_factory=DataConfig)
@@ -248,10 +248,10 @@ class FinetuneConfig:
         self.checkpoint, self.dataset, self.out = Path(self.checkpoint), Path(self.dataset), Path(self.out)
         choices = {
             "trainable": TRAINABLE,
-            "history": HISTORY_MODES,
             "lr_schedule": LR_SCHEDULES,
             "precision": PRECISIONS,
         }
+        self.history = history_mode(self.history)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` is {getattr(self, name)!r}; expected one of {', '.join(allowed)}")
@@ -283,7 +283,7 @@ class FinetuneConfig:
     @property
     def trains_gate(self) -> bool:
         """The chunked cache compresses only in history mode; single mode and ``full`` have no gate."""
-        return self.history == "history" and self.kv.mode is KVMode.CHUNKED
+        return self.history is HistoryMode.HISTORY and self.kv.mode is KVMode.CHUNKED
 
     @property
     def trains_lora(self) -> bool:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from vla_runtime.config import HistoryMode
 from vla_runtime.data import LeRobotDataset
 from vla_runtime.data import layout as lerobot
 from vla_runtime.models.openvla.processing_openvla import ActionStats, ActionTokenizer, crop_resize
@@ -203,7 +204,7 @@ class TrainingData:
         return cls(
             decoded,
             policy=policy,
-            history=cfg.history == "history",
+            history=cfg.history is HistoryMode.HISTORY,
             window=cfg.data.window,
             stride=cfg.data.stride,
             length_bucket=cfg.data.length_bucket,

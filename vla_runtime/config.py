@@ -12,7 +12,16 @@ import yaml
 
 from .kv.config import KVConfig
 
-HISTORY_MODES = ("single", "history")
+
+class HistoryMode(str, Enum):
+    """What a session's context holds: ``SINGLE`` a fresh context each step (stock OpenVLA), ``HISTORY`` one
+    cache for the whole episode (the prompt pinned once, then each step's frame and action tokens)."""
+
+    SINGLE = "single"
+    HISTORY = "history"
+
+
+HISTORY_MODES = tuple(m.value for m in HistoryMode)  # the spellings the CLI and YAML accept
 
 
 class ActionDecoding(str, Enum):
@@ -45,7 +54,7 @@ class SessionConfig:
     """
 
     kv: KVConfig = field(default_factory=KVConfig)
-    history: str = "single"
+    history: HistoryMode = HistoryMode.SINGLE  # a string from YAML/CLI is turned into the enum
     unnorm_key: str | None = None
     center_crop: bool = False
     execution_horizon: int | None = None
@@ -54,10 +63,17 @@ class SessionConfig:
     def __post_init__(self) -> None:
         if isinstance(self.kv, dict):
             self.kv = KVConfig.from_dict(self.kv)
-        if self.history not in HISTORY_MODES:
-            raise ValueError(f"`history` is {self.history!r}; expected one of {', '.join(HISTORY_MODES)}")
+        self.history = history_mode(self.history)
         if self.execution_horizon is not None and self.execution_horizon < 1:
             raise ValueError(f"`execution_horizon` must be >= 1 or None, got {self.execution_horizon}")
+
+
+def history_mode(value: str | HistoryMode) -> HistoryMode:
+    """``value`` as a ``HistoryMode``; ``ValueError`` naming the accepted spellings otherwise."""
+    try:
+        return HistoryMode(value)
+    except ValueError:
+        raise ValueError(f"`history` is {value!r}; expected one of {', '.join(HISTORY_MODES)}") from None
 
 
 def from_dict(cls: type[T], data: dict[str, Any]) -> T:

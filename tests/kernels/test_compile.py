@@ -10,7 +10,6 @@ decode kernel several times slower.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path

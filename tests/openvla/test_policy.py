@@ -9,7 +9,7 @@ from vla_runtime.api import FAMILIES, Observation, Policy, load_policy
 from vla_runtime.config import SessionConfig
 from vla_runtime.device import resolve_dtype
 from vla_runtime.kv import ChunkedGatedParams, FullCache, FullParams, KVConfig, KVMode, SinkWindowParams
-from vla_runtime.models.openvla.policy_openvla import OpenVLAPolicy
+from vla_runtime.policies.openvla import OpenVLAPolicy
 
 
 def obs(image, state=None):

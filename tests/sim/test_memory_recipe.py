@@ -26,7 +26,7 @@ def test_memory_recipe_trains_both_policies_and_evaluates_every_condition(tmp_pa
     assert "history: single" in (tmp_path / "model-single" / "finetune_config.yaml").read_text()
     sessions = {c: json.loads((tmp_path / f"eval-{c}" / "report.json").read_text())["session"]
                 for c in ("single", "history-full", "history-window", "history-chunked")}  # fmt: skip
-    assert "history='single'" in sessions["single"] and "KVMode.FULL" in sessions["history-full"]
+    assert "history=<HistoryMode.SINGLE" in sessions["single"] and "KVMode.FULL" in sessions["history-full"]
     assert "KVMode.SINK_WINDOW" in sessions["history-window"] and "max_chunks=2" in sessions["history-chunked"]
     assert list((tmp_path / "eval-history-chunked" / "retention").glob("reach-v3-seed1000.png"))
     table = (tmp_path / "results.md").read_text()

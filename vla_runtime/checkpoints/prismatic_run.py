@@ -149,3 +149,13 @@ def run_config_has(path: Path, keys: tuple[str, ...], module: str) -> bool:
         return module in load_checkpoint_modules(find_checkpoint(path))
     except (ValueError, KeyError, FileNotFoundError, RuntimeError):
         return False
+
+
+def detect_cogact(path: Path) -> bool:
+    """A CogACT run directory: ``config.json`` with ``action_model_type``, or an ``action_model`` in the checkpoint."""
+    return run_config_has(Path(path), ("action_model_type",), "action_model")
+
+
+def detect_hybridvla(path: Path) -> bool:
+    """A HybridVLA run directory: ``config.json`` with ``use_diff``/``need_to_sub``, or diffusion modules in the checkpoint."""
+    return run_config_has(Path(path), ("use_diff", "need_to_sub"), "x_embedder")

@@ -74,8 +74,6 @@ def run(args: argparse.Namespace) -> int:
             import_rlbench()
         except ImportError as e:  # a user error here: say what to install, no traceback
             raise ValueError(str(e)) from e
-    from .. import models  # noqa: F401  (registers the policy families detect_family looks through)
-
     family = detect_family(args.checkpoint)  # fail fast on a wrong path, before any process starts
     kv = kv_config(args)
     session = SessionConfig(kv=kv, history=args.history, execution_horizon=args.execution_horizon, seed=args.seed)

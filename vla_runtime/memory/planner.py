@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoints.causal_lm import CausalLM
+from ..models.generation import decode
 from .bank import EmbodiedMemory
 from .config import PrefillConfig, StoreConfig
 from .prefill import MemoryPrefill, PrefillStats
@@ -125,17 +126,24 @@ class Planner:
         )
 
     def _decode(self, result) -> tuple[str, int]:
-        tok, model = self.llm.tokenizer, self.llm.model
-        ids: list[int] = []
-        logits = result.logits
-        text = ""
-        for _ in range(self.config.max_new_tokens):
-            nxt = int(logits.argmax())
-            if nxt in self.stop_ids:
-                break
-            ids.append(nxt)
-            text, stopped = cut_at_stop(tok.decode(ids, skip_special_tokens=True), self.config.stop)
-            if stopped:
-                break
-            logits = model(torch.tensor([[nxt]], device=result.logits.device), cache=result.cache, last_only=True)[0, -1]
+        """Greedy tokens after the prefilled prompt until an end-of-sequence id or a stop string: (text, tokens)."""
+        tokenizer, model = self.llm.tokenizer, self.llm.model
+
+        def stopped(tokens: list[torch.Tensor]) -> bool:
+            ids = [int(t) for t in tokens]
+            if ids[-1] in self.stop_ids:
+                return True
+            return cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True), self.config.stop)[1]
+
+        out = decode(
+            lambda tok: model(tok, cache=result.cache, last_only=True)[:, -1],
+            result.logits.reshape(1, -1),  # [1, V]
+            lambda logits: logits.argmax(-1, keepdim=True),
+            max_new_tokens=self.config.max_new_tokens,
+            stop=stopped,
+        )
+        ids = [int(t) for t in out[0]]
+        if ids and ids[-1] in self.stop_ids:
+            ids.pop()  # the end-of-sequence id is not part of the text
+        text = cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True), self.config.stop)[0] if ids else ""
         return text.strip().rstrip("."), len(ids)

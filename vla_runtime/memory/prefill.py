@@ -34,7 +34,7 @@ from .branches import BranchCache
 from .config import PrefillConfig
 from .importance import SegmentAttention, propagate_importance
 from .loader import LayerLoader
-from .methods import METHODS, Module, Plan, RecomputeMethod, UnitSpec
+from .methods import METHODS, Module, Plan, RecomputeMethod
 from .prompt import MemoryPrompt
 from .store import KVStore, UnitKV, content_key
 

@@ -1,14 +1,18 @@
 """Token generation over a cache: prefill once, then one cached decode step per token.
 
-Kept apart from the model file (gpt-fast's split): ``prefill``, ``decode_one``,
-``generate``, and the sampler. Tokens are collected in a list and concatenated once.
+Kept apart from the model file (gpt-fast's split): the sampler, ``TokenHead`` (logits of all ids or an id
+range, then a pick), ``decode`` (the one decoding loop every caller uses: OpenVLA's action tokens,
+HybridVLA's autoregressive branch, the KEEP planner) and ``generate`` (prefill + decode for plain LMs).
+Tokens are collected in a list and concatenated once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from ..kv.base import KVCache
 from .llama import LlamaForCausalLM
@@ -48,6 +52,66 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
     return torch.multinomial(probs, 1, generator=generator)
 
 
+class TokenHead:
+    """How the next token is chosen from the decoder's final hidden state: the LM head's logits over all ids or
+    one id range (``id_range = (first, last)``, only those rows of the head are computed), then greedy or
+    sampled (``sampling``), optionally limited to ``allowed`` ids ([V] bool).
+
+    ``record_confidence``: greedy picks also keep each pick's probability (max softmax) in ``confidences``.
+    """
+
+    def __init__(self, lm_head: torch.nn.Linear, sampling: SamplingConfig = SamplingConfig(), *,
+                 id_range: tuple[int, int] | None = None, allowed: torch.Tensor | None = None,
+                 generator: torch.Generator | None = None, record_confidence: bool = False) -> None:
+        if record_confidence and sampling.temperature != 0:
+            raise ValueError("record_confidence needs greedy decoding (temperature 0)")
+        self.weight = lm_head.weight if id_range is None else lm_head.weight[id_range[0] : id_range[1] + 1]
+        self.offset = 0 if id_range is None else id_range[0]
+        self.sampling, self.allowed, self.generator = sampling, allowed, generator
+        self.confidences: list[torch.Tensor] | None = [] if record_confidence else None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [B, dim] -> logits [B, V'] (V' = the range's size, else the vocabulary)."""
+        return F.linear(hidden, self.weight)
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V'] (of this head's ids) -> token ids [B, 1] in the vocabulary."""
+        if self.allowed is not None:
+            logits = logits.masked_fill(~self.allowed, float("-inf"))
+        if self.confidences is not None:
+            p, tok = logits.float().softmax(-1).max(-1)
+            self.confidences.append(p)
+            return tok[:, None] + self.offset
+        return sample(logits, self.sampling, self.generator) + self.offset
+
+
+@torch.no_grad()
+def decode(
+    next_logits: Callable[[torch.Tensor], torch.Tensor],
+    logits: torch.Tensor,
+    pick: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    max_new_tokens: int,
+    stop: Callable[[list[torch.Tensor]], bool] | None = None,
+) -> torch.Tensor:
+    """The one decoding loop (OpenVLA's action tokens, HybridVLA's AR branch, the planner, ``generate``).
+
+    ``logits``: [B, V'] after the prompt, already in the cache. Each round ``pick(logits)`` chooses ids [B, 1];
+    ``stop(tokens so far)`` may end the loop (that token included); otherwise ``next_logits(ids)`` runs the ids
+    through the model (appending them to the cache) for the next logits. Returns ids [B, n], n <= max_new_tokens;
+    the last pick is not run through the model.
+    """
+    out: list[torch.Tensor] = []
+    for i in range(max_new_tokens):
+        tok = pick(logits)
+        out.append(tok)
+        if stop is not None and stop(out):
+            break
+        if i + 1 < max_new_tokens:
+            logits = next_logits(tok)
+    return torch.cat(out, dim=1)
+
+
 @torch.inference_mode()
 def generate(
     model: LlamaForCausalLM,
@@ -66,19 +130,18 @@ def generate(
     input_ids: [B, T] or inputs_embeds: [B, T, dim]. allowed_ids: optional [V] bool mask of tokens
     that may be produced. Returns new ids [B, n] (n <= max_new_tokens; stops when every row hit a stop id).
     """
-    logits = model(input_ids, inputs_embeds, cache=cache, last_only=True)[:, -1]  # [B, V]
-    out: list[torch.Tensor] = []
-    done = None
-    for i in range(max_new_tokens):
-        if allowed_ids is not None:
-            logits = logits.masked_fill(~allowed_ids, float("-inf"))
-        tok = sample(logits, sampling, generator)  # [B, 1]
-        out.append(tok)
-        if stop_ids:
-            hit = torch.isin(tok[:, 0], torch.tensor(stop_ids, device=tok.device))
-            done = hit if done is None else done | hit
-            if bool(done.all()):
-                break
-        if i + 1 < max_new_tokens:
-            logits = model(tok, cache=cache, last_only=True)[:, -1]
-    return torch.cat(out, dim=1)
+    head = TokenHead(model.lm_head, sampling, allowed=allowed_ids, generator=generator)
+    done: list[torch.Tensor] = []
+
+    def every_row_stopped(tokens: list[torch.Tensor]) -> bool:
+        hit = torch.isin(tokens[-1][:, 0], torch.tensor(stop_ids, device=tokens[-1].device))
+        done.append(hit if not done else done[-1] | hit)
+        return bool(done[-1].all())
+
+    return decode(
+        lambda tok: model(tok, cache=cache, last_only=True)[:, -1],
+        model(input_ids, inputs_embeds, cache=cache, last_only=True)[:, -1],
+        head.pick,
+        max_new_tokens=max_new_tokens,
+        stop=every_row_stopped if stop_ids else None,
+    )

@@ -97,7 +97,7 @@ class PolicyEngine:
             "family": policy.name,
             "action_dim": int(policy.action_dim),
             "action_horizon": int(policy.chunk_size),
-            "history": cfg.history,
+            "history": cfg.history.value,
             "kv": cfg.kv.mode.value,
             "max_batch": self.batch.max_batch if self.batched else 1,
         }

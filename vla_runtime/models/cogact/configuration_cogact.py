@@ -8,11 +8,9 @@ head count from the S/B/L table (or from an explicit value for other sizes).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 
-from ...checkpoints.prismatic_run import run_config_has
 from ..diffusion import DiffusionConfig
 from ..openvla.configuration_openvla import OpenVLAConfig
 
@@ -185,8 +183,3 @@ def dit_config_from_run(config: dict, action_state: dict[str, torch.Tensor]) -> 
             f"config.json future_action_window_size is {future}, but the DiT's positional table holds {cfg.future_window}"
         )
     return cfg
-
-
-def detect_cogact(path: Path) -> bool:
-    """A CogACT run directory: ``config.json`` with ``action_model_type``, or an ``action_model`` in the checkpoint."""
-    return run_config_has(Path(path), ("action_model_type",), "action_model")

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ...checkpoints.prismatic_run import run_config_has
 from ..diffusion import DiffusionConfig
 from ..openvla.configuration_openvla import OpenVLAConfig
 
@@ -123,8 +121,3 @@ class HybridVLAConfig:
     @property
     def norm_stats(self) -> dict:
         return self.vlm.norm_stats
-
-
-def detect_hybridvla(path: Path) -> bool:
-    """A HybridVLA run directory: ``config.json`` with ``use_diff``/``need_to_sub``, or diffusion modules in the checkpoint."""
-    return run_config_has(Path(path), ("use_diff", "need_to_sub"), "x_embedder")

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ...kv.base import KVCache
 from ..diffusion import GaussianDiffusion, Mlp, TimestepEmbedder
+from ..generation import TokenHead, decode
 from ..llama import LlamaForCausalLM, RMSNorm
 from ..openvla.modeling_openvla import OpenVLA
 from .configuration_hybridvla import DiffusionHeadConfig
@@ -199,16 +200,14 @@ def decode_ar_actions(
     tail = torch.tensor(tail_ids, device=noise.device).expand(b, len(tail_ids))
     dtype = lm.lm_head.weight.dtype
     embeds = torch.cat([head.embed_step(noise, t).to(dtype), lm.model.embed_tokens(tail)], dim=1)
-    logits = lm(inputs_embeds=embeds, cache=cache, last_only=True)[:, -1]  # [B, V] float32
-    ids, conf = [], []
-    for i in range(n_tokens):
-        probs = logits.softmax(-1)
-        p, tok = probs.max(-1)
-        ids.append(tok)
-        conf.append(p)
-        if i + 1 < n_tokens:
-            logits = lm(tok[:, None], cache=cache, last_only=True)[:, -1]
-    return torch.stack(ids, dim=1), torch.stack(conf, dim=1)
+    head = TokenHead(lm.lm_head, record_confidence=True)
+    ids = decode(
+        lambda tok: lm(tok, cache=cache, last_only=True)[:, -1],
+        lm(inputs_embeds=embeds, cache=cache, last_only=True)[:, -1],  # [B, V] float32
+        head.pick,
+        max_new_tokens=n_tokens,
+    )
+    return ids, torch.stack(head.confidences, dim=1)
 
 
 class HybridVLA(nn.Module):

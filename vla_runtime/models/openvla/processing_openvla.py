@@ -25,7 +25,7 @@ import torch
 import torchvision.transforms.functional as TVF
 from PIL import Image
 
-from ...api import validate_image
+from ...images import validate_image
 from .configuration_openvla import VisionConfig, read_json
 from .prompt_openvla import PromptIds
 

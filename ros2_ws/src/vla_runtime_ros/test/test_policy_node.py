@@ -25,7 +25,7 @@ from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue  # noqa:
 from rcl_interfaces.srv import SetParameters  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
 from ros_harness import (  # noqa: E402
-    PATIENCE, Diagnostics, NodeProcess, camera_clock, raw_image_msg, resend_until, solid_image, string_cdr, wait_for,
+    Diagnostics, NodeProcess, camera_clock, raw_image_msg, resend_until, solid_image, string_cdr, wait_for,
 )
 import torch  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402

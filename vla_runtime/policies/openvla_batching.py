@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...api import BatchInputError, Observation, StepResult
-from ...device import synchronize
-from ...kv.rows import RowsCache
+from ..device import synchronize
+from ..kv.rows import RowsCache
+from ..models.generation import decode
+from .base import BatchInputError, Observation, StepResult
 
 if TYPE_CHECKING:
-    from .policy_openvla import OpenVLAPolicy, OpenVLASession
+    from .openvla import OpenVLAPolicy, OpenVLASession
 
 
 def _rows_cache(sessions: list["OpenVLASession"], rows: list[int]):
@@ -59,12 +60,13 @@ def step_batch(policy: "OpenVLAPolicy", sessions: list["OpenVLASession"], observ
     for i, e in enumerate(embeds):
         by_length[e.shape[1]].append(i)
     decoder = policy.model.language_model.model
-    first: list[torch.Tensor | None] = [None] * len(sessions)
+    head = sessions[0].token_head()  # one policy: the same action ids for every session
+    first: list[torch.Tensor | None] = [None] * len(sessions)  # the logits after each prompt, [1, V']
     for rows in by_length.values():
         hidden = decoder(inputs_embeds=torch.cat([embeds[i] for i in rows]), cache=_rows_cache(sessions, rows))  # [b, T, dim]
-        tokens = sessions[rows[0]].next_token(hidden[:, -1])  # [b, 1]
+        logits = head.logits(hidden[:, -1])  # [b, V']
         for j, i in enumerate(rows):
-            first[i] = tokens[j : j + 1]
+            first[i] = logits[j : j + 1]
     synchronize(policy.device)
     prefill_ms = (time.perf_counter() - t0) * 1e3
 
@@ -75,12 +77,8 @@ def step_batch(policy: "OpenVLAPolicy", sessions: list["OpenVLASession"], observ
     ids: list[torch.Tensor | None] = [None] * len(sessions)
     for dim, rows in by_dim.items():
         cache = _rows_cache(sessions, rows)
-        tok = torch.cat([first[i] for i in rows])  # [b, 1]
-        tokens = [tok]
-        for _ in range(dim - 1):
-            tok = sessions[rows[0]].next_token(decoder(tok, cache=cache)[:, -1])  # [b, 1]
-            tokens.append(tok)
-        out = torch.cat(tokens, dim=1)  # [b, action_dim]
+        out = decode(lambda tok: head.logits(decoder(tok, cache=cache)[:, -1]), torch.cat([first[i] for i in rows]), head.pick,
+                     max_new_tokens=dim)  # [b, action_dim]
         for j, i in enumerate(rows):
             ids[i] = out[j : j + 1]
     synchronize(policy.device)

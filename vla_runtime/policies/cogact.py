@@ -15,18 +15,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...api import Observation, Policy
-from ...checkpoints.prismatic_vlm import load_prismatic
-from ...config import SessionConfig
-from ...device import resolve_device, resolve_dtype, synchronize
-from ...kv import KVConfig
-from ..action_postprocess import postprocess_actions
-from ..diffusion import DiffusionConfig
-from ..openvla.prompt_openvla import PromptIds
-from ..prismatic_session import PrismaticPolicy, PrismaticSession, trained_gate
-from .configuration_cogact import AdaptiveEnsembleConfig, CogACTConfig, CogACTSamplingConfig, dit_config_from_run
-from .modeling_cogact import ActionModel, CogACT
-from .processing_cogact import AdaptiveEnsembler, cognition_suffix
+from ..checkpoints.prismatic_vlm import load_prismatic
+from ..config import SessionConfig
+from ..device import resolve_device, resolve_dtype, synchronize
+from ..kv import KVConfig
+from ..models.action_postprocess import postprocess_actions
+from ..models.cogact.configuration_cogact import AdaptiveEnsembleConfig, CogACTConfig, CogACTSamplingConfig, dit_config_from_run
+from ..models.cogact.modeling_cogact import ActionModel, CogACT
+from ..models.cogact.processing_cogact import AdaptiveEnsembler, cognition_suffix
+from ..models.diffusion import DiffusionConfig
+from ..models.openvla.prompt_openvla import PromptIds
+from .base import Observation, Policy
+from .prismatic_session import PrismaticPolicy, PrismaticSession, trained_gate
 
 
 class CogACTSession(PrismaticSession):

@@ -21,16 +21,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from ...checkpoints.adapter import has_lora, merge_lora
-from ...checkpoints.openvla import OpenVLACheckpoint, load_openvla
-from ...api import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_instruction
-from ...config import ActionDecoding, SessionConfig, from_dict
-from ...device import resolve_device, resolve_dtype, synchronize
-from ...kv import ChunkGate, KVConfig, has_gate, load_gate, make_cache
-from .configuration_openvla import OpenVLAConfig, read_json
-from .processing_openvla import (
+from ..checkpoints.adapter import has_lora, merge_lora
+from ..checkpoints.openvla import OpenVLACheckpoint, load_openvla
+from ..config import ActionDecoding, HistoryMode, SessionConfig, from_dict
+from ..device import resolve_device, resolve_dtype, synchronize
+from ..kv import ChunkGate, KVConfig, has_gate, load_gate, make_cache
+from ..models.generation import TokenHead, decode
+from ..models.openvla.configuration_openvla import OpenVLAConfig, read_json
+from ..models.openvla.processing_openvla import (
     ActionStats,
     ActionTokenizer,
     center_crop,
@@ -39,6 +38,7 @@ from .processing_openvla import (
     resolve_unnorm_key,
     single_layout,
 )
+from .base import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_instruction
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,8 @@ class OpenVLAPolicy(Policy):
         return OpenVLASession(self, instruction, config)
 
     def step_batch(self, sessions: list["OpenVLASession"], observations: list[Observation]) -> list[StepResult]:
-        """One step of each session as one batch (see ``batching_openvla``)."""
-        from .batching_openvla import step_batch
+        """One step of each session as one batch (see ``openvla_batching``)."""
+        from .openvla_batching import step_batch
 
         return step_batch(self, sessions, observations)
 
@@ -189,7 +189,7 @@ class OpenVLASession(EpisodeSession):
         self.actions = ActionTokenizer(cfg.n_bins, cfg.vocab_size_text, stats)
         proprio = policy.norm_stats.get(self.unnorm_key, {}).get("proprio") if self.unnorm_key else None
         self.proprio_stats = ActionStats.from_dict(proprio, what="proprio") if proprio and cfg.proprio_dim else None
-        self._history = config.history == "history"  # no bound methods kept on self: a dropped session is freed at once
+        self._history = config.history is HistoryMode.HISTORY  # no bound methods kept on self: a dropped session is freed at once
         self.last_tokens: np.ndarray | None = None  # [1, action_dim] ids of the last step
         self._build(instruction)
 
@@ -243,7 +243,7 @@ class OpenVLASession(EpisodeSession):
         embeds = self.context(image_tokens, proprio, timings)
         return self.finish(self._decode(embeds, timings), timings, start)
 
-    # ---- the phases of a step (``batching_openvla`` runs them for several sessions at once) ------------
+    # ---- the phases of a step (``openvla_batching`` runs them for several sessions at once) ------------
 
     def inputs(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Validate and preprocess: pixel values [1, 3 * towers, S, S] and the proprio input [1, P] (``None``
@@ -277,29 +277,26 @@ class OpenVLASession(EpisodeSession):
             state = self.proprio_stats.normalize(state)
         return torch.as_tensor(state, dtype=self.policy.dtype, device=self.policy.device)[None]  # [1, P]
 
-    def next_token(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [B, dim] -> greedy tokens [B, 1] (``policy.decoding``). Restricted decoding
-        computes only the action rows of ``lm_head`` (the same numbers as the full head's rows, 125x less work)."""
+    def token_head(self) -> TokenHead:
+        """How action tokens are picked (``policy.decoding``): greedy over the whole vocabulary, or over the
+        action ids only, computing just those rows of ``lm_head`` (the same numbers as the full head's rows,
+        125x less work)."""
         lm_head = self.policy.model.language_model.lm_head
         if self.policy.decoding is ActionDecoding.FULL:
-            return lm_head(hidden).argmax(-1, keepdim=True)
-        first, last = self.actions.first_id, self.actions.last_id
-        return F.linear(hidden, lm_head.weight[first : last + 1]).argmax(-1, keepdim=True) + first
+            return TokenHead(lm_head)
+        return TokenHead(lm_head, id_range=(self.actions.first_id, self.actions.last_id))
 
     def _decode(self, embeds: torch.Tensor, timings: dict) -> torch.Tensor:
         """Forward ``embeds`` [1, T, dim], then decode the action tokens -> ids [1, action_dim]."""
-        policy = self.policy
+        policy, head = self.policy, self.token_head()
         decoder = policy.model.language_model.model
         start = time.perf_counter()
-        tok = self.next_token(decoder(inputs_embeds=embeds, cache=self.cache)[:, -1])
+        logits = head.logits(decoder(inputs_embeds=embeds, cache=self.cache)[:, -1])
         synchronize(policy.device)
         timings["prefill"] += (time.perf_counter() - start) * 1e3
         start = time.perf_counter()
-        tokens = [tok]
-        for _ in range(self.action_dim - 1):
-            tok = self.next_token(decoder(tok, cache=self.cache)[:, -1])
-            tokens.append(tok)
-        ids = torch.cat(tokens, dim=1)  # [1, action_dim]
+        ids = decode(lambda tok: head.logits(decoder(tok, cache=self.cache)[:, -1]), logits, head.pick,
+                     max_new_tokens=self.action_dim)  # [1, action_dim]
         synchronize(policy.device)
         timings["decode"] = (time.perf_counter() - start) * 1e3
         return ids

@@ -26,25 +26,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...api import Observation, Policy
-from ...checkpoints.prismatic_vlm import load_prismatic
-from ...config import SessionConfig
-from ...device import resolve_device, resolve_dtype, synchronize
-from ...kv import KVConfig
-from ..action_postprocess import postprocess_actions
-from ..diffusion import DiffusionConfig, GaussianDiffusion
-from ..openvla.processing_openvla import ActionStats
-from ..openvla.prompt_openvla import PromptIds
-from ..prismatic_session import PrismaticPolicy, PrismaticSession, trained_gate
-from .configuration_hybridvla import (
+from ..checkpoints.prismatic_vlm import load_prismatic
+from ..config import SessionConfig
+from ..device import resolve_device, resolve_dtype, synchronize
+from ..kv import KVConfig
+from ..models.action_postprocess import postprocess_actions
+from ..models.diffusion import DiffusionConfig, GaussianDiffusion
+from ..models.hybridvla.configuration_hybridvla import (
     BOD_TOKEN_ID,
     EOD_TOKEN_ID,
     CollaborativeEnsembleConfig,
     HybridVLAConfig,
     HybridVLASamplingConfig,
 )
-from .modeling_hybridvla import DiffusionHead, HybridVLA, decode_ar_actions, denoise_on_cache
-from .processing_hybridvla import STATE_LAYOUTS, ar_action_tokenizer, collaborative_ensemble, to_proprio
+from ..models.hybridvla.modeling_hybridvla import DiffusionHead, HybridVLA, decode_ar_actions, denoise_on_cache
+from ..models.hybridvla.processing_hybridvla import STATE_LAYOUTS, ar_action_tokenizer, collaborative_ensemble, to_proprio
+from ..models.openvla.processing_openvla import ActionStats
+from ..models.openvla.prompt_openvla import PromptIds
+from .base import Observation, Policy
+from .prismatic_session import PrismaticPolicy, PrismaticSession, trained_gate
 
 log = logging.getLogger(__name__)
 

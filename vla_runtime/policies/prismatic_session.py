@@ -25,11 +25,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..api import PRIMARY_CAMERA, EpisodeSession, Observation, StepResult, validate_instruction
-from ..config import SessionConfig
+from ..config import HistoryMode, SessionConfig
 from ..device import synchronize
 from ..kv import ChunkGate, KVConfig, has_gate, load_gate, make_cache
-from .openvla.processing_openvla import (
+from ..models.openvla.processing_openvla import (
     ActionStats,
     Forward,
     Segment,
@@ -38,7 +37,8 @@ from .openvla.processing_openvla import (
     history_prompt,
     resolve_unnorm_key,
 )
-from .openvla.prompt_openvla import PromptIds
+from ..models.openvla.prompt_openvla import PromptIds
+from .base import PRIMARY_CAMERA, EpisodeSession, Observation, StepResult, validate_instruction
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class PrismaticSession(EpisodeSession):
         if "action" not in stats:
             raise KeyError(f"dataset statistics {self.unnorm_key!r} have no 'action' entry (keys: {sorted(stats)})")
         self.action_stats = ActionStats.from_dict(stats["action"], what=f"{self.unnorm_key} action")
-        self.history = config.history == "history"
+        self.history = config.history is HistoryMode.HISTORY
         self.generator = torch.Generator().manual_seed(config.seed)
         self._build(instruction)
 

@@ -1,0 +1,160 @@
+"""The runtime's contract types: what a policy family implements and every edge calls (DESIGN §2).
+
+``Observation`` in, ``StepResult`` out; a ``Policy`` makes ``EpisodeSession``s. Families live in
+this package (``openvla``, ``cogact``, ``hybridvla``), built on ``vla_runtime.models``; edges reach
+them through ``vla_runtime.api``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import deque
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from ..config import SessionConfig
+from ..images import PRIMARY_CAMERA, validate_image
+from ..kv.base import KVStats
+from ..kv.chunked_gated import ChunkedGatedCache
+
+__all__ = [
+    "PRIMARY_CAMERA", "ActionQueue", "BatchInputError", "EpisodeSession", "Observation", "Policy", "StepResult",
+    "validate_image", "validate_instruction",
+]
+
+@dataclass
+class Observation:
+    """One control step's input.
+
+    Args:
+        images: camera name -> uint8 [H, W, 3] RGB; ``"primary"`` is the policy camera.
+        state: optional proprioception [state_dim] (float).
+        t: optional timestamp in seconds.
+    """
+
+    images: dict[str, np.ndarray]
+    state: np.ndarray | None = None
+    t: float | None = None
+
+
+@dataclass
+class StepResult:
+    """One ``session.step``'s output.
+
+    Args:
+        actions: [horizon, action_dim] float, un-normalised robot units (horizon 1 for OpenVLA).
+        timings: per-stage milliseconds (``vision``, ``prefill``, ``decode``/``denoise``, ``total``).
+        kv: the cache's stats after this step.
+    """
+
+    actions: np.ndarray
+    timings: dict[str, float] = field(default_factory=dict)
+    kv: KVStats = field(default_factory=KVStats)
+
+
+def validate_instruction(instruction: object) -> str:
+    """The instruction a session starts with: a string with some non-whitespace text, else ``ValueError``."""
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise ValueError(f"instruction must be a non-empty task description, got {instruction!r}")
+    return instruction
+
+
+class BatchInputError(ValueError):
+    """``Policy.step_batch`` refused observation ``index`` (``error`` says why) before any session changed."""
+
+    def __init__(self, index: int, error: Exception) -> None:
+        super().__init__(f"observation {index} of the batch: {error}")
+        self.index = index
+        self.error = error
+
+
+class EpisodeSession(abc.ABC):
+    """Single-episode state: the KV cache, gate state, action queue / ensemble. ``reset`` starts a new episode."""
+
+    def __init__(self, instruction: str, config: SessionConfig) -> None:
+        self.instruction = instruction
+        self.config = config
+
+    @abc.abstractmethod
+    def step(self, obs: Observation) -> StepResult:
+        """Run the policy on one observation."""
+
+    @abc.abstractmethod
+    def reset(self, instruction: str | None = None) -> None:
+        """Forget the episode; optionally switch the instruction."""
+
+    def retained_chunks(self) -> tuple[tuple[int, ...], ...]:
+        """Per layer, the first token of each chunk the chunked cache holds (chronological; tokens counted
+        like ``KVStats.tokens_seen``); ``()`` for other caches. What ``vla_runtime.sim.retention`` draws."""
+        cache = getattr(self, "cache", None)
+        return cache.retained_starts() if isinstance(cache, ChunkedGatedCache) else ()
+
+
+class Policy(abc.ABC):
+    """A loaded model family. Subclasses set ``name`` (registry key) and ``config_class``."""
+
+    name: ClassVar[str]
+    config_class: ClassVar[type]
+    batched_steps: ClassVar[bool] = False  # ``step_batch`` runs several sessions' steps as one batch
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if not getattr(cls, "__abstractmethods__", None):
+            for attr in ("name", "config_class"):
+                if not hasattr(cls, attr):
+                    raise TypeError(f"{cls.__name__} must define class attribute `{attr}`")
+
+    @property
+    @abc.abstractmethod
+    def action_dim(self) -> int: ...
+
+    @property
+    def chunk_size(self) -> int:
+        """Actions predicted per step (1 for OpenVLA, 16 for CogACT)."""
+        return 1
+
+    @abc.abstractmethod
+    def new_session(self, instruction: str, config: SessionConfig | None = None) -> EpisodeSession:
+        """A new episode for ``instruction`` (``validate_instruction``: empty or whitespace-only is a ``ValueError``)."""
+
+    def step_batch(self, sessions: list[EpisodeSession], observations: list[Observation]) -> list[StepResult]:
+        """One step of each of ``sessions`` (distinct sessions of this policy) on its observation, run as one
+        batch; the same results as ``[s.step(o) for s, o in zip(sessions, observations)]`` up to float
+        rounding of the batched matrix products. Observations are checked before any session changes: a bad
+        one raises ``BatchInputError`` with its index. Only where ``batched_steps`` is true."""
+        raise NotImplementedError(f"policy family {self.name!r} does not step sessions as a batch")
+
+    @abc.abstractmethod
+    def info(self) -> dict:
+        """Family, sizes, parameter count, dataset keys (what ``vla-runtime info`` prints)."""
+
+
+class ActionQueue:
+    """Executes ``horizon`` actions of each predicted chunk, then asks for a new prediction.
+
+    ``next(obs)`` returns the action to execute now and the ``StepResult`` when a prediction ran
+    (``None`` when the action came from the queue). The ROS node and the simulators use it.
+    """
+
+    def __init__(self, session: EpisodeSession, horizon: int | None = None) -> None:
+        if horizon is not None and horizon < 1:
+            raise ValueError(f"execution horizon must be >= 1 or None, got {horizon}")
+        self.session = session
+        self.horizon = horizon
+        self._queue: deque[np.ndarray] = deque()
+
+    def next(self, obs: Observation) -> tuple[np.ndarray, StepResult | None]:
+        result = None
+        if not self._queue:
+            result = self.session.step(obs)
+            chunk = result.actions if self.horizon is None else result.actions[: self.horizon]
+            self._queue.extend(np.asarray(a, dtype=np.float64) for a in chunk)
+        return self._queue.popleft(), result
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+    def __len__(self) -> int:
+        return len(self._queue)
