@@ -15,7 +15,7 @@ from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.cli import main
 from vla_runtime.config import ActionDecoding
 from vla_runtime.images import read_image
-from vla_runtime.kv import FullCache
+from vla_runtime.kv import FullCache, FullParams
 
 INSTRUCTION = "put the cup in the drawer"
 LM_HEAD = "language_model.lm_head.weight"
@@ -39,7 +39,7 @@ def edited(tmp_path_factory, png):
     ids = torch.tensor([policy.tokenizer.prompt(INSTRUCTION).input_ids])
     pixels = policy.image_processor(read_image(png))[None]
     with torch.no_grad():
-        logits = policy.model(pixels, ids, cache=FullCache(policy.config.llm, capacity=64))[0, -1]  # [V]
+        logits = policy.model(pixels, ids, cache=FullCache(policy.config.llm.geometry, FullParams(capacity=64)))[0, -1]  # [V]
     outside = logits.clone()
     outside[first : last + 1] = -torch.inf
     token = int(outside.argmax())

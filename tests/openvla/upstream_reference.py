@@ -9,7 +9,7 @@ n_bins - 2)`` -> bin centre -> ``0.5 * (x + 1) * (q99 - q01) + q01`` where the m
 import numpy as np
 import torch
 
-from vla_runtime.kv import FullCache
+from vla_runtime.kv import FullCache, FullParams
 
 
 @torch.no_grad()
@@ -19,7 +19,7 @@ def greedy_ids(policy, pixels: torch.Tensor, input_ids: list[int], n: int, *, fu
     first, last = cfg.action_token_range
     ids = list(input_ids)
     for _ in range(n):
-        cache = FullCache(cfg.llm, capacity=len(ids) + cfg.vision.num_patches + 1)
+        cache = FullCache(cfg.llm.geometry, FullParams(capacity=len(ids) + cfg.vision.num_patches + 1))
         logits = policy.model(pixels, torch.tensor([ids]), cache=cache)[0, -1]  # [V]
         ids.append(int(logits.argmax()) if full_vocab else first + int(logits[first : last + 1].argmax()))
     return ids[len(input_ids) :]
