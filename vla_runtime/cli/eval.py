@@ -20,16 +20,16 @@ from functools import partial
 from pathlib import Path
 
 from ..api import detect_family, load_policy
-from ..config import HISTORY_MODES, SessionConfig
 from ..kv.config import KVConfig, matching_sink_window
-from ..kv.registry import CACHES, KVMode
+from ..kv.registry import KVMode
 from ..sim import METAWORLD_ALL_TASKS, make_env
 from ..sim.base import check_task
 from ..sim.evaluate import EvalConfig, evaluate
-from ..sim.rlbench_env import import_rlbench
 from ..sim.report import format_table, plot_summary, summarize, write_report
 from ..sim.results import RESULTS_FILE, append_result, load_results, read_results
 from ..sim.retention import plot_episodes
+from ..sim.rlbench_env import import_rlbench
+from .policy_args import add_policy_arguments, kv_from_args, session_from_args
 from .sim_args import add_sim_args, parse_tasks, sim_config
 
 
@@ -38,13 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, help="policy checkpoint directory (anything load_policy reads)")
     add_sim_args(p, sims=("metaworld", "rlbench"))
     p.add_argument("--episodes", type=int, default=10, help="episodes per task (default: %(default)s)")
-    p.add_argument("--kv", choices=tuple(CACHES), default="full", help="KV cache mode (default: %(default)s)")
-    p.add_argument("--kv-capacity", type=int, default=None,
-                   help="tokens a cache holds (default: the model's max_position); a full cache in history mode needs "
-                        "about steps x tokens per step")
-    p.add_argument("--kv-max-chunks", type=int, default=None, help="chunked: retained chunks per layer (default: as many as fit)")
-    p.add_argument("--kv-window", type=int, default=None,
-                   help="raw recent window in tokens, sink_window and chunked (default: one control step of the policy)")
+    add_policy_arguments(p)
     p.add_argument("--kv-match-chunks", type=int, default=None, metavar="M",
                    help="sink_window: size the window to hold the KV bytes of a chunked cache with M retained chunks "
                         "and the same --kv-window (printed; needs --kv-window)")
@@ -52,11 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="chunked: write OUT/retention/<task>-seed<N>.png per episode (what the gate kept, by source step)")
     p.add_argument("--cue-steps", default=None,
                    help="comma-separated control steps to mark as cues in the retention plots (default: what the task reports)")
-    p.add_argument("--history", choices=HISTORY_MODES, default="single", help="context per step (default: %(default)s)")
     p.add_argument("--execution-horizon", type=int, default=None, help="actions executed per predicted chunk (default: whole chunk)")
     p.add_argument("--workers", type=int, default=1, help="parallel episode processes (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="policy device (default: %(default)s)")
-    p.add_argument("--dtype", default=None, help="policy dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--out", default=None, help="output directory (default: runs/eval-<time>)")
     p.add_argument("--no-video", action="store_true", help="skip the per-task videos")
     p.add_argument("--resume", action="store_true",
@@ -76,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(str(e)) from e
     family = detect_family(args.checkpoint)  # fail fast on a wrong path, before any process starts
     kv = kv_config(args)
-    session = SessionConfig(kv=kv, history=args.history, execution_horizon=args.execution_horizon, seed=args.seed)
+    session = session_from_args(args, kv, execution_horizon=args.execution_horizon, seed=args.seed)
     cue_steps = parse_steps(args.cue_steps)
     out = Path(args.out) if args.out else Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
     config = EvalConfig(tasks=tasks, episodes=args.episodes, seed=args.seed, session=session, workers=args.workers,
@@ -123,8 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
 def kv_config(args: argparse.Namespace) -> KVConfig:
     """The session's cache from the ``--kv*`` flags; ``--kv-match-chunks`` sizes a sink window (and says so)."""
-    flags = {"capacity": args.kv_capacity, "window": args.kv_window, "max_chunks": args.kv_max_chunks}
-    kv = KVConfig.from_dict({"mode": args.kv, **flags})
+    kv = kv_from_args(args)
     if args.kv_match_chunks is None:
         if _matchable(kv):
             print(f"a sink_window cache with --kv-window {matching_sink_window(kv).params.window} holds the same KV bytes")

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import HISTORY_MODES, ActionDecoding
-from ..device import DTYPES
-from ..kv.registry import CACHES
+from ..config import ActionDecoding
+from .policy_args import add_policy_arguments, session_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory (e.g. an OpenVLA HF directory)")
     p.add_argument("--image", required=True, type=Path, help="RGB image file (PNG/JPEG) from the policy camera")
     p.add_argument("--instruction", required=True, help="task instruction, e.g. 'pick up the red cube'")
-    add_session_arguments(p)
+    add_policy_arguments(p)
     p.add_argument("--state", help="robot state as comma-separated floats (HybridVLA: x,y,z,roll,pitch,yaw,gripper)")
     p.add_argument("--steps", type=int, default=1, help="control steps to run on the image (default 1)")
     p.add_argument(
@@ -43,23 +42,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "as upstream (full; ids outside the action range clip to the end bins)",
     )
     p.set_defaults(func=run)
-
-
-def add_session_arguments(p: argparse.ArgumentParser) -> None:
-    """Options shared by the commands that run a policy."""
-    p.add_argument("--unnorm-key", help="dataset key of the action statistics (needed when the checkpoint has several)")
-    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="weights/activations dtype (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--kv", choices=tuple(CACHES), default="full", help="KV cache (default full)")
-    p.add_argument("--history", choices=HISTORY_MODES, default="single", help="single = stock OpenVLA; history = one cache per episode")
-    p.add_argument("--center-crop", action="store_true", help="0.9-area centre crop (models trained with image augmentation)")
-
-
-def session_config(args: argparse.Namespace):
-    from ..config import SessionConfig
-    from ..kv.config import KVConfig
-
-    return SessionConfig(kv=KVConfig(mode=args.kv), history=args.history, unnorm_key=args.unnorm_key, center_crop=args.center_crop)
 
 
 def parse_state(text: str | None) -> np.ndarray | None:
@@ -108,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     image = read_image(args.image)
     options = decoding_options(args.checkpoint, ActionDecoding(args.decode))
     policy = load_policy(args.checkpoint, device=args.device, dtype=args.dtype, unnorm_key=args.unnorm_key, **options)
-    session = policy.new_session(args.instruction, session_config(args))
+    session = policy.new_session(args.instruction, session_from_args(args))
     obs = Observation(images={"primary": image}, state=parse_state(args.state))
     for step in range(args.steps):
         print(json.dumps(step_report(step, session, session.step(obs))))

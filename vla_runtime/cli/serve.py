@@ -23,7 +23,7 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
-from .predict import add_session_arguments, session_config
+from .policy_args import add_policy_arguments, session_from_args
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, help="most steps of different robots run as one batch (default 8; 1 = off)")
     p.add_argument("--batch-window-ms", type=float, help="wait this long for more robots' steps (default 2)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    add_session_arguments(p)
+    add_policy_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     policy = load_policy(args.checkpoint, device=args.device, dtype=args.dtype, unnorm_key=args.unnorm_key)
-    server = build_server(policy, session_config(args), cfg)
+    server = build_server(policy, session_from_args(args), cfg)
 
     async def main() -> None:
         stop = asyncio.Event()

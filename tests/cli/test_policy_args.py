@@ -1,0 +1,41 @@
+"""predict, serve and eval spell the policy options alike, with the same defaults, and build the session
+from them the same way (``vla_runtime.cli.policy_args``)."""
+
+import pytest
+
+from vla_runtime.cli import build_parser
+from vla_runtime.cli.policy_args import session_from_args
+from vla_runtime.config import HistoryMode
+from vla_runtime.kv import KVMode
+
+COMMON = ["--kv", "chunked", "--kv-capacity", "4096", "--kv-window", "48", "--kv-max-chunks", "3",
+          "--history", "history", "--device", "cpu", "--dtype", "float32", "--unnorm-key", "bridge_orig", "--center-crop"]
+REQUIRED = {
+    "predict": ["--checkpoint", "ckpt", "--image", "frame.png", "--instruction", "open the drawer"],
+    "serve": ["--checkpoint", "ckpt"],
+    "eval": ["--checkpoint", "ckpt", "--tasks", "reach-v3"],
+}
+POLICY_OPTIONS = ("device", "dtype", "unnorm_key", "center_crop", "history", "kv", "kv_capacity", "kv_window", "kv_max_chunks")
+
+
+def parse(command: str, *extra: str):
+    return build_parser().parse_args([command, *REQUIRED[command], *extra])
+
+
+def test_every_policy_command_has_the_same_defaults():
+    defaults = {command: {k: getattr(parse(command), k) for k in POLICY_OPTIONS} for command in REQUIRED}
+    assert defaults["predict"] == defaults["serve"] == defaults["eval"], defaults
+    assert defaults["eval"]["device"] is None  # cuda when available, as predict: eval used to default to cpu
+
+
+@pytest.mark.parametrize("command", sorted(REQUIRED))
+def test_the_options_become_the_same_session(command):
+    session = session_from_args(parse(command, *COMMON))
+    assert session.history is HistoryMode.HISTORY and session.kv.mode is KVMode.CHUNKED
+    assert (session.kv.params.capacity, session.kv.params.window, session.kv.params.max_chunks) == (4096, 48, 3)
+    assert session.unnorm_key == "bridge_orig" and session.center_crop
+
+
+def test_an_option_of_another_cache_is_refused_with_its_owner():
+    with pytest.raises(ValueError, match="max_chunks"):
+        session_from_args(parse("predict", "--kv", "full", "--kv-max-chunks", "3"))

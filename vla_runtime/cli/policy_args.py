@@ -1,0 +1,39 @@
+"""The options every command that runs a policy shares (``predict``, ``serve``, ``eval``): one spelling,
+one set of defaults, one conversion into ``SessionConfig``."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import HISTORY_MODES, SessionConfig
+from ..device import DTYPES
+from ..kv import CACHES, KVConfig
+
+
+def add_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """Device, dtype, the KV cache and the session's context, as each policy command spells them."""
+    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="weights/activations dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--unnorm-key", help="dataset key of the action statistics (needed when the checkpoint has several)")
+    p.add_argument("--center-crop", action="store_true", help="0.9-area centre crop (models trained with image augmentation)")
+    p.add_argument("--history", choices=HISTORY_MODES, default="single",
+                   help="single = a fresh context each step (stock OpenVLA); history = one cache per episode (default: %(default)s)")
+    p.add_argument("--kv", choices=tuple(CACHES), default="full", help="KV cache (default: %(default)s)")
+    p.add_argument("--kv-capacity", type=int, default=None,
+                   help="tokens a cache holds (default: the model's max_position); a full cache in history mode needs "
+                        "about steps x tokens per step")
+    p.add_argument("--kv-window", type=int, default=None,
+                   help="raw recent window in tokens, sink_window and chunked (default: one control step of the policy)")
+    p.add_argument("--kv-max-chunks", type=int, default=None, help="chunked: retained chunks per layer (default: as many as fit)")
+
+
+def kv_from_args(args: argparse.Namespace) -> KVConfig:
+    """The cache the ``--kv*`` options describe (options of another cache left unset)."""
+    flags = {"capacity": args.kv_capacity, "window": args.kv_window, "max_chunks": args.kv_max_chunks}
+    return KVConfig.from_dict({"mode": args.kv, **flags})
+
+
+def session_from_args(args: argparse.Namespace, kv: KVConfig | None = None, **fields) -> SessionConfig:
+    """The session the options describe (``kv``: a cache built otherwise, e.g. sized to match another)."""
+    return SessionConfig(kv=kv or kv_from_args(args), history=args.history, unnorm_key=args.unnorm_key,
+                         center_crop=args.center_crop, **fields)
