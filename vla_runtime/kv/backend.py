@@ -20,14 +20,15 @@ from .geometry import CacheGeometry
 
 
 @dataclass(frozen=True)
-class AttentionBackend:
-    """``kernel``: contract 4's ``chunked_attention`` (Triton), or ``None`` for the cache's torch path."""
+class CacheBackend:
+    """The attention a cache runs (``vla_kernels.AttentionBackend`` resolved for it): ``kernel`` is contract 4's
+    ``chunked_attention`` (Triton), or ``None`` for the cache's own torch path."""
 
     name: str
     kernel: Callable[..., torch.Tensor] | None = None
 
 
-def select_backend(name: str, geometry: CacheGeometry, *, device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
+def select_backend(name: str, geometry: CacheGeometry, *, device: torch.device | str, dtype: torch.dtype) -> CacheBackend:
     """Resolve a cache's ``backend`` parameter for this model geometry, device and dtype."""
     chosen = attention_backend(name, device, dtype=dtype, head_dim=geometry.head_dim)
-    return AttentionBackend(chosen.name, chosen if chosen.name == "triton" else None)
+    return CacheBackend(chosen.name, chosen if chosen.name == "triton" else None)

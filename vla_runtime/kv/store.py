@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import causal_attention
-from .backend import AttentionBackend
+from .backend import CacheBackend
 from .geometry import CacheGeometry
 from .rope import RopeConfig, apply_rope, inv_freq, rope_cos_sin
 
@@ -211,7 +211,7 @@ class RotatedView:
 
 def attend_slots(
     store: SlotStore,
-    backend: AttentionBackend,
+    backend: CacheBackend,
     view: RotatedView | None,
     layer: int,
     q: torch.Tensor,
