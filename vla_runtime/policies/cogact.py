@@ -85,21 +85,13 @@ class CogACTPolicy(PrismaticPolicy, Policy):
         return 1 if self.config.sampling.ensemble.horizon else self.config.action_model.chunk
 
     def info(self) -> dict:
-        def count(module: torch.nn.Module) -> int:
-            return sum(p.numel() for p in module.parameters())
-
         dit, sampling = self.config.action_model, self.config.sampling
-        return {
-            **self._base_info(),
+        return self._info("action_model", self.model.action_model, {
             "action_model": {"hidden": dit.hidden, "depth": dit.depth, "heads": dit.heads, "chunk": dit.chunk,
                              "action_dim": dit.action_dim},  # fmt: skip
             "sampling": {"ddim_steps": sampling.diffusion.sample_steps, "cfg_scale": sampling.cfg_scale,
                          "ensemble_horizon": sampling.ensemble.horizon, "ensemble_alpha": sampling.ensemble.alpha},  # fmt: skip
-            "parameters": {"total": count(self.model), "vlm": count(self.vlm), "action_model": count(self.model.action_model)},
-            "datasets": sorted(self.norm_stats),
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-        }
+        })
 
 
 def load_cogact_policy(

@@ -172,22 +172,14 @@ class HybridVLAPolicy(PrismaticPolicy, Policy):
         return 1 if self.config.sampling.mode == "ar" else self.config.head.chunk
 
     def info(self) -> dict:
-        def count(module: torch.nn.Module) -> int:
-            return sum(p.numel() for p in module.parameters())
-
         head, sampling = self.config.head, self.config.sampling
-        return {
-            **self._base_info(),
+        return self._info("diffusion_modules", self.model.head, {
             "diffusion": {"action_dim": head.action_dim, "future_window": head.future_window,
                           "ddim_steps": sampling.diffusion.sample_steps},  # fmt: skip
             "mode": sampling.mode,
             "ensemble": {"rule": sampling.ensemble.rule, "threshold": sampling.ensemble.resolved_threshold},
             "ar_token_range": [self.ar_tokens.first_id, self.ar_tokens.last_id],
-            "parameters": {"total": count(self.model), "vlm": count(self.vlm), "diffusion_modules": count(self.model.head)},
-            "datasets": sorted(self.norm_stats),
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-        }
+        })
 
 
 def load_hybridvla_policy(

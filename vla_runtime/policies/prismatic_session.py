@@ -104,7 +104,12 @@ class PrismaticPolicy:
             config = replace(config, unnorm_key=self.unnorm_key)
         return self.session_class(self, instruction, config)
 
-    def _base_info(self) -> dict:
+    def _info(self, head_name: str, head: torch.nn.Module, details: dict) -> dict:
+        """``info()`` of a Prismatic family: the run and VLM, the family's ``details``, parameter counts (the whole
+        model, the VLM and the action ``head`` as ``head_name``), datasets, device and dtype."""
+        def count(module: torch.nn.Module) -> int:
+            return sum(p.numel() for p in module.parameters())
+
         vlm = self.config.vlm
         run = self.checkpoint.run
         return {
@@ -115,6 +120,11 @@ class PrismaticPolicy:
             "vision_backbone_id": vlm.vision.backbone_id,
             "image_tokens": vlm.vision.num_patches,
             "llm": {"dim": vlm.llm.dim, "layers": vlm.llm.n_layers, "heads": vlm.llm.n_heads, "vocab_size": vlm.llm.vocab_size},
+            **details,
+            "parameters": {"total": count(self.model), "vlm": count(self.vlm), head_name: count(head)},
+            "datasets": sorted(self.norm_stats),
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
         }
 
 
