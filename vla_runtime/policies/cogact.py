@@ -26,7 +26,8 @@ from ..models.cogact.processing_cogact import AdaptiveEnsembler, cognition_suffi
 from ..models.diffusion import DiffusionConfig
 from ..models.openvla.prompt_openvla import PromptIds
 from .base import Observation, Policy
-from .prismatic_session import PrismaticPolicy, PrismaticSession, trained_gate
+from .gates import trained_gate
+from .prismatic_session import PrismaticPolicy, PrismaticSession
 
 
 class CogACTSession(PrismaticSession):

@@ -44,7 +44,8 @@ from ..models.hybridvla.processing_hybridvla import STATE_LAYOUTS, ar_action_tok
 from ..models.openvla.processing_openvla import ActionStats
 from ..models.openvla.prompt_openvla import PromptIds
 from .base import Observation, Policy
-from .prismatic_session import PrismaticPolicy, PrismaticSession, trained_gate
+from .gates import trained_gate
+from .prismatic_session import PrismaticPolicy, PrismaticSession
 
 log = logging.getLogger(__name__)
 

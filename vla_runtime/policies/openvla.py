@@ -26,7 +26,8 @@ from ..checkpoints.adapter import has_lora, merge_lora
 from ..checkpoints.openvla import OpenVLACheckpoint, load_openvla
 from ..config import ActionDecoding, HistoryMode, SessionConfig, from_dict
 from ..device import resolve_device, resolve_dtype, synchronize
-from ..kv import ChunkGate, KVConfig, has_gate, load_gate, make_cache
+from ..kv import KVConfig, has_gate, load_gate, make_cache
+from ..kv.geometry import CacheGeometry
 from ..models.generation import TokenHead, decode
 from ..models.openvla.configuration_openvla import OpenVLAConfig, read_json
 from ..models.openvla.processing_openvla import (
@@ -39,13 +40,14 @@ from ..models.openvla.processing_openvla import (
     single_layout,
 )
 from .base import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_instruction
+from .gates import GateOwner
 
 log = logging.getLogger(__name__)
 
 SESSION_CONFIG = "session_config.json"  # the SessionConfig a fine-tuned model was trained for
 
 
-class OpenVLAPolicy(Policy):
+class OpenVLAPolicy(GateOwner, Policy):
     """A loaded OpenVLA checkpoint: weights, tokenizer, image processor, statistics.
 
     Args:
@@ -114,16 +116,9 @@ class OpenVLAPolicy(Policy):
         key = resolve_unnorm_key(self.norm_stats, unnorm_key)
         return ActionStats.from_dict(self.norm_stats[key]["action"], what=f"{key} action")
 
-    def chunk_gate(self, kv: KVConfig) -> ChunkGate | None:
-        """The ``ChunkGate`` the cache of ``kv`` uses, ``None`` when it needs none (``KVConfig.gate_config``): the
-        loaded one, else an untrained default (mean-pooling aggregator, keeps every chunk) built once for ``kv``'s
-        chunk size and kept on the policy."""
-        gate_cfg = kv.gate_config(self.config.llm.geometry)
-        if gate_cfg is None:
-            return None
-        if self.kv_gate is None:
-            self.kv_gate = ChunkGate(gate_cfg).to(self.device)
-        return self.kv_gate
+    @property
+    def gate_geometry(self) -> CacheGeometry:
+        return self.config.llm.geometry
 
     def new_session(self, instruction: str, config: SessionConfig | None = None) -> "OpenVLASession":
         validate_instruction(instruction)

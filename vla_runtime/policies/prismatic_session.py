@@ -16,10 +16,8 @@ rolls back, so the history holds observations and prompts only; the cache decide
 from __future__ import annotations
 
 import abc
-import logging
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -27,7 +25,8 @@ import torch
 
 from ..config import HistoryMode, SessionConfig
 from ..device import synchronize
-from ..kv import ChunkGate, KVConfig, has_gate, load_gate, make_cache
+from ..kv import ChunkGate, KVConfig, make_cache
+from ..kv.geometry import CacheGeometry
 from ..models.openvla.processing_openvla import (
     ActionStats,
     Forward,
@@ -39,8 +38,7 @@ from ..models.openvla.processing_openvla import (
 )
 from ..models.openvla.prompt_openvla import PromptIds
 from .base import PRIMARY_CAMERA, EpisodeSession, Observation, StepResult, validate_instruction
-
-log = logging.getLogger(__name__)
+from .gates import GateOwner
 
 
 def frame_layout(prompt: PromptIds, *, history: bool, suffix: tuple[int, ...], proprio: bool) -> Forward:
@@ -53,7 +51,7 @@ def frame_layout(prompt: PromptIds, *, history: bool, suffix: tuple[int, ...], p
     return Forward((*head, Segment(SegmentKind.TEXT, (*prompt.instruction, *prompt.out, *suffix)), *tail))
 
 
-class PrismaticPolicy:
+class PrismaticPolicy(GateOwner):
     """What the CogACT and HybridVLA policies share (a mixin before ``Policy``: ``class X(PrismaticPolicy,
     Policy)``): the loaded run, the default session settings and the ``ChunkGate`` (contract 3: owned by
     the policy, handed to chunked caches, trained by ``finetune/``).
@@ -86,16 +84,9 @@ class PrismaticPolicy:
     def norm_stats(self) -> dict:
         return self.config.norm_stats
 
-    def chunk_gate(self, kv: KVConfig) -> ChunkGate | None:
-        """The ``ChunkGate`` the cache of ``kv`` uses, ``None`` when it needs none (``KVConfig.gate_config``): the
-        loaded one, else an untrained default (mean-pooling aggregator, keeps every chunk) built once for ``kv``'s
-        chunk size and kept on the policy."""
-        gate_cfg = kv.gate_config(self.vlm.cfg.llm.geometry)
-        if gate_cfg is None:
-            return None
-        if self.kv_gate is None:
-            self.kv_gate = ChunkGate(gate_cfg).to(self.device)
-        return self.kv_gate
+    @property
+    def gate_geometry(self) -> CacheGeometry:
+        return self.vlm.cfg.llm.geometry
 
     def new_session(self, instruction: str, config: SessionConfig | None = None) -> "PrismaticSession":
         validate_instruction(instruction)
@@ -126,17 +117,6 @@ class PrismaticPolicy:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
         }
-
-
-def trained_gate(path: str | Path, device: torch.device, kv: KVConfig | None) -> tuple[ChunkGate | None, KVConfig | None]:
-    """A trained ``ChunkGate`` saved beside the run (``gates.safetensors`` + ``kv_config.json``) and the default
-    cache: ``kv`` if given, else the one the gate was trained for. ``(None, kv)`` when there is none."""
-    if not has_gate(path) or device.type == "meta":
-        return None, kv
-    gate, gate_kv = load_gate(path, device=device)
-    if kv is None:
-        log.info("%s has a trained ChunkGate: the default cache is %s", path, gate_kv)
-    return gate, kv or gate_kv
 
 
 class PrismaticSession(EpisodeSession):
