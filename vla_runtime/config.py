@@ -81,11 +81,11 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
 
     A nested mapping overrides the field's default instance (so a config whose default is, e.g., a chunked
     ``KVConfig`` keeps that mode when the mapping sets only ``chunk``). A dataclass with its own edge form
-    (``KVConfig``: a flat mapping) is read by its ``from_dict(data, base=default)`` classmethod.
+    (a ``from_dict(data, base=default)`` classmethod, e.g. ``KVConfig``'s flat mapping) reads itself.
     Unknown keys raise ``ValueError`` naming them and listing the valid ones.
     """
-    if cls is KVConfig:
-        return KVConfig.from_dict(data)
+    if _reads_itself(cls):
+        return cls.from_dict(data)
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__} expects a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -96,8 +96,8 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     kwargs = {}
     for key, value in data.items():
         hint = hints.get(key)
-        if hint is KVConfig and isinstance(value, dict):
-            value = KVConfig.from_dict(value, base=_default(fields[key]))
+        if _reads_itself(hint) and isinstance(value, dict):
+            value = hint.from_dict(value, base=_default(fields[key]))
         elif dataclasses.is_dataclass(hint) and isinstance(value, dict):
             value = from_dict(hint, {**_default_values(fields[key]), **value})
         kwargs[key] = value
@@ -109,6 +109,11 @@ def _default(f: dataclasses.Field) -> Any:
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     return None if f.default is dataclasses.MISSING else f.default
+
+
+def _reads_itself(cls: object) -> bool:
+    """A dataclass with its own ``from_dict`` classmethod (its edge form differs from its fields)."""
+    return dataclasses.is_dataclass(cls) and isinstance(cls, type) and callable(getattr(cls, "from_dict", None))
 
 
 def _default_values(f: dataclasses.Field) -> dict[str, Any]:
