@@ -1,12 +1,14 @@
 """Real-time control loop: deadline-scheduled steps, chunk refill with latency skipping and blending,
-and a deadline fallback. Used by the ROS policy node; free of ROS (see ``loop.ControlLoop``)."""
+and a deadline fallback. Used by the ROS policy node and, for a policy served elsewhere, by a robot's own loop
+(``remote.RemotePolicyLoop``); free of ROS (see ``loop.ControlLoop``)."""
 
 from .broker import ChunkBroker, Missed, blend
 from .config import Blend, ControlConfig, Fallback, PublishMode, Schedule
 from .loop import ControlLoop, ControlStats, Plan, Source, TickOutput
+from .remote import RemotePolicyLoop
 from .timing import StepTimer, TickGrid
 
 __all__ = [
     "Blend", "ChunkBroker", "ControlConfig", "ControlLoop", "ControlStats", "Fallback", "Missed", "Plan", "PublishMode",
-    "Schedule", "Source", "StepTimer", "TickGrid", "TickOutput", "blend",
+    "RemotePolicyLoop", "Schedule", "Source", "StepTimer", "TickGrid", "TickOutput", "blend",
 ]
