@@ -41,7 +41,13 @@ trap 'stop_load' EXIT
 if [ ${#pytest_args[@]} -gt 0 ]; then what="pytest ${pytest_args[*]}"; else what="make test"; fi
 echo "ci_stress: $runs run(s) of '$what' at $head, load $load, logs in $work"
 passed=0
+min_free_gb=${STRESS_MIN_FREE_GB:-6}  # a run's clone, test temp files and (first run) the .venv
 for i in $(seq 1 "$runs"); do
+    free_gb=$(df -Pk "$work" | awk 'NR == 2 { print int($4 / 1048576) }')
+    if [ "$free_gb" -lt "$min_free_gb" ]; then  # a full disk fails tests for no reason of theirs
+        echo "ci_stress: only $free_gb GB free under $work (a run needs about $min_free_gb); stopping before run $i" >&2
+        break
+    fi
     if [ -d "$clone/.venv" ] && [ $fresh = 0 ]; then mv "$clone/.venv" "$work/venv.keep"; fi
     rm -rf "$clone"
     git clone -q "$src" "$clone"
