@@ -142,9 +142,10 @@ class Rig:
         assert response.success, response.message
         return int(response.message.split()[1])
 
-    def act(self, msg: Image, want: np.ndarray) -> np.ndarray:
-        """Send a frame (re-sent until acted on) and wait for the action ``want`` computed from it."""
-        start = len(self.actions)
+    def act(self, msg: Image, want: np.ndarray, start: int | None = None) -> np.ndarray:
+        """Send a frame (re-sent until acted on) and wait for the action ``want`` computed from it, among the
+        actions received from index ``start`` on (default: those arriving from now on)."""
+        start = len(self.actions) if start is None else start
 
         def arrived():
             for action in self.actions.since(start):
@@ -160,9 +161,14 @@ class Rig:
             raise AssertionError(f"{e}; got {got}\n{self.values()}") from None
 
     def first_step(self, msg: Image, image: np.ndarray) -> np.ndarray:
-        """Reset, send ``msg`` (which shows ``image``), expect the reference's first action for ``image``."""
+        """Reset, send ``msg`` (which shows ``image``), expect the reference's first action for ``image``.
+
+        Counted from before the reset: a frame of ``image`` still on its way may become the new episode's first
+        step, and on a loaded machine its action can arrive before the reset service's reply does.
+        """
+        start = len(self.actions)
         self.reset()
-        return self.act(msg, self.reference.first_step(image)[0])
+        return self.act(msg, self.reference.first_step(image)[0], start=start)
 
     def values(self) -> dict[str, str]:
         return self.diag.latest()
@@ -250,8 +256,10 @@ def test_mono_frames_become_grey_rgb(rig):
 def test_history_kv_grows_and_reset_starts_a_new_episode(rig):
     image = solid_image(20)
     _, first_kv = rig.reference.first_step(image)
+    rig.settle()  # no earlier frame still on its way to become the new episode's first step
+    start = len(rig.actions)
     episode = rig.reset()
-    rig.act(conversions.array_to_image_msg(image), rig.reference.first_step(image)[0])
+    rig.act(conversions.array_to_image_msg(image), rig.reference.first_step(image)[0], start=start)
     for seed in range(21, 24):  # three more steps of the same episode
         start = len(rig.actions)
         rig.send(conversions.array_to_image_msg(solid_image(seed)), lambda: len(rig.actions) > start, "an action")
@@ -260,22 +268,26 @@ def test_history_kv_grows_and_reset_starts_a_new_episode(rig):
     assert before["episode"] == str(episode)
     assert int(before["kv_bytes"]) > first_kv.bytes * 2  # the whole episode is held (history mode, full cache)
 
+    rig.settle()
+    start = len(rig.actions)
     assert rig.reset() == episode + 1
     mark = len(rig.diag.statuses)
-    rig.act(conversions.array_to_image_msg(image), rig.reference.first_step(image)[0])  # same as a fresh episode
+    rig.act(conversions.array_to_image_msg(image), rig.reference.first_step(image)[0], start=start)  # as a fresh episode
     _, after = rig.diag.wait(lambda s, v: v["episode"] == str(episode + 1) and v["kv_tokens_seen"] != "0", after=mark,
                              what="a step of the new episode")
     assert (int(after["kv_tokens_seen"]), int(after["kv_bytes"])) == (first_kv.tokens_seen, first_kv.bytes)  # dropped
 
 
 def test_a_different_instruction_starts_a_new_episode_and_the_same_one_does_not(rig):
+    rig.settle()  # no earlier frame or action still on its way
+    start = len(rig.actions)
     episode = int(rig.values()["episode"])
     rig.instructions.publish(String(data=INSTRUCTION))  # the current one again: same episode
     rig.instructions.publish(String(data="close the drawer"))
     rig.diag.wait(lambda s, v: v["episode"] == str(episode + 1), what="the next episode")
     image = solid_image(31)
     mark = len(rig.diag.statuses)
-    rig.act(conversions.array_to_image_msg(image), rig.reference.first_step(image, "close the drawer")[0])
+    rig.act(conversions.array_to_image_msg(image), rig.reference.first_step(image, "close the drawer")[0], start=start)
     _, values = rig.diag.wait(lambda s, v: v["kv_tokens_seen"] != "0", after=mark, what="the step's KV")
     assert values["episode"] == str(episode + 1)  # not + 2: repeating the current instruction changed nothing
     rig.instructions.publish(String(data=INSTRUCTION))
