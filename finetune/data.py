@@ -246,11 +246,14 @@ class TrainingData:
         return sum(layout.boundaries[: len(layout.boundaries) - (self.padded_steps(w) - w.steps) * self.action_dim])
 
     # ---- one micro-batch ---------------------------------------------------------------------------
-    def pixels(self, frame: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
-        """uint8 [H, W, 3] -> [C, S, S]; with ``image_aug`` a random crop of 0.9 of the area first."""
+    def pixels(self, frames: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
+        """uint8 [N, H, W, 3] -> [N, C, S, S]; with ``image_aug`` a random crop of 0.9 of the area first
+        (one draw per frame). One vectorised pass when the frames are at the model's size: a batch is
+        thousands of frames, and thousands of tiny per-frame ops starve a GPU run of its CPU."""
         if self.image_aug:
-            frame = crop_resize(frame, size=self.processor.size, area=CROP_AREA, at=tuple(rng.random(2)))
-        return self.processor(np.ascontiguousarray(frame))
+            size = self.processor.size
+            frames = np.stack([crop_resize(f, size=size, area=CROP_AREA, at=tuple(rng.random(2))) for f in frames])
+        return self.processor.batch(frames)
 
     def batch(self, indices: list[int], rng: np.random.Generator) -> dict:
         """Windows (of one bucket) -> tensors: ``pixels`` [B, S, C, H, W], ``proprio`` [B, S, P] (if any),
@@ -265,7 +268,7 @@ class TrainingData:
             if not same_positions(own, layout):
                 raise AssertionError(f"window {w} does not share its bucket's layout")
             rows = self._rows(w)
-            pixels.append(torch.stack([self.pixels(f, rng) for f in self.decoded.frames[rows]]))
+            pixels.append(self.pixels(self.decoded.frames[rows], rng))
             text.append(ids)
             step_labels = self.action_ids[rows].copy()  # [S, A]
             step_labels[w.steps :] = IGNORE

@@ -64,6 +64,19 @@ def test_other_resize_strategies(strategy, tiny_openvla):
         assert pixels[:, :, :20].min() > 0.99 and pixels[:, :, -20:].max() < -0.99
 
 
+@pytest.mark.parametrize("strategy", ["resize-naive", "letterbox", "resize-crop"])
+@pytest.mark.parametrize("shape", [(56, 56), (75, 130)])  # at the towers' size (vectorised), and not
+def test_batch_equals_frame_by_frame(strategy, shape, tiny_openvla, frame):
+    cfg = OpenVLAConfig.from_pretrained_dir(tiny_openvla)
+    proc = ImageProcessor.from_config(cfg.vision, {"image_resize_strategy": strategy})
+    frames = np.stack([frame(i, (*shape, 3)) for i in range(5)])
+    batch = proc.batch(frames)
+    assert batch.shape == (5, 6, 56, 56)
+    assert torch.equal(batch, torch.stack([proc(f) for f in frames]))
+    with pytest.raises(ValueError, match=r"expected uint8 frames \[N, H, W, 3\], got float32 \[5, 56, 56, 3\]"):
+        proc.batch(np.zeros((5, 56, 56, 3), np.float32))
+
+
 def test_without_preprocessor_config_the_timm_constants_apply(tiny_openvla, tmp_path):
     cfg = OpenVLAConfig.from_pretrained_dir(tiny_openvla)
     proc = ImageProcessor.from_pretrained_dir(tmp_path, cfg.vision)

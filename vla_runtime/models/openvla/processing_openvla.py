@@ -147,6 +147,24 @@ class ImageProcessor:
             out.append(TVF.normalize(resized[tower.size], tower.mean, tower.std))
         return torch.cat(out, dim=0)
 
+    def batch(self, frames: np.ndarray) -> torch.Tensor:
+        """frames: uint8 [N, H, W, 3] -> [N, 3 * towers, S, S] float32, equal to stacking ``self(frame)``.
+
+        Frames already square at every tower's size (a training set collected at the model's resolution)
+        take one vectorised pass: every resize strategy is then the identity. Others go frame by frame.
+        """
+        if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"expected uint8 frames [N, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+        n, h, w = frames.shape[:3]
+        if h != w or any(t.size != h for t in self.towers):
+            return torch.stack([self(f) for f in frames]) if n else torch.empty(0, 3 * len(self.towers), self.size, self.size)
+        x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float().div(255)  # as TVF.to_tensor
+        out = []
+        for t in self.towers:  # as TVF.normalize: (x - mean) / std in float32
+            mean, std = (torch.tensor(v, dtype=torch.float32)[:, None, None] for v in (t.mean, t.std))
+            out.append((x - mean) / std)
+        return torch.cat(out, dim=1)
+
 
 def center_crop(image: np.ndarray, *, size: int, area: float = 0.9) -> np.ndarray:
     """The eval-time crop for models trained with ``image_aug``: a centred box covering ``area`` of the
