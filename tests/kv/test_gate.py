@@ -67,3 +67,49 @@ def test_a_gate_for_another_geometry_is_refused():
         ChunkedGatedCache(model.cfg.geometry, kv_cfg.params, gate=wrong)
     with pytest.raises(ValueError, match="gate_hidden"):
         ChunkGateConfig(n_layers=2, head_dim=16, chunk=4, gate_hidden=0)
+
+
+def loop_lstm_scores(gate: ChunkGate, k_rep, v_rep, state):
+    """The gate's recurrence written out chunk by chunk (all layers): [L, B, Hkv, n, D] -> scores [L, B, n], (h, c)."""
+    h, c = state
+    n_l, b, hkv, n, _ = k_rep.shape
+    x = torch.cat((k_rep, v_rep), dim=-1).permute(0, 3, 1, 2, 4).reshape(n_l, n, b * hkv, -1)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    hs = []
+    for j in range(n):
+        z = x[:, j] @ gate.lstm_weight_ih + gate.lstm_bias[:, None] + h @ gate.lstm_weight_hh
+        i, f, g, o = z.chunk(4, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        hs.append(h)
+    per_head = (torch.stack(hs, 1) * gate.readout_weight[:, None, None]).sum(-1).view(n_l, n, b, hkv)
+    return (gate.readout_bias[:, None, None] + per_head.mean(-1)).transpose(1, 2), (h, c)
+
+
+def test_fused_lstm_scores_equal_the_chunk_by_chunk_recurrence_with_gradients():
+    cfg = ChunkGateConfig(n_layers=3, head_dim=8, chunk=4, gate_hidden=6)
+    torch.manual_seed(0)
+    gate = ChunkGate(cfg).double()
+    with torch.no_grad():
+        gate.readout_weight.normal_()
+    k = torch.randn(3, 2, 2, 5, 8, dtype=torch.float64, requires_grad=True)  # [L, B, Hkv, n, D]
+    v = torch.randn(3, 2, 2, 5, 8, dtype=torch.float64, requires_grad=True)
+    start = tuple(torch.randn(3, 4, 6, dtype=torch.float64) for _ in range(2))
+    got, (h, c) = gate.score(k, v, start)
+    ref, (h_ref, c_ref) = loop_lstm_scores(gate, k, v, start)
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(h, h_ref)
+    torch.testing.assert_close(c, c_ref)
+    weights = torch.randn_like(got)  # a random weighting of the scores, the same for both
+    g1 = torch.autograd.grad((gate.score(k, v, start)[0] * weights).sum(), [k, gate.lstm_weight_ih, gate.lstm_bias])
+    g2 = torch.autograd.grad((loop_lstm_scores(gate, k, v, start)[0] * weights).sum(), [k, gate.lstm_weight_ih, gate.lstm_bias])
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+    # one layer at a time, and chunks fed in two parts carrying the state, give the same scores
+    one, _ = gate.score(k[1], v[1], (start[0][1], start[1][1]), layers=1)
+    torch.testing.assert_close(one, ref[1])
+    first, mid = gate.score(k[:, :, :, :2], v[:, :, :, :2], start)
+    rest, _ = gate.score(k[:, :, :, 2:], v[:, :, :, 2:], mid)
+    torch.testing.assert_close(torch.cat((first, rest), -1), ref)
+    empty, same = gate.score(k[:, :, :, :0], v[:, :, :, :0], start)  # no chunks: no scores, state unchanged
+    assert empty.shape == (3, 2, 0) and torch.equal(same[0], start[0])
