@@ -53,12 +53,18 @@ class SessionConfig:
         seed: seed for sampling-based heads (diffusion noise).
     """
 
-    kv: KVConfig = field(default_factory=KVConfig)
-    history: HistoryMode = HistoryMode.SINGLE  # a string from YAML/CLI is turned into the enum
-    unnorm_key: str | None = None
-    center_crop: bool = False
-    execution_horizon: int | None = None
-    seed: int = 0
+    kv: KVConfig = field(default_factory=KVConfig, metadata={"help": "the KV cache"})
+    history: HistoryMode = field(  # a string from YAML/CLI is turned into the enum
+        default=HistoryMode.SINGLE, metadata={"help": "single (fresh context per step) or history (one cache per episode)"}
+    )
+    unnorm_key: str | None = field(
+        default=None, metadata={"help": "dataset key of the action statistics; unset = the checkpoint's only one"}
+    )
+    center_crop: bool = field(default=False, metadata={"help": "0.9-area centre crop (models trained with image augmentation)"})
+    execution_horizon: int | None = field(
+        default=None, metadata={"help": "actions executed from each predicted chunk; unset = the whole chunk"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed for sampling heads (diffusion noise)"})
 
     def __post_init__(self) -> None:
         if isinstance(self.kv, dict):

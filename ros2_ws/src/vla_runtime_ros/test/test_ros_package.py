@@ -265,7 +265,8 @@ def test_param_specs_cover_every_registered_caches_parameters():
 def test_optional_sizes_use_zero_for_unset():
     values = {"checkpoint": "x", "kv.mode": "chunked", "kv.max_chunks": 0, "kv.window": 32, "execution_horizon": 0}
     cfg = config_from_params(PolicyNodeConfig, values)
-    assert cfg.kv.params.max_chunks is None and cfg.kv.params.window == 32 and cfg.session_config().execution_horizon is None
+    kv = cfg.session.kv
+    assert kv.params.max_chunks is None and kv.params.window == 32 and cfg.session.execution_horizon is None
     with pytest.raises(ValueError, match="`window` \\(32\\) is a parameter of sink_window, chunked, not of mode 'full'"):
         config_from_params(PolicyNodeConfig, {**values, "kv.mode": "full"})
     cfg = config_from_params(PolicyNodeConfig, {"checkpoint": "x", "control_rate_hz": 10})  # an int for a float

@@ -50,14 +50,13 @@ class BadInputError(ValueError):
 class PolicyRunner:
     """The session of the current episode and the steps on it (worker thread only).
 
-    ``execution_horizon``: actions kept of each predicted chunk (0 = all); ``max_image_pixels``: larger
-    frames are rejected at decoding.
+    Each step keeps the first ``session_config.execution_horizon`` actions of the predicted chunk (``None``:
+    all); ``max_image_pixels``: larger frames are rejected at decoding.
     """
 
-    def __init__(self, policy: Policy, session_config: SessionConfig, *, execution_horizon: int, max_image_pixels: int) -> None:
+    def __init__(self, policy: Policy, session_config: SessionConfig, *, max_image_pixels: int) -> None:
         self.policy = policy
         self.session_config = session_config
-        self.execution_horizon = execution_horizon
         self.max_image_pixels = max_image_pixels
         self.session = None  # EpisodeSession, made by the first episode
 
@@ -85,7 +84,7 @@ class PolicyRunner:
             raise BadInputError(str(e)) from e
         obs = Observation(images={PRIMARY_CAMERA: image}, state=state, t=frame.stamp)
         result = self.session.step(obs)
-        horizon = self.execution_horizon or len(result.actions)
+        horizon = self.session_config.execution_horizon or len(result.actions)
         step_ms = (time.perf_counter() - start) * 1e3
         return StepOutcome(episode, np.asarray(result.actions[:horizon]), result, step_ms, frame, started,
                            time.monotonic() - start_at)

@@ -1,7 +1,7 @@
 """Node parameters as dataclasses: one source of truth for declaration, YAML files and validation.
 
 Each node's configuration is a dataclass whose fields are its ROS parameters (nested dataclasses
-become dotted names: ``kv.mode``; ``KVConfig`` contributes its flat YAML keys, ``KVConfig.edge_fields``). ``param_specs`` lists them for ``declare_parameter`` and for the
+become dotted names, ``kv.mode``, unless ``inline``: the session's fields are top-level names; ``KVConfig`` contributes its flat YAML keys, ``KVConfig.edge_fields``). ``param_specs`` lists them for ``declare_parameter`` and for the
 static tests that check launch files and parameter YAMLs; ``config_from_params`` turns the values a
 node received back into the validated dataclass. ROS parameters have no ``None``: an optional
 integer is ``0`` for "unset", an optional string is ``""``.
@@ -13,6 +13,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, TypeVar
 
 from rcl_interfaces.msg import ParameterDescriptor, ParameterType
@@ -29,8 +30,10 @@ IMAGE_RELIABILITIES = ("best_effort", "reliable")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def _help(text: str, **kwargs: Any) -> Any:
-    return field(metadata={"help": text}, **kwargs)
+def _help(text: str, *, inline: bool = False, **kwargs: Any) -> Any:
+    """A field with its ROS parameter description; ``inline``: a nested dataclass whose fields are top-level
+    parameters (no ``name.`` prefix)."""
+    return field(metadata={"help": text, "inline": inline}, **kwargs)
 
 
 @dataclass
@@ -45,12 +48,10 @@ class PolicyNodeConfig:
     policy_modules: list[str] = _help(
         "Python modules imported before loading, for policy families registered outside vla_runtime", default_factory=list
     )
-    kv: KVConfig = _help("the KV cache (KVConfig fields; 0 = unset for optional sizes)", default_factory=KVConfig)
-    history: str = _help("single (fresh context per step) or history (one cache per episode)", default="single")
-    unnorm_key: str = _help("dataset key of the action statistics; empty = the checkpoint's only one", default="")
-    center_crop: bool = _help("0.9-area centre crop (models trained with image augmentation)", default=False)
-    execution_horizon: int = _help("actions executed from each predicted chunk; 0 = the whole chunk", default=0)
-    seed: int = _help("seed for sampling heads (diffusion noise)", default=0)
+    session: SessionConfig = _help(
+        "how an episode runs (vla_runtime's SessionConfig): its fields are top-level parameters, `kv.*`, `history`, ...",
+        inline=True, default_factory=SessionConfig,
+    )
     default_instruction: str = _help("instruction used until one arrives on `instruction`; empty = wait", default="")
     autostart: bool = _help("configure and activate at start-up (no lifecycle manager needed)", default=True)
     control_rate_hz: float = _help("rate at which actions are published", default=5.0)
@@ -98,8 +99,6 @@ class PolicyNodeConfig:
     diagnostics_rate_hz: float = _help("rate of /diagnostics status messages", default=1.0)
 
     def __post_init__(self) -> None:
-        if isinstance(self.kv, dict):
-            self.kv = KVConfig.from_dict(self.kv)
         if not self.checkpoint:
             raise ValueError("parameter `checkpoint` is empty; set it to a checkpoint directory (-p checkpoint:=DIR)")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -119,8 +118,6 @@ class PolicyNodeConfig:
             raise ValueError(f"parameter `max_image_pixels` must be >= 1, got {self.max_image_pixels}")
         if self.torch_threads < 0:
             raise ValueError(f"parameter `torch_threads` must be >= 0, got {self.torch_threads}")
-        if self.execution_horizon < 0:
-            raise ValueError(f"parameter `execution_horizon` must be >= 0, got {self.execution_horizon}")
         if len(self.action_low) != len(self.action_high):
             raise ValueError(
                 f"`action_low` has {len(self.action_low)} values and `action_high` {len(self.action_high)}; give both or neither"
@@ -128,7 +125,6 @@ class PolicyNodeConfig:
         crossed = [i for i, (lo, hi) in enumerate(zip(self.action_low, self.action_high)) if lo > hi]
         if crossed:
             raise ValueError(f"`action_low` > `action_high` at dimensions {crossed}")
-        self.session_config()  # history / kv / horizon validation with SessionConfig's own messages
         self.control_config()
 
     def input_limits(self) -> InputLimits:
@@ -145,16 +141,6 @@ class PolicyNodeConfig:
             step_quantile=self.step_quantile, margin_ms=self.schedule_margin_ms, refill_threshold=self.refill_threshold,
             latency_skip=self.latency_skip, blend=self.blend, fallback=self.fallback, fallback_keep_dims=tuple(self.fallback_keep_dims),
             align_to_frames=self.align_to_frames, frame_guard_ms=self.frame_guard_ms,
-        )
-
-    def session_config(self) -> SessionConfig:
-        return SessionConfig(
-            kv=self.kv,
-            history=self.history,
-            unnorm_key=self.unnorm_key or None,
-            center_crop=self.center_crop,
-            execution_horizon=self.execution_horizon or None,
-            seed=self.seed,
         )
 
 
@@ -247,9 +233,11 @@ def param_specs(cls: type, prefix: str = "") -> list[ParamSpec]:
             specs.extend(_kv_specs(name + "."))
             continue
         if dataclasses.is_dataclass(hint):
-            specs.extend(param_specs(hint, prefix=name + "."))
+            specs.extend(param_specs(hint, prefix=prefix if f.metadata.get("inline") else name + "."))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if isinstance(default, Enum):  # a string parameter; the dataclass turns it into its enum
+            hint, default = str, default.value
         if default is None:
             default = {int: 0, str: "", float: 0.0}[hint]
         description = f.metadata.get("help", f"{cls.__name__}.{f.name}")
@@ -288,11 +276,11 @@ def config_from_params(cls: type[T], values: dict[str, Any], prefix: str = "") -
             kwargs[f.name] = _kv_from_params(values, prefix=name + ".")
             continue
         if dataclasses.is_dataclass(hint):
-            kwargs[f.name] = config_from_params(hint, values, prefix=name + ".")
+            kwargs[f.name] = config_from_params(hint, values, prefix=prefix if f.metadata.get("inline") else name + ".")
             continue
         if name not in values:
             continue
-        kwargs[f.name] = _coerce(name, values[name], hint, optional)
+        kwargs[f.name] = _coerce(name, values[name], str if isinstance(hint, type) and issubclass(hint, Enum) else hint, optional)
     return cls(**kwargs)
 
 

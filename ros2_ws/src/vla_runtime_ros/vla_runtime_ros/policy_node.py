@@ -137,8 +137,7 @@ class PolicyNode(PolicyControl, LifecycleNode):
             self.get_logger().error(f"configure failed: {e}")
             return TransitionCallbackReturn.FAILURE
         self._cfg, self._device = cfg, device
-        self._runner = PolicyRunner(policy, cfg.session_config(), execution_horizon=cfg.execution_horizon,
-                                    max_image_pixels=cfg.max_image_pixels)
+        self._runner = PolicyRunner(policy, cfg.session, max_image_pixels=cfg.max_image_pixels)
         with self._lock:
             self._telemetry = PolicyTelemetry()
             self._episode = 0
@@ -165,13 +164,13 @@ class PolicyNode(PolicyControl, LifecycleNode):
         self._frame_guard = self.create_guard_condition(self._on_frame_ready)  # default group, like the control timer
         self.get_logger().info(
             f"configured: {type(policy).__name__} action_dim={policy.action_dim} chunk={policy.chunk_size} "
-            f"history={cfg.history} kv={cfg.kv.mode.value} control={cfg.control_rate_hz} Hz dry_run={cfg.dry_run}"
+            f"history={cfg.session.history.value} kv={cfg.session.kv.mode.value} control={cfg.control_rate_hz} Hz dry_run={cfg.dry_run}"
         )
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Start a new episode (current instruction, else ``default_instruction``) and the control timer."""
-        chunked = self._runner.policy.chunk_size > 1 and self._cfg.execution_horizon != 1
+        chunked = self._runner.policy.chunk_size > 1 and self._cfg.session.execution_horizon != 1
         # tick 0 is the timer's start; the loop exists before the timer's first callback can run
         self._loop = ControlLoop(self._cfg.control_config(), t0=time.monotonic(), chunked=chunked)
         with self._lock:
