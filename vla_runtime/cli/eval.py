@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 
 from ..api import detect_family, load_policy
+from ..control import Blend, ControlConfig, Fallback
 from ..kv.config import KVConfig, matching_sink_window
 from ..kv.registry import KVMode
 from ..sim import METAWORLD_ALL_TASKS, make_env
@@ -47,12 +48,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cue-steps", default=None,
                    help="comma-separated control steps to mark as cues in the retention plots (default: what the task reports)")
     p.add_argument("--execution-horizon", type=int, default=None, help="actions executed per predicted chunk (default: whole chunk)")
+    loop = p.add_argument_group("control loop", "run each episode on the robot's control loop in simulated time: the "
+                                "simulator advances one tick per period while each policy step takes its measured time")
+    loop.add_argument("--control-rate", type=float, default=None, metavar="HZ",
+                      help="control ticks per second (default: off, policy and simulator in turn)")
+    loop.add_argument("--blend", default="none", choices=[b.value for b in Blend], help="overlapping chunks (default: none)")
+    loop.add_argument("--refill-threshold", type=int, default=1, help="chunks: refill while this many actions are queued (default 1)")
+    loop.add_argument("--fallback", default="hold", choices=[f.value for f in Fallback],
+                      help="a tick without an action: hold (no motion, gripper kept), zero, repeat_last (default hold)")
+    loop.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+                      help="simulated step time = measured x X (plays a slower machine; default 1)")
     p.add_argument("--workers", type=int, default=1, help="parallel episode processes (default: %(default)s)")
     p.add_argument("--out", default=None, help="output directory (default: runs/eval-<time>)")
     p.add_argument("--no-video", action="store_true", help="skip the per-task videos")
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in --out: skip the episodes its episodes.jsonl already holds")
     p.set_defaults(func=run)
+
+
+def control_config(args: argparse.Namespace) -> ControlConfig | None:
+    """``--control-rate`` and its options as a ``ControlConfig`` (``None`` without ``--control-rate``). Frames
+    come at the ticks in simulation, so there is no camera phase to align to."""
+    if args.control_rate is None:
+        return None
+    return ControlConfig(rate_hz=args.control_rate, blend=args.blend, refill_threshold=args.refill_threshold,
+                         fallback=args.fallback, align_to_frames=False)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     cue_steps = parse_steps(args.cue_steps)
     out = Path(args.out) if args.out else Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
     config = EvalConfig(tasks=tasks, episodes=args.episodes, seed=args.seed, session=session, workers=args.workers,
-                        out=None if args.no_video else out, trace_retention=args.retention_plots)
+                        out=None if args.no_video else out, trace_retention=args.retention_plots,
+                        control=control_config(args), time_scale=args.time_scale)
     env_config = sim_config(args, tasks)
     policy_factory = partial(load_policy, args.checkpoint, device=args.device, dtype=args.dtype)
     results_path = out / RESULTS_FILE
@@ -102,6 +123,11 @@ def run(args: argparse.Namespace) -> int:
     report = write_report(out / "report.json", results, summary, meta)
     plot = plot_summary(out / "summary.png", summary, f"{Path(args.checkpoint).name} on {args.sim} ({kv_label(kv)}, history={args.history})")
     print(format_table(summary))
+    if "control" in summary["overall"]:
+        c = summary["overall"]["control"]
+        print(f"control loop at {args.control_rate:g} Hz: {c['ticks']} ticks, {c['fallbacks']} without an action of their own "
+              f"({100 * c['empty_tick_share']:.1f} %), {c['steps']} steps ({c['steps_late']} late), "
+              f"{c['actions_skipped']} chunk rows skipped, {c['actions_blended']} blended")
     print(f"report: {report}")
     if plot:
         print(f"plot: {plot}")

@@ -25,8 +25,10 @@ import numpy as np
 
 from ..api import ActionQueue, Policy
 from ..config import SessionConfig
+from ..control import ControlConfig
 from .actions import check_policy_action_dim
 from .base import SimEnv
+from .realtime import RealtimeEpisode, control_chunked
 from .retention import RetentionTrace
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,10 @@ class EvalConfig:
         workers: parallel processes (1 = in this process).
         out: directory for videos (first episode of each task); ``None`` = no videos.
         trace_retention: record what the chunked cache holds after every step (``EpisodeResult.retention``).
+        control: run each episode on the robot's control loop in simulated time (``realtime``): the
+            simulator advances one tick per period while steps take their measured time; ``None`` =
+            policy and simulator in turn.
+        time_scale: with ``control``, simulated step time = measured step time x this (plays a slower machine).
     """
 
     tasks: list[str]
@@ -57,6 +63,8 @@ class EvalConfig:
     workers: int = 1
     out: Path | None = None
     trace_retention: bool = False
+    control: ControlConfig | None = None
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -67,6 +75,8 @@ class EvalConfig:
             raise ValueError(f"`workers` must be >= 1, got {self.workers}")
         if self.out is not None:
             self.out = Path(self.out)
+        if not self.time_scale > 0:
+            raise ValueError(f"`time_scale` must be > 0, got {self.time_scale}")
 
 
 @dataclass
@@ -88,57 +98,81 @@ class EpisodeResult:
     video: str | None = None
     retention: RetentionTrace | None = None
     cue_steps: list[int] | None = None
+    control: dict | None = None  # ControlStats of a run on the control loop (``EvalConfig.control``)
 
 
 def run_episode(
     env: SimEnv, policy: Policy, task: str, seed: int, session_config: SessionConfig, *, video_path: Path | None = None,
-    trace_retention: bool = False,
+    trace_retention: bool = False, control: ControlConfig | None = None, time_scale: float = 1.0,
 ) -> EpisodeResult:
     """Run one closed-loop episode; ``video_path`` records the primary camera to an mp4 (or gif);
-    ``trace_retention`` records the chunks the cache holds after every inference step."""
+    ``trace_retention`` records the chunks the cache holds after every inference step. ``control``: run
+    on the robot's control loop in simulated time (``realtime``; ``time_scale`` stretches step times)
+    instead of policy and simulator in turn."""
     obs = env.reset(task, seed)
     trace = RetentionTrace() if trace_retention else None
-    cue_steps = None
     session = policy.new_session(obs.instruction, session_config)
-    queue = ActionQueue(session, horizon=session_config.execution_horizon)
     frames = [next(iter(obs.images.values()))] if video_path is not None else None
     step_ms, inference_ms = [], []
-    kv_max, kv_final = 0, {}
-    policy_s = env_s = 0.0
-    success, done, steps, error = False, False, 0, None
-    while not done:
-        t0 = time.perf_counter()
-        action, result = queue.next(obs.to_policy())
-        t1 = time.perf_counter()
-        policy_s += t1 - t0
-        step_ms.append((t1 - t0) * 1e3)
-        if result is not None:
-            inference_ms.append((t1 - t0) * 1e3)
-            kv_max = max(kv_max, int(result.kv.bytes))
-            kv_final = result.kv.as_dict()
-            if trace is not None:
-                trace.record(session.retained_chunks(), result.kv.tokens_seen)
-        try:
-            obs, done, success, info = env.step(action)
-        except ValueError as e:  # an action the simulator cannot take (wrong shape, NaN): a failed episode, not a crash
-            log.warning("%s seed %d: episode ended at step %d: %s", task, seed, steps + 1, e)
-            error, success = str(e), False
-            break
-        env_s += time.perf_counter() - t1
-        steps = info.step
-        error = info.extra.get("error", error)
-        cue_steps = info.extra.get("cue_steps", cue_steps)
+    kv = {"max": 0, "final": {}}
+
+    def on_step(result, ms: float) -> None:
+        inference_ms.append(ms)
+        kv["max"] = max(kv["max"], int(result.kv.bytes))
+        kv["final"] = result.kv.as_dict()
+        if trace is not None:
+            trace.record(session.retained_chunks(), result.kv.tokens_seen)
+
+    def on_frame(new_obs) -> None:
         if frames is not None:
-            frames.append(next(iter(obs.images.values())))
+            frames.append(next(iter(new_obs.images.values())))
+
+    if control is None:
+        success, steps, env_s, error, info = _run_in_turn(env, session, session_config, obs, step_ms, on_step, on_frame,
+                                                          label=f"{task} seed {seed}")
+        stats = None
+    else:
+        driver = RealtimeEpisode(env, session, control, chunked=control_chunked(policy, session_config), time_scale=time_scale,
+                                 action_dim=policy.action_dim, horizon=session_config.execution_horizon,
+                                 on_step=on_step, on_frame=on_frame)  # fmt: skip
+        success, info, stats, error = driver.run(obs, label=f"{task} seed {seed}")
+        step_ms, env_s, steps = list(inference_ms), driver.env_s, info.step if info is not None else 0
+        error = error or (info.extra.get("error") if info is not None else None)
+    cue_steps = info.extra.get("cue_steps") if info is not None else None
     video = None
     if frames is not None:
         from .media import write_preview
 
         video = str(write_preview(video_path, np.stack(frames), fps=env.fps))
     return EpisodeResult(
-        task, seed, success, steps, policy_s, env_s, step_ms, inference_ms, kv_max, kv_final, error, video, trace,
-        None if cue_steps is None else [int(c) for c in cue_steps],
+        task, seed, success, steps, sum(step_ms) / 1e3, env_s, step_ms, inference_ms, kv["max"], kv["final"], error,
+        video, trace, None if cue_steps is None else [int(c) for c in cue_steps], stats,
     )  # fmt: skip
+
+
+def _run_in_turn(env: SimEnv, session, session_config: SessionConfig, obs, step_ms: list[float], on_step, on_frame, *,
+                 label: str):
+    """Policy, then simulator, in turn (the world waits for the policy). Returns success, steps, simulator
+    seconds, error, and the last ``StepInfo``."""
+    queue = ActionQueue(session, horizon=session_config.execution_horizon)
+    env_s, success, done, steps, error, info = 0.0, False, False, 0, None, None
+    while not done:
+        t0 = time.perf_counter()
+        action, result = queue.next(obs.to_policy())
+        t1 = time.perf_counter()
+        step_ms.append((t1 - t0) * 1e3)
+        if result is not None:
+            on_step(result, (t1 - t0) * 1e3)
+        try:
+            obs, done, success, info = env.step(action)
+        except ValueError as e:  # an action the simulator cannot take (wrong shape, NaN): a failed episode, not a crash
+            log.warning("%s: episode ended at step %d: %s", label, steps + 1, e)
+            return False, steps, env_s, str(e), info
+        env_s += time.perf_counter() - t1
+        steps = info.step
+        error = info.extra.get("error", error)
+        on_frame(obs)
+    return success, steps, env_s, error, info
 
 
 # -- worker processes --------------------------------------------------------------------------
@@ -164,9 +198,7 @@ def _close_worker() -> None:
         env.close()
 
 
-def _worker_episode(
-    task: str, seed: int, session_config: SessionConfig, video_path: Path | None, trace_retention: bool = False
-) -> EpisodeResult:
+def _worker_episode(task: str, seed: int, config: EvalConfig, video_path: Path | None) -> EpisodeResult:
     # built on the first episode rather than in the initializer: an error here (bad checkpoint, unmappable
     # action space) reaches the caller as itself instead of as a broken process pool
     if "policy" not in _worker:
@@ -178,9 +210,12 @@ def _worker_episode(
             env.close()
             raise
         _worker["policy"], _worker["env"] = policy, env
-    return run_episode(
-        _worker["env"], _worker["policy"], task, seed, session_config, video_path=video_path, trace_retention=trace_retention
-    )
+    return _run_job(_worker["env"], _worker["policy"], task, seed, config, video_path)
+
+
+def _run_job(env: SimEnv, policy: Policy, task: str, seed: int, config: EvalConfig, video: Path | None) -> EpisodeResult:
+    return run_episode(env, policy, task, seed, config.session, video_path=video, trace_retention=config.trace_retention,
+                       control=config.control, time_scale=config.time_scale)  # fmt: skip
 
 
 def _episode_jobs(config: EvalConfig) -> list[tuple[str, int, Path | None]]:
@@ -237,8 +272,7 @@ def evaluate(
             check_policy_action_dim(policy.action_dim, env.name)
             for i in todo:
                 task, seed, video = jobs[i]
-                done(i, run_episode(env, policy, task, seed, config.session, video_path=video,
-                                    trace_retention=config.trace_retention))
+                done(i, _run_job(env, policy, task, seed, config, video))
         finally:
             env.close()
             bar.close()
@@ -250,7 +284,7 @@ def evaluate(
         initializer=_init_worker,
         initargs=(policy_factory, env_factory, threads),
     ) as pool:
-        futures = {pool.submit(_worker_episode, *jobs[i][:2], config.session, jobs[i][2], config.trace_retention): i for i in todo}
+        futures = {pool.submit(_worker_episode, *jobs[i][:2], config, jobs[i][2]): i for i in todo}
         try:
             for future in as_completed(futures):
                 done(futures[future], future.result())

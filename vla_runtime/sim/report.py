@@ -24,6 +24,16 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def _control_totals(rs: list[EpisodeResult]) -> dict:
+    """Runs on the control loop: its counters summed, and the share of ticks that had no action of their own."""
+    stats = [r.control for r in rs if r.control is not None]
+    if not stats:
+        return {}
+    totals = {k: int(sum(s[k] for s in stats)) for k in ("ticks", "fallbacks", "steps", "steps_late", "actions_skipped", "actions_blended")}
+    totals["empty_tick_share"] = totals["fallbacks"] / totals["ticks"] if totals["ticks"] else 0.0
+    return {"control": totals}
+
+
 def summarize(results: list[EpisodeResult]) -> dict:
     """{"tasks": {task: metrics}, "overall": metrics} with success rate, chance level, control rate, latencies,
     KV bytes. ``chance_level`` is ``None`` for tasks without one (and overall unless every task has one)."""
@@ -46,6 +56,7 @@ def summarize(results: list[EpisodeResult]) -> dict:
             "kv_bytes_max": int(max(r.kv_bytes_max for r in rs)),
             "kv_bytes_mean_final": float(np.mean([r.kv_final.get("bytes", 0) for r in rs])),
             "errors": int(sum(r.error is not None for r in rs)),
+            **_control_totals(rs),
         }
 
     tasks = sorted({r.task for r in results}, key=[r.task for r in results].index)
