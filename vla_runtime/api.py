@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .policies.base import (
     PRIMARY_CAMERA,
+    ActionPrefix,
     ActionQueue,
     BatchInputError,
     EpisodeSession,
@@ -22,6 +23,6 @@ from .policies.base import (
 from .policies.registry import FAMILIES, detect_family, load_policy, register_family
 
 __all__ = [
-    "FAMILIES", "PRIMARY_CAMERA", "ActionQueue", "BatchInputError", "EpisodeSession", "Observation", "Policy",
+    "FAMILIES", "PRIMARY_CAMERA", "ActionPrefix", "ActionQueue", "BatchInputError", "EpisodeSession", "Observation", "Policy",
     "StepResult", "detect_family", "load_policy", "register_family", "validate_image", "validate_instruction",
 ]

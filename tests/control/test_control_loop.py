@@ -310,3 +310,24 @@ def test_a_skipped_tick_is_not_waited_for():
     assert loop.served == 1 and loop.stats.ticks == 1 and loop.stats.fallbacks == 1  # tick 0 only
     loop.on_result(np.array([[1.0]]), frame_time=0.1, step_s=0.02, now=0.12)
     assert loop.placed_from == 2 and loop.on_tick(0.2).action[0] == 1.0
+
+
+def test_rtc_guidance_hands_a_step_the_rows_queued_for_its_chunk():
+    loop = make(chunked=True, refill_threshold=2, margin_ms=0.0, blend="rtc")
+    loop.timer.add(0.2)  # a step takes 2 periods
+    loop.served = 9
+    for now in (1.0, 1.1, 1.2):
+        loop.on_tick(now)
+    loop.on_result(chunk(8), frame_time=0.95, step_s=0.3, now=1.25)  # rows 3..7 queued for ticks 13..17
+    loop.on_tick(1.3)  # tick 13 executes row 3
+    # a step starting at 1.35 on a frame of 1.32: its row 0 is tick 14; planned with the step-time quantile (the
+    # 0.3 s step), it lands at 1.65, after ticks 14-16 went out
+    prefix = loop.guidance(1.32, 1.35)
+    assert prefix.start == 0 and prefix.frozen == 3
+    assert prefix.actions[:, 0].tolist() == [4.0, 5.0, 6.0, 7.0]
+    # a frame from before tick 13: its row 0 (tick 13) is executed already, so the prefix starts at row 1
+    late = loop.guidance(1.22, 1.35)
+    assert late.start == 1 and late.actions[:, 0].tolist() == [4.0, 5.0, 6.0, 7.0]
+    assert make(chunked=True, blend="temporal").guidance(0.0, 0.0) is None  # only for Blend.RTC
+    assert make(chunked=True, blend="rtc").guidance(0.0, 0.0) is None  # nothing queued
+    assert blend([np.ones(2), np.zeros(2)], Blend.RTC, temporal_coeff=0.01, adaptive_alpha=0.1).tolist() == [0.0, 0.0]

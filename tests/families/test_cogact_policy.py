@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from vla_runtime.api import ActionQueue, Observation, load_policy
+from vla_runtime.api import ActionPrefix, ActionQueue, Observation, load_policy
 from vla_runtime.config import SessionConfig
 from vla_runtime.kv import FullCache, FullParams, KVConfig, KVMode
 from vla_runtime.models.action_postprocess import postprocess_actions
@@ -142,3 +142,15 @@ def test_history_mode_streaming_equals_one_forward_over_the_episode(policy, fram
         torch.randn((1, 16, 7), generator=g)  # the first step's noise
         normalized = policy.model.action_model.sample(hidden[:, -1:], cfg_scale=1.5, generator=g)
     np.testing.assert_allclose(results[1].actions, postprocess_actions(normalized[0].numpy(), session.action_stats), atol=1e-5)
+
+
+def test_rtc_prefix_fixes_the_frozen_rows_and_bends_the_rest(policy, frame):
+    queued = policy.new_session(INSTRUCTION, SessionConfig(seed=1)).step(obs(frame(2))).actions[:6]  # robot units
+    free = policy.new_session(INSTRUCTION, SessionConfig(seed=3)).step(obs(frame(0))).actions
+    prefix = ActionPrefix(actions=queued, frozen=2, start=1)  # chunk row 0 is executed; rows 1-2 will be
+    guided = policy.new_session(INSTRUCTION, SessionConfig(seed=3)).step(
+        Observation(images={"primary": frame(0)}, prefix=prefix)
+    ).actions
+    np.testing.assert_allclose(guided[1:3], queued[:2], atol=1e-4)  # frozen rows: the queued actions
+    assert not np.allclose(guided[1:3], free[1:3], atol=1e-3)
+    assert not np.allclose(guided[3:7, :6], free[3:7, :6], atol=1e-3)  # decaying weights: pulled, not replaced

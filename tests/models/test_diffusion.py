@@ -9,8 +9,10 @@ import torch
 from vla_runtime.models.diffusion import (
     DiffusionConfig,
     GaussianDiffusion,
+    Inpaint,
     TimestepEmbedder,
     ddim_timestep_set,
+    rtc_weights,
     squaredcos_cap_v2_betas,
     timestep_embedding,
 )
@@ -126,3 +128,32 @@ def test_timestep_embedding_is_cos_first_with_dit_frequencies():
     torch.testing.assert_close(emb[:, 128:], torch.sin(args))
     assert torch.equal(emb[0, :128], torch.ones(128)) and torch.equal(emb[0, 128:], torch.zeros(128))
     assert sorted(k for k, _ in TimestepEmbedder(16).state_dict().items()) == ["mlp.0.bias", "mlp.0.weight", "mlp.2.bias", "mlp.2.weight"]
+
+
+def test_rtc_weights_are_one_on_frozen_rows_then_decay_exponentially():
+    w = rtc_weights(5, frozen=2)
+    c = np.array([3, 2, 1]) / 4
+    assert w.tolist() == pytest.approx([1.0, 1.0, *(c * np.expm1(c) / math.expm1(1.0))])
+    assert np.all(np.diff(w) <= 0) and w[-1] > 0
+    assert rtc_weights(3, frozen=7).tolist() == [1.0, 1.0, 1.0] and rtc_weights(0, frozen=0).shape == (0,)
+
+
+def test_ddim_inpainting_fixes_weight_one_rows_and_leaves_weight_zero_alone():
+    diffusion = GaussianDiffusion(DiffusionConfig(sample_steps=5))
+    torch.manual_seed(0)
+    proj = torch.randn(3, 3)
+
+    def eps_fn(x, t):  # an arbitrary smooth denoiser: the rows interact through the mean over the chunk
+        return torch.tanh(x @ proj + x.mean(1, keepdim=True)) * (1 + t[:, None, None] / 100)
+
+    noise = torch.randn(2, 6, 3)
+    free = diffusion.ddim_sample(eps_fn, noise)
+    target = torch.randn(2, 4, 3)
+    fixed = diffusion.ddim_sample(eps_fn, noise, inpaint=Inpaint(target, torch.tensor([1.0, 1.0, 0.5, 0.0])))
+    torch.testing.assert_close(fixed[:, :2], target[:, :2])  # weight 1: exactly the known rows
+    assert not torch.allclose(fixed[:, 2], free[:, 2]) and not torch.allclose(fixed[:, 2], target[:, 2])
+    assert not torch.allclose(fixed[:, 4:], free[:, 4:])  # the free rows are denoised around the known ones
+    zero = diffusion.ddim_sample(eps_fn, noise, inpaint=Inpaint(target, torch.zeros(4)))
+    torch.testing.assert_close(zero, free)  # weight 0 everywhere: the plain sample
+    with pytest.raises(ValueError, match="inpaint target has 7 rows and weight \\(7,\\); the sample has 6 rows"):
+        diffusion.ddim_sample(eps_fn, noise, inpaint=Inpaint(torch.zeros(2, 7, 3), torch.zeros(7)))

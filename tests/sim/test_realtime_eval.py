@@ -129,8 +129,9 @@ def test_eval_cli_on_the_control_loop(tmp_path, capsys):
     out = tmp_path / "eval"
     argv = ["eval", "--checkpoint", str(ckpt), "--sim", "metaworld", "--tasks", "reach-v3", "--episodes", "1",
             "--max-steps", "12", "--resolution", "56", "--no-video", "--out", str(out), "--control-rate", "20",
-            "--time-scale", "3"]  # fmt: skip
+            "--time-scale", "0.001"]  # steps land within a tick however slow this machine is  # fmt: skip
     assert main(argv) == 0
     control = json.loads((out / "report.json").read_text())["summary"]["overall"]["control"]
-    assert control["ticks"] == 12 and control["steps"] >= 1 and control["fallbacks"] >= 1
+    # tick 0 comes before any step; from then on each tick's step lands before the next one
+    assert control["ticks"] == 12 and control["steps"] >= 10 and 1 <= control["fallbacks"] <= 2
     assert "control loop at 20 Hz: 12 ticks" in capsys.readouterr().out

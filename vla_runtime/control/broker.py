@@ -32,13 +32,13 @@ def blend(predictions: list[np.ndarray], mode: Blend, *, temporal_coeff: float, 
 
     Args:
         predictions: ``n`` arrays [action_dim], oldest first.
-        mode: ``Blend.NONE`` (the newest), ``TEMPORAL`` (ACT: ``w_i = exp(-m i)``, ``i = 0`` oldest) or
+        mode: ``Blend.NONE`` and ``RTC`` (the newest), ``TEMPORAL`` (ACT: ``w_i = exp(-m i)``, ``i = 0`` oldest) or
             ``ADAPTIVE`` (CogACT: ``w_i = exp(alpha * cos(a_i, a_newest))``).
     Returns:
         [action_dim] float64.
     """
     stack = np.stack(predictions).astype(np.float64)  # [n, action_dim]
-    if mode is Blend.NONE or len(predictions) == 1:
+    if mode in (Blend.NONE, Blend.RTC) or len(predictions) == 1:
         return stack[-1]
     if mode is Blend.TEMPORAL:
         weights = np.exp(-temporal_coeff * np.arange(len(stack)))  # [n]
@@ -94,6 +94,13 @@ class ChunkBroker:
             predictions = self._ticks[earlier[-1]]
         for old in earlier:
             del self._ticks[old]
+        if not predictions:
+            return None
+        return blend(predictions, self.mode, temporal_coeff=self.temporal_coeff, adaptive_alpha=self.adaptive_alpha)
+
+    def peek(self, k: int) -> np.ndarray | None:
+        """What ``pop(k)`` would return now (blended), leaving the queue as it is; ``None`` if nothing is queued for ``k``."""
+        predictions = self._ticks.get(k)
         if not predictions:
             return None
         return blend(predictions, self.mode, temporal_coeff=self.temporal_coeff, adaptive_alpha=self.adaptive_alpha)

@@ -48,12 +48,15 @@ class Blend(str, Enum):
 
     ``NONE``: the newest prediction wins. ``TEMPORAL``: ACT's temporal ensembling, weights
     ``exp(-temporal_coeff * i)`` with ``i = 0`` the oldest prediction. ``ADAPTIVE``: CogACT's adaptive
-    ensemble, weights ``exp(adaptive_alpha * cos(a_i, a_newest))``.
+    ensemble, weights ``exp(adaptive_alpha * cos(a_i, a_newest))``. ``RTC``: real-time chunking: each step is
+    given the actions queued for its chunk (``ControlLoop.guidance``) and a policy that can (CogACT) generates
+    its chunk as their continuation; the newest prediction then wins, as with ``NONE``.
     """
 
     NONE = "none"
     TEMPORAL = "temporal"
     ADAPTIVE = "adaptive"
+    RTC = "rtc"
 
 
 ENUMS = {"schedule": Schedule, "publish_mode": PublishMode, "fallback": Fallback, "blend": Blend}

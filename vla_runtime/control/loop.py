@@ -21,7 +21,8 @@ from enum import Enum
 import numpy as np
 
 from .broker import ChunkBroker, Missed
-from .config import ControlConfig, Fallback, PublishMode, Schedule
+from ..api import ActionPrefix
+from .config import Blend, ControlConfig, Fallback, PublishMode, Schedule
 from .timing import StepTimer, TickGrid
 
 
@@ -123,6 +124,23 @@ class ControlLoop:
         threshold = cfg.refill_threshold if self.chunked else 0
         target = max(covered + 1 - threshold, earliest)
         return Plan(max(now, self.grid.time(target) - lead), target)
+
+    def guidance(self, frame_time: float, now: float) -> ActionPrefix | None:
+        """``Blend.RTC``, chunk policies: the actions queued for the chunk a step starting ``now`` on a frame of
+        ``frame_time`` predicts (row ``i`` for the ``i``-th tick from the frame, as ``on_result`` places it),
+        consecutive from the first tick not executed yet, and how many of them will have executed before it
+        lands (planned step time). ``None`` when RTC is off or nothing is queued for that tick."""
+        if self.cfg.blend is not Blend.RTC or not self.chunked or not self._time_indexed():
+            return None
+        k0 = self.grid.at_or_after(frame_time)
+        first = max(k0, self.served + 1)  # ticks before it are executed already
+        rows = []
+        while (action := self.broker.peek(first + len(rows))) is not None:
+            rows.append(action)
+        if not rows:
+            return None
+        frozen = max(0, self.grid.at_or_after(now + self.lead()) - first)
+        return ActionPrefix(np.stack(rows), min(frozen, len(rows)), start=first - k0)
 
     def started(self, plan: Plan) -> None:
         """The driver started the step of ``plan`` (to count steps that land late)."""

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .config import ControlConfig, PublishMode
+from .config import Blend, ControlConfig, PublishMode
 from .loop import ControlLoop, ControlStats
 
 Infer = Callable[[Any], dict]
@@ -46,6 +46,9 @@ class RemotePolicyLoop:
                  wait_until: Callable[[float, threading.Event], bool] | None = None) -> None:
         if cfg.publish_mode is not PublishMode.TICK:
             raise ValueError("RemotePolicyLoop publishes on ticks only: publish_mode must be 'tick'")
+        if cfg.blend is Blend.RTC:
+            raise ValueError("blend 'rtc' needs the policy in this process (the openpi protocol carries no queued actions); "
+                             "use none, temporal or adaptive")
         self.infer, self.cfg, self.chunked, self.clock = infer, cfg, chunked, clock
         self._executor = None if submit is not None else ThreadPoolExecutor(max_workers=1, thread_name_prefix="vla_remote")
         self._submit = submit or self._executor.submit

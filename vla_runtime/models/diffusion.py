@@ -81,6 +81,28 @@ class DiffusionConfig:
         ddim_timestep_set(self.train_steps, self.sample_steps)  # raises when not realisable
 
 
+@dataclass(frozen=True)
+class Inpaint:
+    """Known leading rows of a sample, for guided inpainting (real-time chunking).
+
+    target: [B, n, A] normalised actions the first ``n`` rows should match; weight: [n] in [0, 1], how hard
+    each row is pulled to its target (1: replaced, 0: free).
+    """
+
+    target: torch.Tensor
+    weight: torch.Tensor
+
+
+def rtc_weights(n: int, frozen: int) -> np.ndarray:
+    """Real-time chunking's soft mask over ``n`` known rows: 1 for the ``frozen`` rows that execute before the
+    new chunk can land, then an exponential decay ``c (e^c - 1) / (e - 1)``, ``c`` going linearly from 1 towards 0
+    over the rest (arXiv 2506.07339, eq. 5). Returns float64 [n]."""
+    frozen = min(max(frozen, 0), n)
+    rest = n - frozen
+    c = (rest - np.arange(rest)) / (rest + 1)  # (rest / (rest + 1)) ... (1 / (rest + 1))
+    return np.concatenate([np.ones(frozen), c * np.expm1(c) / math.expm1(1.0)])
+
+
 class GaussianDiffusion:
     """Forward process, epsilon-MSE training loss and the eta = 0 DDIM sampler.
 
@@ -123,12 +145,17 @@ class GaussianDiffusion:
         """The sampler's timesteps in the order they run (descending): e.g. ``[90, 80, ..., 0]``."""
         return ddim_timestep_set(self.cfg.train_steps, self.cfg.sample_steps)[::-1]
 
-    def ddim_sample(self, eps_fn: EpsFn, noise: torch.Tensor) -> torch.Tensor:
+    def ddim_sample(self, eps_fn: EpsFn, noise: torch.Tensor, *, inpaint: Inpaint | None = None) -> torch.Tensor:
         """Deterministic DDIM (eta = 0) from ``noise`` at the largest kept timestep down to t = 0.
 
         Per step: ``x0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t)``, then
         ``x_prev = sqrt(abar_prev) x0 + sqrt(1 - abar_prev) eps`` with ``abar_prev = 1`` after the last step.
         No clipping of x0 (``clip_denoised=False`` upstream). noise: [B, T, A]. Returns x0 [B, T, A] in noise's dtype.
+
+        ``inpaint``: at every step the predicted ``x0``'s first rows are pulled to the known ones,
+        ``x0 <- w target + (1 - w) x0``, before ``x_prev`` is formed: the rest of the chunk is denoised
+        around them (guidance by replacement; real-time chunking's ΠGDM gradient guidance is not used).
+        Rows with weight 1 come out equal to their target.
         """
         steps = self.ddim_timesteps()
         x = noise.float()
@@ -138,8 +165,20 @@ class GaussianDiffusion:
             t_batch = torch.full((x.shape[0],), t, device=x.device, dtype=torch.long)
             eps = eps_fn(x.to(noise.dtype), t_batch).float()
             x0 = (x - math.sqrt(1.0 - abar) * eps) / math.sqrt(abar)
+            if inpaint is not None:
+                x0 = _pull(x0, inpaint)
             x = math.sqrt(abar_prev) * x0 + math.sqrt(1.0 - abar_prev) * eps
         return x.to(noise.dtype)
+
+
+def _pull(x0: torch.Tensor, inpaint: Inpaint) -> torch.Tensor:
+    """x0 [B, T, A] with its first n rows moved to ``inpaint.target`` by ``inpaint.weight``."""
+    n = inpaint.target.shape[1]
+    if n > x0.shape[1] or inpaint.weight.shape != (n,):
+        raise ValueError(f"inpaint target has {n} rows and weight {tuple(inpaint.weight.shape)}; the sample has {x0.shape[1]} rows")
+    w = inpaint.weight.to(x0.device, torch.float32)[None, :, None]
+    head = w * inpaint.target.to(x0.device, torch.float32) + (1.0 - w) * x0[:, :n]
+    return torch.cat((head, x0[:, n:]), dim=1)
 
 
 def timestep_embedding(t: torch.Tensor, dim: int = 256, *, max_period: float = 10000.0) -> torch.Tensor:

@@ -32,11 +32,32 @@ class Observation:
         images: camera name -> uint8 [H, W, 3] RGB; ``"primary"`` is the policy camera.
         state: optional proprioception [state_dim] (float).
         t: optional timestamp in seconds.
+        prefix: actions already queued for the chunk this step predicts (``ActionPrefix``); policies that
+            predict one action, or cannot condition on them, ignore it.
     """
 
     images: dict[str, np.ndarray]
     state: np.ndarray | None = None
     t: float | None = None
+    prefix: ActionPrefix | None = None
+
+
+@dataclass
+class ActionPrefix:
+    """What the robot has queued for the coming chunk's first rows (real-time chunking, ``Blend.RTC``): a
+    policy that generates whole chunks may continue them instead of starting afresh (CogACT inpaints them).
+
+    Args:
+        actions: [n, action_dim] robot units; row ``i`` is for chunk row ``start + i`` (chunk row ``j`` serves
+            the ``j``-th tick from the observation's frame).
+        frozen: leading rows of ``actions`` that will have executed before the new chunk can land (the
+            inference delay, in ticks).
+        start: chunk rows before it are for ticks already executed (nothing to continue there).
+    """
+
+    actions: np.ndarray
+    frozen: int
+    start: int = 0
 
 
 @dataclass

@@ -23,9 +23,9 @@ from ..models.action_postprocess import postprocess_actions
 from ..models.cogact.configuration_cogact import AdaptiveEnsembleConfig, CogACTConfig, CogACTSamplingConfig, dit_config_from_run
 from ..models.cogact.modeling_cogact import ActionModel, CogACT
 from ..models.cogact.processing_cogact import AdaptiveEnsembler, cognition_suffix
-from ..models.diffusion import DiffusionConfig
+from ..models.diffusion import DiffusionConfig, Inpaint, rtc_weights
 from ..models.openvla.prompt_openvla import PromptIds
-from .base import Observation, Policy
+from .base import ActionPrefix, Observation, Policy
 from .gates import trained_gate
 from .prismatic_session import PrismaticPolicy, PrismaticSession
 
@@ -58,7 +58,8 @@ class CogACTSession(PrismaticSession):
         hidden = self._prefill(embeds, timings)
         start = time.perf_counter()
         normalized = policy.model.action_model.sample(
-            CogACT.cognition(hidden), cfg_scale=policy.config.sampling.cfg_scale, generator=self.generator
+            CogACT.cognition(hidden), cfg_scale=policy.config.sampling.cfg_scale, generator=self.generator,
+            inpaint=None if obs.prefix is None else self._inpaint(obs.prefix),
         )  # [1, chunk, A]
         synchronize(policy.device)
         timings["denoise"] = (time.perf_counter() - start) * 1e3
@@ -66,6 +67,20 @@ class CogACTSession(PrismaticSession):
         if self.ensembler is None:
             return chunk
         return self.ensembler(chunk)[None]  # [1, A]
+
+
+    def _inpaint(self, prefix: ActionPrefix) -> Inpaint | None:
+        """The queued actions as the chunk's known rows (normalised; weights ``rtc_weights``), ``None`` if none fit."""
+        chunk = self.policy.chunk_size
+        n = max(0, min(len(prefix.actions), chunk - prefix.start))
+        if n == 0:
+            return None
+        target = np.zeros((prefix.start + n, self.policy.action_dim))
+        target[prefix.start :] = self.action_stats.normalize(np.asarray(prefix.actions[:n], dtype=np.float64))
+        weight = np.concatenate([np.zeros(prefix.start), rtc_weights(n, prefix.frozen)])
+        device = self.policy.device
+        return Inpaint(torch.as_tensor(target, dtype=torch.float32, device=device)[None],
+                       torch.as_tensor(weight, dtype=torch.float32, device=device))  # fmt: skip
 
 
 class CogACTPolicy(PrismaticPolicy, Policy):

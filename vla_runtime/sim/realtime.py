@@ -113,8 +113,10 @@ class RealtimeEpisode:
         return success, info, asdict(self.loop.stats), None
 
     def _compute(self, obs, frame_time: float, planned_at: float, start: float) -> _Step:
+        policy_obs = obs.to_policy()
+        policy_obs.prefix = self.loop.guidance(frame_time, start)  # Blend.RTC: what is queued for this chunk
         t0 = self.timer()
-        result = self.session.step(obs.to_policy())
+        result = self.session.step(policy_obs)
         seconds = self.timer() - t0
         self.on_step(result, seconds * 1e3)
         actions = np.atleast_2d(np.asarray(result.actions, dtype=np.float64))[: self.horizon]

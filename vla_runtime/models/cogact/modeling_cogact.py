@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..diffusion import DiffusionConfig, GaussianDiffusion, Mlp, TimestepEmbedder
+from ..diffusion import DiffusionConfig, GaussianDiffusion, Inpaint, Mlp, TimestepEmbedder
 from ..openvla.modeling_openvla import OpenVLA
 from .configuration_cogact import DiTConfig
 
@@ -179,9 +179,11 @@ class ActionModel(nn.Module):
 
     @torch.no_grad()
     def sample(
-        self, cognition: torch.Tensor, *, cfg_scale: float = 1.5, generator: torch.Generator | None = None
+        self, cognition: torch.Tensor, *, cfg_scale: float = 1.5, generator: torch.Generator | None = None,
+        inpaint: Inpaint | None = None,
     ) -> torch.Tensor:
-        """DDIM (eta = 0) from N(0, I) noise drawn with ``generator`` (a CPU generator); CFG when ``cfg_scale > 1``.
+        """DDIM (eta = 0) from N(0, I) noise drawn with ``generator`` (a CPU generator); CFG when ``cfg_scale > 1``;
+        ``inpaint``: the chunk's first rows guided to known actions (``GaussianDiffusion.ddim_sample``).
 
         cognition: [B, 1, token_size] (cast to the DiT's dtype). Returns normalised actions [B, chunk, action_dim].
         """
@@ -190,8 +192,8 @@ class ActionModel(nn.Module):
         shape = (z.shape[0], self.cfg.chunk, self.cfg.action_dim)
         noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(z.device, dtype)  # CPU draw: same on every device
         if cfg_scale > 1.0:
-            return self.diffusion.ddim_sample(lambda x, t: self.net.forward_with_cfg(x, t, z, cfg_scale), noise)
-        return self.diffusion.ddim_sample(lambda x, t: self.net(x, t, z), noise)
+            return self.diffusion.ddim_sample(lambda x, t: self.net.forward_with_cfg(x, t, z, cfg_scale), noise, inpaint=inpaint)
+        return self.diffusion.ddim_sample(lambda x, t: self.net(x, t, z), noise, inpaint=inpaint)
 
 
 class CogACT(nn.Module):

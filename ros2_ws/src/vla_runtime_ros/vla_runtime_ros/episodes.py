@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from sensor_msgs.msg import Image
-from vla_runtime.api import PRIMARY_CAMERA, Observation, Policy, StepResult
+from vla_runtime.api import PRIMARY_CAMERA, ActionPrefix, Observation, Policy, StepResult
 from vla_runtime.config import SessionConfig
 
 from . import conversions
@@ -72,8 +72,10 @@ class PolicyRunner:
             request.error = f"could not start episode {request.episode}: {type(e).__name__}: {e}"
         return request
 
-    def step(self, frame: Frame, state: np.ndarray | None, *, episode: int, start_at: float) -> StepOutcome:
-        """Decode ``frame`` and run ``session.step`` with ``state`` [state_dim] (``BadInputError``: undecodable)."""
+    def step(self, frame: Frame, state: np.ndarray | None, *, episode: int, start_at: float,
+             prefix: ActionPrefix | None = None) -> StepOutcome:
+        """Decode ``frame`` and run ``session.step`` with ``state`` [state_dim] and the queued ``prefix``
+        (``Blend.RTC``) (``BadInputError``: undecodable)."""
         started, start = time.monotonic(), time.perf_counter()
         try:
             if isinstance(frame.msg, Image):
@@ -82,7 +84,7 @@ class PolicyRunner:
                 image = conversions.compressed_msg_to_array(frame.msg, max_pixels=self.max_image_pixels)
         except ValueError as e:
             raise BadInputError(str(e)) from e
-        obs = Observation(images={PRIMARY_CAMERA: image}, state=state, t=frame.stamp)
+        obs = Observation(images={PRIMARY_CAMERA: image}, state=state, t=frame.stamp, prefix=prefix)
         result = self.session.step(obs)
         horizon = self.session_config.execution_horizon or len(result.actions)
         step_ms = (time.perf_counter() - start) * 1e3

@@ -67,7 +67,10 @@ class PolicyNodeConfig:
         default=1,
     )
     latency_skip: bool = _help("chunk policies: skip a chunk's actions for ticks already past when it lands", default=True)
-    blend: str = _help("overlapping chunk actions: none (newest wins), temporal (ACT ensembling), adaptive (CogACT)", default="none")
+    blend: str = _help(
+        "overlapping chunk actions: none (newest wins), temporal (ACT ensembling), adaptive (CogACT),"
+        " rtc (real-time chunking: a diffusion head continues the queued actions)", default="none",
+    )
     align_to_frames: bool = _help(
         "deadline schedule: move the tick phase (not the rate) so that camera frames arrive just before steps start",
         default=True,

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 
 import numpy as np
 from std_srvs.srv import Trigger
+from vla_runtime.api import ActionPrefix
 from vla_runtime.kv.base import KVStats
 
 from .episodes import BadInputError, EpisodeRequest, StepOutcome
@@ -183,11 +184,14 @@ class PolicyControl:
                 return  # a new episode starts first; a step due now needs a frame now
             episode = self._episode
         self._cancel = threading.Event()
+        # Blend.RTC: the actions queued for the step's chunk, read here (the loop's own callback group); the
+        # frame it will take arrives about at its start
+        prefix = self._loop.guidance(plan.start_at, max(now, plan.start_at))
         self._loop.started(plan)
-        self._future = self._worker.submit(self._step, plan.start_at, self._cancel, episode)
+        self._future = self._worker.submit(self._step, plan.start_at, self._cancel, episode, prefix)
         self._future.add_done_callback(lambda _: self._wake())
 
-    def _step(self, start_at: float, cancel: threading.Event, episode: int) -> StepOutcome | None:
+    def _step(self, start_at: float, cancel: threading.Event, episode: int, prefix: ActionPrefix | None = None) -> StepOutcome | None:
         """Worker: wait until ``start_at``, take the newest usable frame and step the session on it.
 
         ``None`` when cancelled, or when no frame is usable at the start (the next tick or frame plans again).
@@ -204,7 +208,7 @@ class PolicyControl:
                 self._telemetry.frames_unpaired += 1
                 return None
             self._busy = True
-        return self._runner.step(frame, state, episode=episode, start_at=start_at)
+        return self._runner.step(frame, state, episode=episode, start_at=start_at, prefix=prefix)
 
     def _collect(self) -> None:
         """Account for a finished worker job: a started episode, or a step's actions (into the loop)."""
