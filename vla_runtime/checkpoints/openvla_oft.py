@@ -11,6 +11,7 @@ and normalisation come from the platform (``configuration_oft.PLATFORMS``), give
 from __future__ import annotations
 
 import logging
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def load_component(file: Path) -> dict[str, torch.Tensor]:
     """A component state dict (CPU, memory-mapped), ``module.`` prefixes stripped."""
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, OSError, EOFError, ValueError) as e:
+    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise ValueError(f"cannot read {file.name} as a torch state dict: {e}") from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{file.name} is not a state dict of tensors (got {type(state).__name__})")

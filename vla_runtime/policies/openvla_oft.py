@@ -51,8 +51,10 @@ class OpenVLAOFTPolicy(Policy):
         unnorm_key: str | None = None,
         cameras: tuple[str, ...] = (PRIMARY_CAMERA,),
     ) -> None:
-        if len(cameras) != checkpoint.config.num_images or len(set(cameras)) != len(cameras):
-            raise ValueError(f"cameras {cameras} must be {checkpoint.config.num_images} distinct names")
+        if len(set(cameras)) != len(cameras):
+            raise ValueError(f"cameras {cameras} name a camera twice; each image the model takes needs its own camera")
+        if len(cameras) != checkpoint.config.num_images:
+            raise ValueError(f"cameras {cameras} are {len(cameras)} names; the model takes {checkpoint.config.num_images} image(s)")
         self.checkpoint = checkpoint
         self.config: OFTConfig = checkpoint.config
         self.model = checkpoint.model
