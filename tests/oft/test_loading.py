@@ -82,12 +82,17 @@ def test_variants_not_supported_yet(copy):
         load_openvla_oft(copy)
 
 
-def test_platform_choice(oft_libero):
+def test_platform_choice(oft_libero, oft_no_proprio, caplog):
     with pytest.raises(ValueError, match="platform aloha has 14-D actions; the action head predicts 7"):
         load_policy(oft_libero, device="meta", platform="aloha")
     with pytest.raises(ValueError, match="platform 'mars' is not one of libero, bridge, aloha"):
         load_policy(oft_libero, device="meta", platform="mars")
-    assert load_policy(oft_libero, device="meta").chunk_size == 8
+    assert load_policy(oft_libero, device="meta").chunk_size == 8  # 7-D actions + 8-D proprio: LIBERO only
+    with caplog.at_level("WARNING"):
+        ambiguous = load_policy(oft_no_proprio, device="meta")  # 7-D actions, no proprio: LIBERO or Bridge
+    assert ambiguous.chunk_size == 8 and ambiguous.checkpoint.platform.value == "libero"
+    assert "fit libero, bridge; using libero" in caplog.text
+    assert load_policy(oft_no_proprio, device="meta", platform="bridge").chunk_size == 5
 
 
 def test_session_errors(oft_libero, frame):
