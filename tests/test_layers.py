@@ -46,7 +46,7 @@ def test_a_fresh_process_knows_every_family_without_importing_model_code():
     out = subprocess.run([sys.executable, "-c", code, str(REPO / "tests")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     message, modules = out.stdout.strip().splitlines()
-    assert message.endswith("known families: cogact, hybridvla, openvla"), message
+    assert message.endswith("known families: cogact, hybridvla, openvla, openvla-oft"), message
     # asking every family imports the detectors' small modules, no policy or modelling code
     imported = ast.literal_eval(modules)
     assert not [m for m in imported if "policies." in m and not m.endswith((".base", ".registry"))], imported

@@ -24,6 +24,20 @@ def _openvla(out: Path, args: argparse.Namespace) -> Path:
     )
 
 
+def _openvla_oft(out: Path, args: argparse.Namespace) -> Path:
+    from ..checkpoints.tiny_openvla_oft import make_tiny_openvla_oft
+    from ..models.openvla_oft.configuration_oft import OFTPlatform
+
+    return make_tiny_openvla_oft(
+        out,
+        seed=args.seed,
+        image_size=args.image_size,
+        platform=OFTPlatform(args.oft_platform),
+        proprio=not args.no_proprio,
+        dtype=DTYPES[args.dtype],
+    )
+
+
 def _cogact(out: Path, args: argparse.Namespace) -> Path:
     from ..checkpoints.tiny_prismatic import make_tiny_cogact
 
@@ -39,7 +53,7 @@ def _hybridvla(out: Path, args: argparse.Namespace) -> Path:
 
 
 # family -> maker(out, args); adding a family = one function + one entry
-MAKERS = {"openvla": _openvla, "cogact": _cogact, "hybridvla": _hybridvla}
+MAKERS = {"openvla": _openvla, "openvla-oft": _openvla_oft, "cogact": _cogact, "hybridvla": _hybridvla}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--proprio-dim", type=int, help="openvla: add a proprioception projector of this input size")
     p.add_argument("--max-shard-mb", type=float, help="write shards + model.safetensors.index.json past this size")
     p.add_argument("--future-window", type=int, default=0, help="hybridvla: future actions denoised per step (default 0, as upstream)")
+    p.add_argument("--oft-platform", choices=("libero", "bridge", "aloha"), default="libero",
+                   help="openvla-oft: the platform's sizes (chunk x action dims: libero 8x7, bridge 5x7, aloha 25x14)")
+    p.add_argument("--no-proprio", action="store_true", help="openvla-oft: no proprio projector")
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.set_defaults(func=run)
 

@@ -37,6 +37,10 @@ def _builtin(detector: str, loader: str) -> tuple[Detector, Loader]:
 
 # family name -> (detector(path) -> bool, loader(path, **kwargs) -> Policy), asked in this order
 FAMILIES: dict[str, tuple[Detector, Loader]] = {
+    # an OFT directory is also an OpenVLA directory: asked first
+    "openvla-oft": _builtin(
+        "models.openvla_oft.configuration_oft:detect_openvla_oft", "openvla_oft:load_openvla_oft_policy"
+    ),
     "openvla": _builtin("models.openvla.configuration_openvla:detect_openvla", "openvla:load_openvla_policy"),
     "cogact": _builtin("checkpoints.prismatic_run:detect_cogact", "cogact:load_cogact_policy"),
     "hybridvla": _builtin("checkpoints.prismatic_run:detect_hybridvla", "hybridvla:load_hybridvla_policy"),

@@ -1,0 +1,162 @@
+"""Load an OpenVLA-OFT checkpoint: the OpenVLA directory plus the component ``.pt`` files beside it.
+
+The backbone loads with ``checkpoints.openvla.load_openvla``. Each component is a ``torch.save``d state
+dict of tensors, read with ``torch.load(weights_only=True)``; a ``module.`` prefix (the component was
+trained under DDP) is stripped, as upstream's ``load_component_state_dict`` does. Sizes come from the
+tensors: ``action_head``'s ``model.fc2.weight`` [action_dim, hidden] and ``model.layer_norm1.weight``
+[llm_dim * action_dim]; ``proprio_projector``'s ``fc1.weight`` [llm_dim, proprio_dim]. The chunk length
+and normalisation come from the platform (``configuration_oft.PLATFORMS``), given or matched by sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..models.openvla_oft.configuration_oft import (
+    ACTION_HEAD,
+    NOISY_ACTION_PROJECTOR,
+    PLATFORMS,
+    PROPRIO_PROJECTOR,
+    VISION_BACKBONE,
+    OFTConfig,
+    OFTPlatform,
+    component_files,
+    platform_for,
+)
+from ..models.openvla_oft.modeling_oft import OpenVLAOFT
+from .openvla import OpenVLACheckpoint, load_openvla
+
+log = logging.getLogger(__name__)
+
+DDP_PREFIX = "module."
+
+
+@dataclass
+class OFTCheckpoint:
+    """What an OFT directory holds, loaded. ``components``: component name -> its file."""
+
+    path: Path
+    base: OpenVLACheckpoint
+    config: OFTConfig
+    platform: OFTPlatform
+    model: OpenVLAOFT
+    components: dict[str, Path]
+
+
+def find_component(path: Path, pattern: str, *, required: bool) -> Path | None:
+    """The one ``*{pattern}*checkpoint*`` file in ``path``; ``None`` if absent and not required."""
+    files = component_files(path, pattern)
+    if len(files) > 1:
+        raise ValueError(f"{path} has {len(files)} {pattern} checkpoints ({', '.join(f.name for f in files)}); expected exactly one")
+    if not files:
+        if required:
+            raise FileNotFoundError(f"{path} has no {pattern}--*checkpoint.pt (an OpenVLA-OFT checkpoint needs one)")
+        return None
+    return files[0]
+
+
+def load_component(file: Path) -> dict[str, torch.Tensor]:
+    """A component state dict (CPU, memory-mapped), ``module.`` prefixes stripped."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        raise ValueError(f"cannot read {file.name} as a torch state dict: {e}") from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{file.name} is not a state dict of tensors (got {type(state).__name__})")
+    return {k.removeprefix(DDP_PREFIX): v for k, v in state.items()}
+
+
+def _shape(state: dict, key: str, file: Path, ndim: int) -> tuple[int, ...]:
+    if key not in state:
+        raise ValueError(f"{file.name} has no `{key}`; found {', '.join(sorted(state)[:6])}")
+    shape = tuple(state[key].shape)
+    if len(shape) != ndim:
+        raise ValueError(f"{file.name}: `{key}` has shape {list(shape)}; expected {ndim} dimensions")
+    return shape
+
+
+def _check_state(module: torch.nn.Module, state: dict, file: Path) -> None:
+    """Names and shapes of ``state`` equal the module's; the error names what differs."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{file.name} does not match the component: missing {missing[:5] or 'none'}, unexpected {unexpected[:5] or 'none'}"
+        )
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != shape:
+            raise ValueError(f"{file.name}: `{key}` has shape {list(state[key].shape)}; expected {list(shape)}")
+
+
+def resolve_platform(platform: OFTPlatform | None, action_dim: int, proprio_dim: int | None) -> OFTPlatform:
+    """The given platform (checked against the sizes) or the one the sizes match; LIBERO when ambiguous,
+    as upstream's ``constants.py`` defaults."""
+    matches = platform_for(action_dim, proprio_dim)
+    if platform is not None:
+        if not isinstance(platform, OFTPlatform):
+            raise TypeError(f"`platform` must be an OFTPlatform ({', '.join(p.name for p in OFTPlatform)}), got {platform!r}")
+        c = PLATFORMS[platform]
+        if c.action_dim != action_dim:
+            raise ValueError(f"platform {platform.value} has {c.action_dim}-D actions; the action head predicts {action_dim}")
+        return platform
+    if not matches:
+        raise ValueError(
+            f"no OFT platform has {action_dim}-D actions and proprio {proprio_dim}: known "
+            + ", ".join(f"{p.value} ({c.action_dim}-D, proprio {c.proprio_dim})" for p, c in PLATFORMS.items())
+        )
+    if len(matches) > 1:
+        log.warning("the components fit %s; using %s as upstream does (pass platform= to choose)",
+                    ", ".join(m.value for m in matches), matches[0].value)
+    return matches[0]
+
+
+def load_openvla_oft(
+    path: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    platform: OFTPlatform | None = None,
+    num_images: int = 1,
+) -> OFTCheckpoint:
+    """Load an OFT directory onto ``device`` in ``dtype`` (``"meta"``: structure only, as ``load_openvla``)."""
+    path = Path(path)
+    for pattern, what in ((NOISY_ACTION_PROJECTOR, "the diffusion variant"), (VISION_BACKBONE, "FiLM (OFT+)")):
+        if component_files(path, pattern):
+            raise ValueError(f"{path} holds a {pattern} checkpoint: {what} is not supported yet (L1-regression OFT only)")
+    base = load_openvla(path, device=device, dtype=dtype)
+    llm_dim = base.config.llm.dim
+    files = {ACTION_HEAD: find_component(path, ACTION_HEAD, required=True)}
+    head = load_component(files[ACTION_HEAD])
+    action_dim, hidden = _shape(head, "model.fc2.weight", files[ACTION_HEAD], 2)
+    (head_in,) = _shape(head, "model.layer_norm1.weight", files[ACTION_HEAD], 1)
+    if head_in != llm_dim * action_dim:
+        raise ValueError(
+            f"{files[ACTION_HEAD].name}: the head takes {head_in} features per action; expected llm_dim {llm_dim} x "
+            f"action_dim {action_dim} = {llm_dim * action_dim} (is it from another backbone?)"
+        )
+    proprio_file = find_component(path, PROPRIO_PROJECTOR, required=False)
+    proprio = None
+    proprio_dim = None
+    if proprio_file is not None:
+        files[PROPRIO_PROJECTOR] = proprio_file
+        proprio = load_component(proprio_file)
+        proprio_dim = _shape(proprio, "fc1.weight", proprio_file, 2)[1]
+    chosen = resolve_platform(platform, action_dim, proprio_dim)
+    constants = PLATFORMS[chosen]
+    config = OFTConfig(llm_dim, action_dim, constants.chunk_size, proprio_dim, num_images, constants.normalization, hidden)
+    with torch.device("meta"):
+        model = OpenVLAOFT(base.model, config)  # the head (+ projector) on meta, the loaded backbone kept
+    _check_state(model.action_head, head, files[ACTION_HEAD])
+    if proprio is not None:
+        _check_state(model.proprio_projector, proprio, proprio_file)
+    if torch.device(device).type != "meta":
+        model.action_head.load_state_dict({k: v.to(device, dtype) for k, v in head.items()}, strict=True, assign=True)
+        if proprio is not None:
+            model.proprio_projector.load_state_dict({k: v.to(device, dtype) for k, v in proprio.items()}, strict=True, assign=True)
+    return OFTCheckpoint(path, base, config, chosen, model.eval(), files)
+
