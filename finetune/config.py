@@ -187,7 +187,9 @@ class FinetuneConfig:
         gate: gate temperature, retention term, gate learning rate.
         batch_size: windows per micro-batch (per process).
         grad_accum: micro-batches per optimizer step (per process).
-        max_steps: optimizer steps.
+        max_steps: optimizer steps (an upper bound with ``time_budget``).
+        time_budget: minutes of training: after a few timed steps ``max_steps`` is lowered to what fits
+            (``budget.TimeBudget``), recorded in the run's config; ``None`` = run ``max_steps``.
         lr: learning rate (AdamW) of LoRA / model weights.
         lr_schedule: ``constant`` (OpenVLA) or ``cosine`` (to 0 at ``max_steps``), after ``warmup_steps``.
         warmup_steps: linear warm-up steps.
@@ -226,6 +228,7 @@ class FinetuneConfig:
     batch_size: int = 8
     grad_accum: int = 1
     max_steps: int = 1000
+    time_budget: float | None = None
     lr: float = 5e-4
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -255,6 +258,8 @@ class FinetuneConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` is {getattr(self, name)!r}; expected one of {', '.join(allowed)}")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise ValueError(f"`time_budget` must be > 0 minutes, got {self.time_budget}")
         if self.kv.mode not in TRAINABLE_KV_MODES:
             trainable = ", ".join(m.value for m in TRAINABLE_KV_MODES)
             raise ValueError(f"`kv.mode` is {self.kv.mode.value!r}; training supports {trainable}")

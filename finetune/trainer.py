@@ -8,8 +8,8 @@ all ranks compute identical statistics, windows and data order.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ from vla_runtime.kv.gate import check_gate
 from vla_runtime.models.openvla.processing_openvla import history_frame
 
 from . import outputs
+from .schedule import TimeBudget, lr_factor
 from .config import FinetuneConfig
 from .data import MicroBatches, TrainingData
 from .lora import apply_lora, is_unused, unused_by_forward
@@ -51,16 +52,6 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def lr_factor(step: int, *, schedule: str, warmup: int, max_steps: int) -> float:
-    """Multiplier of the base learning rates at ``step``: linear warm-up, then constant or cosine to 0."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup) / max(1, max_steps - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
 def history_kv(kv: KVConfig, data: TrainingData) -> KVConfig:
@@ -147,6 +138,8 @@ class Trainer:
             changes = outputs.config_changes(out, cfg)
             if changes:
                 raise ValueError(f"--resume: the config differs from the run in {out}: {'; '.join(changes)}")
+            if cfg.time_budget is not None:  # the budget was fitted to max_steps in the run's config
+                cfg.max_steps = outputs.recorded_max_steps(out)
             before = outputs.recorded_max_steps(out)
             if before != cfg.max_steps and (cfg.lr_schedule != "constant" or cfg.gate.temperature_final is not None):
                 log.warning(
@@ -200,22 +193,13 @@ class Trainer:
         params = [p for p in self.module.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if id(p) not in gate_ids], "lr": cfg.lr, "base_lr": cfg.lr, "name": "policy"},
-            {
-                "params": [p for p in params if id(p) in gate_ids],
-                "lr": cfg.gate.lr,
-                "base_lr": cfg.gate.lr,
-                "name": "gate",
-            },
+            {"params": [p for p in params if id(p) in gate_ids], "lr": cfg.gate.lr, "base_lr": cfg.gate.lr, "name": "gate"},
         ]
         groups = [g for g in groups if g["params"]]
         counts = {g["name"]: sum(p.numel() for p in g["params"]) for g in groups}
         total = sum(p.numel() for p in self.module.parameters())
-        log.info(
-            "trainable parameters: %s of %s (%s)",
-            f"{sum(counts.values()):,}",
-            f"{total:,}",
-            ", ".join(f"{k} {v:,}" for k, v in counts.items()),
-        )
+        log.info("trainable parameters: %s of %s (%s)", f"{sum(counts.values()):,}", f"{total:,}",
+                 ", ".join(f"{k} {v:,}" for k, v in counts.items()))  # fmt: skip
         return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
@@ -310,7 +294,10 @@ class Trainer:
         bar = tqdm(
             total=cfg.max_steps, initial=self.start_step, desc="fine-tuning", unit="step", disable=not env.is_main
         )
-        for step in range(self.start_step, cfg.max_steps):
+        budget = TimeBudget(cfg.time_budget) if cfg.time_budget is not None and not cfg.resume else None
+        for step in itertools.count(self.start_step):
+            if step >= cfg.max_steps:
+                break
             factor = lr_factor(step, schedule=cfg.lr_schedule, warmup=cfg.warmup_steps, max_steps=cfg.max_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = group["base_lr"] * factor
@@ -328,6 +315,8 @@ class Trainer:
             interval_steps += 1
             bar.update(1)
             done = step + 1
+            if budget is not None and (fitted := budget.after_step(done, cfg.max_steps)) is not None:
+                self._fit_budget(fitted, bar)
             if done % cfg.log_every == 0 or done == cfg.max_steps:
                 elapsed, cpu = time.perf_counter() - interval_start, time.process_time() - interval_cpu
                 total_time, total_steps = total_time + elapsed, total_steps + interval_steps
@@ -352,6 +341,19 @@ class Trainer:
             self.save()
         self._barrier()
         return self.out
+
+    def _fit_budget(self, fitted: int, bar: tqdm) -> None:
+        """``--time-budget``: the run ends at ``fitted`` (the same step on every rank), recorded for ``--resume``."""
+        if self.env.world > 1:
+            agreed = torch.tensor([fitted], dtype=torch.long, device=self._reduce_device())
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            fitted = int(agreed.item())
+        log.info("time budget %.1f min: %d steps fit (max_steps %d -> %d)", self.cfg.time_budget, fitted, self.cfg.max_steps, fitted)
+        self.cfg.max_steps = fitted
+        bar.total = fitted
+        bar.refresh()
+        if self.env.is_main:
+            outputs.write_run_config(self.out, self.cfg)
 
     def _report(self, bar: tqdm, r: dict) -> None:
         gate = self.gate is not None

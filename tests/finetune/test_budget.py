@@ -1,0 +1,51 @@
+"""``--time-budget``: the run's length fitted to a wall-clock budget from the rate of its first steps."""
+
+import json
+
+import pytest
+import yaml
+
+from vla_finetune import outputs
+from vla_finetune.schedule import TimeBudget
+from vla_finetune.trainer import Trainer
+
+from .conftest import make_config
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_steps_are_fitted_once_from_the_measured_rate():
+    clock = Clock()
+    budget = TimeBudget(1.0, skip=2, measure=10, margin=1.0, clock=clock)  # 60 s
+    fitted = []
+    for done in range(1, 40):
+        clock.now += 3.0 if done == 1 else 0.5  # a slow first step (start-up), then 2 steps/s
+        fitted.append(budget.after_step(done, max_steps=10_000))
+    # timed from step 2 to step 12: 10 steps in 5 s; 8.5 s gone, 51.5 s left -> 103 more steps
+    assert fitted[:11] == [None] * 11 and fitted[11] == 12 + 103 and set(fitted[12:]) == {None}
+    capped = TimeBudget(1.0, clock=Clock())
+    assert [capped.after_step(d, max_steps=20) for d in range(1, 13)][-1] == 20  # max_steps stays an upper bound
+    late = TimeBudget(0.001, skip=1, measure=1, clock=(c := Clock()))
+    c.now = 5.0
+    assert late.after_step(6, max_steps=100) is None
+    c.now = 6.0
+    assert late.after_step(7, max_steps=100) == 7  # the budget is spent already: stop here
+    with pytest.raises(ValueError, match="the time budget must be > 0 minutes, got 0"):
+        TimeBudget(0)
+
+
+def test_a_budgeted_run_ends_where_the_budget_says_and_records_it(tiny_ckpt, tiny_dataset, tmp_path):
+    out = tmp_path / "budget"
+    run = {"max_steps": 500, "log_every": 1, "lr_schedule": "cosine", "lora": {"rank": 4}, "time_budget": 0.03}
+    Trainer(make_config(tiny_ckpt, tiny_dataset, out, **run)).train()
+    recorded = yaml.safe_load((out / outputs.RUN_CONFIG).read_text())["max_steps"]
+    log = [json.loads(line) for line in (out / outputs.LOG).read_text().splitlines()]
+    assert 12 <= recorded < 500 and log[-1]["step"] == recorded  # fitted after 2 + 10 timed steps
+    assert log[-1]["lr"] < 0.05 * max(r["lr"] for r in log)  # the cosine schedule ended at the fitted step
+    assert json.loads((out / "checkpoints" / "last" / "state.json").read_text())["step"] == recorded
