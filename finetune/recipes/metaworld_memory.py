@@ -21,7 +21,7 @@ wall times in ``OUT/recipe.json``):
         --llm-dim 64 --llm-layers 1 --max-steps 2 --eval-episodes 1 --eval-max-steps 4 --eval-workers 1   # smoke
 
 The history training (all rounds) and the single-frame one each fit <= 1 hour on 2 CPU cores at the defaults (whole-episode training runs at
-~2,900 tokens per CPU-second on one thread, demo geometry: ``benchmarks/bench_episode_training.py``).
+~3,900 tokens per CPU-second on one thread since the gate's LSTM runs fused (2,900 before), demo geometry: ``benchmarks/bench_episode_training.py``).
 """
 
 from __future__ import annotations
