@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tune", type=tune_rounds, default=tune_rounds("300:5e-4,400:3e-4"), metavar="STEPS:LR,...",
                    help="history model: rounds continued from the previous one with --change-weight (default 300:5e-4,400:3e-4)")
     p.add_argument("--change-weight", type=float, default=5.0, help="loss weight of changing action tokens in the --tune rounds (default 5)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="MIN",
+                   help="minutes per training stage: steps fitted to the measured rate, --max-steps and the --tune "
+                        "steps become upper bounds (a GPU for a fixed lease)")
     p.add_argument("--batch-size", type=int, default=4, help="whole episodes per step (default 4)")
     p.add_argument("--single-batch-size", type=int, default=64, help="single-frame samples per step (default 64)")
     p.add_argument("--eval-episodes", type=int, default=30, help="evaluation episodes per task and condition; 0 = skip")
@@ -115,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
               "--dataset-name", "metaworld_memory", "--max-steps", str(args.max_steps), "--lr", str(args.lr),
               "--lr-schedule", "cosine", "--warmup-steps", str(max(args.max_steps // 20, 1)), "--threads", str(args.threads),
               "--save-dtype", "bfloat16", "--seed", str(args.seed), "--cache-dir", str(args.out / "frame-cache")]  # fmt: skip
+    if args.time_budget is not None:
+        common += ["--time-budget", str(args.time_budget)]
     flags = {
         "history": ["--history", "history", "--kv", "chunked", "--window", "0", "--chunk", str(CHUNK),
                     "--max-chunks", str(args.max_chunks), "--gate-budget", "hard", "--retention-weight", "0",
