@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from vla_runtime.api import ActionPrefix, ActionQueue, Observation, load_policy
+from vla_runtime.api import ActionPrefix, ActionQueue, BatchInputError, Observation, load_policy
 from vla_runtime.config import SessionConfig
 from vla_runtime.kv import FullCache, FullParams, KVConfig, KVMode
 from vla_runtime.models.action_postprocess import postprocess_actions
@@ -154,3 +154,43 @@ def test_rtc_prefix_fixes_the_frozen_rows_and_bends_the_rest(policy, frame):
     np.testing.assert_allclose(guided[1:3], queued[:2], atol=1e-4)  # frozen rows: the queued actions
     assert not np.allclose(guided[1:3], free[1:3], atol=1e-3)
     assert not np.allclose(guided[3:7, :6], free[3:7, :6], atol=1e-3)  # decaying weights: pulled, not replaced
+
+
+@pytest.mark.parametrize(("history", "kv"), [("history", "full"), ("history", "chunked"), ("single", "full")])
+def test_step_batch_equals_steps_alone(policy, frame, history, kv):
+    prompts = [INSTRUCTION, "open the drawer", "pick up the red block and put it in the bowl"]
+    config = [SessionConfig(history=history, kv=KVConfig(mode=kv), seed=i) for i in range(len(prompts))]
+    alone = [policy.new_session(p, c) for p, c in zip(prompts, config)]
+    batched = [policy.new_session(p, c) for p, c in zip(prompts, config)]
+    assert policy.batched_steps
+    for t in range(4):
+        frames = [obs(frame(10 * i + t)) for i in range(len(prompts))]
+        expected = [s.step(o) for s, o in zip(alone, frames)]
+        rows = range(len(prompts)) if t != 1 else [0, 2]  # at t = 1 row 1 steps alone: the caches' lengths differ
+        for i in set(range(len(prompts))) - set(rows):
+            batched[i].step(frames[i])
+        results = policy.step_batch([batched[i] for i in rows], [frames[i] for i in rows])
+        for i, result in zip(rows, results):
+            np.testing.assert_allclose(result.actions, expected[i].actions, atol=1e-5)
+            assert result.kv == expected[i].kv and set(result.timings) == {"vision", "prefill", "denoise", "total"}
+    assert not np.allclose(expected[0].actions, expected[1].actions)  # the rows really differ
+
+
+def test_step_batch_refuses_a_bad_observation_before_changing_anything(policy, frame):
+    sessions = [policy.new_session(INSTRUCTION, SessionConfig(history="history")) for _ in range(2)]
+    with pytest.raises(BatchInputError) as e:
+        policy.step_batch(sessions, [obs(frame(0)), Observation(images={"wrist": frame(1)})])
+    assert e.value.index == 1 and "no 'primary' image" in str(e.value)
+    assert all(s.cache.stats().tokens_seen == 0 for s in sessions)
+
+
+def test_step_batch_samples_a_row_with_an_rtc_prefix_on_its_own_as_alone(policy, frame):
+    queued = policy.new_session(INSTRUCTION, SessionConfig(seed=9)).step(obs(frame(5))).actions[:4]
+    guided = Observation(images={"primary": frame(0)}, prefix=ActionPrefix(actions=queued, frozen=2))
+    alone = [policy.new_session(INSTRUCTION, SessionConfig(seed=i)) for i in range(2)]
+    expected = [alone[0].step(guided), alone[1].step(obs(frame(1)))]
+    batched = [policy.new_session(INSTRUCTION, SessionConfig(seed=i)) for i in range(2)]
+    results = policy.step_batch(batched, [guided, obs(frame(1))])
+    for result, want in zip(results, expected):
+        np.testing.assert_allclose(result.actions, want.actions, atol=1e-5)
+    np.testing.assert_allclose(results[0].actions[:2], queued[:2], atol=1e-4)

@@ -25,7 +25,7 @@ from ..models.cogact.modeling_cogact import ActionModel, CogACT
 from ..models.cogact.processing_cogact import AdaptiveEnsembler, cognition_suffix
 from ..models.diffusion import DiffusionConfig, Inpaint, rtc_weights
 from ..models.openvla.prompt_openvla import PromptIds
-from .base import ActionPrefix, Observation, Policy
+from .base import ActionPrefix, Observation, Policy, StepResult
 from .gates import trained_gate
 from .prismatic_session import PrismaticPolicy, PrismaticSession
 
@@ -63,10 +63,14 @@ class CogACTSession(PrismaticSession):
         )  # [1, chunk, A]
         synchronize(policy.device)
         timings["denoise"] = (time.perf_counter() - start) * 1e3
-        chunk = postprocess_actions(normalized[0].float().cpu().numpy(), self.action_stats)  # [chunk, A]
+        return self.finish(normalized[0])
+
+    def finish(self, normalized: torch.Tensor) -> np.ndarray:
+        """One sampled chunk [chunk, A] (normalised) -> robot units: the chunk, or the ensemble's action [1, A]."""
+        chunk = postprocess_actions(normalized.float().cpu().numpy(), self.action_stats)  # [chunk, A]
         if self.ensembler is None:
             return chunk
-        return self.ensembler(chunk)[None]  # [1, A]
+        return self.ensembler(chunk)[None]
 
 
     def _inpaint(self, prefix: ActionPrefix) -> Inpaint | None:
@@ -92,9 +96,16 @@ class CogACTPolicy(PrismaticPolicy, Policy):
     config: CogACTConfig
     model: CogACT
 
+    batched_steps = True
+
     @property
     def action_dim(self) -> int:
         return self.config.action_model.action_dim
+
+    def step_batch(self, sessions: list[CogACTSession], observations: list[Observation]) -> list[StepResult]:
+        from .cogact_batching import step_batch
+
+        return step_batch(self, sessions, observations)
 
     @property
     def chunk_size(self) -> int:

@@ -193,29 +193,25 @@ class PrismaticSession(EpisodeSession):
 
     # ---- one control step ------------------------------------------------------------------------
 
-    def _image_tokens(self, obs: Observation) -> torch.Tensor:
-        """The primary camera's image tokens [1, N, dim]."""
+    def pixels(self, obs: Observation) -> torch.Tensor:
+        """The primary camera's pixel values [1, C, S, S] (``ValueError`` for a missing or bad image; nothing of
+        the episode changes)."""
         policy = self.policy
         if PRIMARY_CAMERA not in obs.images:
             raise ValueError(f"observation has no {PRIMARY_CAMERA!r} image; cameras given: {sorted(obs.images)}")
         image = obs.images[PRIMARY_CAMERA]
         if self.config.center_crop:
             image = center_crop(image, size=policy.image_processor.size)
-        pixels = policy.image_processor(image)[None].to(policy.device, policy.dtype)  # [1, C, S, S]
-        return policy.vlm.embed_image(pixels)
+        return policy.image_processor(image)[None].to(policy.device, policy.dtype)
 
     def _proprio_tokens(self, obs: Observation) -> list[torch.Tensor]:
         """[1, 1, dim] per proprio segment (none by default)."""
         return []
 
-    @torch.inference_mode()
-    def step(self, obs: Observation) -> StepResult:
+    def context(self, image_tokens: torch.Tensor, proprio: list[torch.Tensor], timings: dict) -> torch.Tensor:
+        """The step's prefix embeddings [1, T, dim], not yet in the cache: history mode pins the prompt at the
+        episode's first step (one forward of its own), single mode starts from an empty cache."""
         policy = self.policy
-        start = time.perf_counter()
-        image_tokens = self._image_tokens(obs)
-        proprio = self._proprio_tokens(obs)
-        synchronize(policy.device)
-        timings = {"vision": (time.perf_counter() - start) * 1e3}
         if self.history and not self._pinned:
             t0 = time.perf_counter()
             prompt = policy.vlm.embed_forward(history_prompt(self.prompt), images=[])
@@ -224,7 +220,16 @@ class PrismaticSession(EpisodeSession):
             timings["prefill"] = (time.perf_counter() - t0) * 1e3
         elif not self.history:
             self.cache.reset()
-        embeds = policy.vlm.embed_forward(self.frame, images=[image_tokens], proprio=proprio)
-        actions = self._act(embeds, obs, timings)
+        return policy.vlm.embed_forward(self.frame, images=[image_tokens], proprio=proprio)
+
+    @torch.inference_mode()
+    def step(self, obs: Observation) -> StepResult:
+        policy = self.policy
+        start = time.perf_counter()
+        image_tokens = policy.vlm.embed_image(self.pixels(obs))  # [1, N, dim]
+        proprio = self._proprio_tokens(obs)
+        synchronize(policy.device)
+        timings = {"vision": (time.perf_counter() - start) * 1e3}
+        actions = self._act(self.context(image_tokens, proprio, timings), obs, timings)
         timings["total"] = (time.perf_counter() - start) * 1e3
         return StepResult(actions=actions, timings=timings, kv=self.cache.stats())

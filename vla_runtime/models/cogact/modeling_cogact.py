@@ -177,20 +177,26 @@ class ActionModel(nn.Module):
             drop = u < self.net.z_embedder.dropout
         return self.diffusion.training_loss(lambda x, t: self.net(x, t, cognition, drop=drop), actions, generator=generator)
 
+    def draw_noise(self, batch: int, generator: torch.Generator | None) -> torch.Tensor:
+        """The sampler's starting noise [batch, chunk, action_dim], float32, drawn on the CPU (the same on every device)."""
+        return torch.randn((batch, self.cfg.chunk, self.cfg.action_dim), generator=generator, dtype=torch.float32)
+
     @torch.no_grad()
     def sample(
         self, cognition: torch.Tensor, *, cfg_scale: float = 1.5, generator: torch.Generator | None = None,
-        inpaint: Inpaint | None = None,
+        inpaint: Inpaint | None = None, noise: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """DDIM (eta = 0) from N(0, I) noise drawn with ``generator`` (a CPU generator); CFG when ``cfg_scale > 1``;
+        """DDIM (eta = 0) from N(0, I) noise drawn with ``generator`` (a CPU generator; or the given ``noise``
+        [B, chunk, action_dim], e.g. rows drawn by several sessions' generators); CFG when ``cfg_scale > 1``;
         ``inpaint``: the chunk's first rows guided to known actions (``GaussianDiffusion.ddim_sample``).
 
         cognition: [B, 1, token_size] (cast to the DiT's dtype). Returns normalised actions [B, chunk, action_dim].
         """
         dtype = self.net.x_embedder.linear.weight.dtype
         z = cognition.to(dtype)
-        shape = (z.shape[0], self.cfg.chunk, self.cfg.action_dim)
-        noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(z.device, dtype)  # CPU draw: same on every device
+        if noise is None:
+            noise = self.draw_noise(z.shape[0], generator)
+        noise = noise.to(z.device, dtype)
         if cfg_scale > 1.0:
             return self.diffusion.ddim_sample(lambda x, t: self.net.forward_with_cfg(x, t, z, cfg_scale), noise, inpaint=inpaint)
         return self.diffusion.ddim_sample(lambda x, t: self.net(x, t, z), noise, inpaint=inpaint)
