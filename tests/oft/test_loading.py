@@ -9,6 +9,7 @@ import torch
 from vla_runtime.api import Observation, detect_family, load_policy
 from vla_runtime.checkpoints.openvla_oft import load_openvla_oft
 from vla_runtime.config import SessionConfig
+from vla_runtime.kv import KVConfig
 
 HEAD = "action_head--150000_checkpoint.pt"
 
@@ -97,8 +98,9 @@ def test_platform_choice(oft_libero, oft_no_proprio, caplog):
 
 def test_session_errors(oft_libero, frame):
     policy = load_policy(oft_libero, device="cpu")
-    with pytest.raises(ValueError, match="history='history' .*not supported yet"):
-        policy.new_session("go", SessionConfig(history="history"))
+    small = policy.new_session("go", SessionConfig(history="history", kv=KVConfig.of("full", capacity=40)))
+    with pytest.raises(ValueError, match="FullCache is full: .* > capacity 40"):  # history mode: the cache's limits
+        small.step(Observation(images={"primary": frame(0)}, state=np.zeros(8)))
     session = policy.new_session("go")
     with pytest.raises(ValueError, match=r"needs `state` \[8\], got None"):
         session.step(Observation(images={"primary": frame(0)}))
