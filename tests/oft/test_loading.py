@@ -112,3 +112,13 @@ def test_session_errors(oft_libero, frame):
         load_policy(oft_libero, device="meta", cameras=("primary", "primary"))
     with pytest.raises(ValueError, match="`num_images` must be 1, 2 or 3"):
         load_policy(oft_libero, device="meta", cameras=("primary", "a", "b", "c"))
+
+
+def test_adapter_errors_name_the_directory(oft_libero, oft_no_proprio, tmp_path):
+    with pytest.raises(FileNotFoundError, match="adapter directory .*nope does not exist"):
+        load_policy(oft_libero, device="meta", adapter=tmp_path / "nope")
+    with pytest.raises(ValueError, match="is not an OFT fine-tuning output: it has none of adapter_config.json"):
+        load_policy(oft_libero, device="meta", adapter=tmp_path)
+    shutil.copy(next(oft_libero.glob("proprio_projector--*")), tmp_path / "proprio_projector--10_checkpoint.pt")
+    with pytest.raises(ValueError, match="is a proprio projector, but .* was trained without one"):
+        load_policy(oft_no_proprio, device="meta", adapter=tmp_path)

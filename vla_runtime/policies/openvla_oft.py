@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoints.openvla_oft import OFTCheckpoint, load_openvla_oft
+from ..checkpoints.openvla_oft import OFTCheckpoint, apply_oft_adapter, load_openvla_oft
 from ..config import HistoryMode, SessionConfig
 from ..device import resolve_device, resolve_dtype, synchronize
 from ..kv import KVConfig, make_cache
@@ -265,10 +265,9 @@ def load_openvla_oft_policy(
     platform: ``libero``/``bridge``/``aloha`` (chunk 8/5/25; default: matched by the components' sizes).
     cameras: the ``Observation.images`` keys fed as the model's images, third-person first (1 to 3).
     kv: the history-mode sessions' default cache (single mode holds none); a trained ``ChunkGate``
-    (``gates.safetensors`` + ``kv_config.json``) beside the checkpoint is loaded. ``adapter`` is not supported.
+    (``gates.safetensors`` + ``kv_config.json``) beside the checkpoint is loaded. adapter: a ``vla_finetune``
+    OFT output directory (``apply_oft_adapter``: LoRA merged, its action head / proprio projector and statistics).
     """
-    if adapter is not None:
-        raise ValueError(f"adapter {adapter}: OpenVLA-OFT checkpoints load with their components only (adapter=None)")
     if isinstance(platform, str):
         try:
             platform = OFTPlatform(platform)
@@ -278,5 +277,7 @@ def load_openvla_oft_policy(
     dt = resolve_dtype(dtype, dev)
     cameras = tuple(cameras)
     checkpoint = load_openvla_oft(path, device=dev, dtype=dt, platform=platform, num_images=len(cameras))
+    if adapter is not None:
+        apply_oft_adapter(checkpoint, Path(adapter), device=dev, dtype=dt)
     gate, kv = trained_gate(path, dev, kv)
     return OpenVLAOFTPolicy(checkpoint, device=dev, dtype=dt, unnorm_key=unnorm_key, cameras=cameras, kv=kv, kv_gate=gate)
