@@ -5,6 +5,9 @@ them (``BoundsStats``, the platform's ``NormalizationType``; masked dimensions, 
 through). A chunk running past the end of its task segment repeats the segment's last action. Proprio is
 normalised the same way and clipped.
 
+History mode (``window`` = S steps): a sample is S consecutive steps of one task segment (every ``stride``
+steps, plus one ending at the segment's last step, as OpenVLA's windows), each with its own chunk target.
+
 Micro-batches hold samples of one task (one prompt, so one token layout per forward); an epoch shuffles the
 samples of every task, cuts them into ``batch_size`` micro-batches and shuffles those; everything random
 derives from (seed, epoch, index).
@@ -20,19 +23,21 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from vla_runtime.config import HistoryMode
 from vla_runtime.data import LeRobotDataset
 from vla_runtime.models.openvla.processing_openvla import crop_resize
 from vla_runtime.models.openvla_oft.normalization_oft import BoundsStats
 
 from .config import FinetuneConfig
-from .data import CROP_AREA, check_features, task_segments
+from .data import CROP_AREA, check_features, task_segments, window_starts
 from .frames import DecodedDataset, cached_dataset
 from .statistics import dataset_statistics, default_action_mask
 
 
 @dataclass(frozen=True)
 class Sample:
-    """Frame ``frame`` (a flat index into the decoded dataset) of task segment ``segment``."""
+    """Frame ``frame`` (a flat index into the decoded dataset; history mode: the window's first) of task
+    segment ``segment``."""
 
     segment: int
     frame: int
@@ -47,8 +52,13 @@ def chunk_rows(first: int, length: int, t: int, chunk: int) -> np.ndarray:
 class OFTTrainingData:
     """Decoded frames, normalised action chunks and proprio, samples grouped by task."""
 
-    def __init__(self, decoded: DecodedDataset, *, policy, dataset_name: str, action_mask: list[bool], image_aug: bool) -> None:
+    def __init__(
+        self, decoded: DecodedDataset, *, policy, dataset_name: str, action_mask: list[bool], image_aug: bool,
+        window: int | None = None, stride: int = 1,
+    ) -> None:  # fmt: skip
+        """window: history mode's steps per sample (``None`` = single frame); stride: between window starts."""
         cfg = policy.config
+        self.window = window
         self.decoded = decoded
         self.processor = policy.image_processor
         self.image_aug = image_aug
@@ -66,7 +76,14 @@ class OFTTrainingData:
         self.segments = task_segments(decoded)
         tasks = sorted({task for _, _, task in self.segments})
         self.prompts = {task: policy.tokenizer.prompt(task) for task in tasks}
-        self.samples = [Sample(i, first + t) for i, (first, length, _) in enumerate(self.segments) for t in range(length)]
+        if window is None:
+            self.samples = [Sample(i, first + t) for i, (first, length, _) in enumerate(self.segments) for t in range(length)]
+        else:
+            self.samples = [Sample(i, first + t) for i, (first, length, _) in enumerate(self.segments)
+                            for t in window_starts(length, window, stride)]  # fmt: skip
+            if not self.samples:
+                longest = max(length for _, length, _ in self.segments)
+                raise ValueError(f"the history window ({window} steps) is longer than every episode (longest: {longest}); lower `data.window`")
         self.buckets: dict[str, list[int]] = {}
         for i, s in enumerate(self.samples):
             self.buckets.setdefault(self.segments[s.segment][2], []).append(i)
@@ -78,31 +95,42 @@ class OFTTrainingData:
         camera = check_features(ds, camera=cfg.data.camera, action_dim=policy.action_dim, proprio_dim=policy.config.proprio_dim)
         decoded = cached_dataset(ds, camera, cache_dir, build=True, progress=progress)
         mask = cfg.data.action_mask if cfg.data.action_mask is not None else default_action_mask(decoded.actions.shape[1])
+        history = cfg.history is HistoryMode.HISTORY
         return cls(
             decoded, policy=policy, dataset_name=cfg.data.dataset_name or Path(cfg.dataset).resolve().name, action_mask=mask,
-            image_aug=cfg.data.image_aug,
+            image_aug=cfg.data.image_aug, window=cfg.data.window if history else None, stride=cfg.data.stride,
         )  # fmt: skip
 
     def targets(self, sample: Sample) -> np.ndarray:
-        """The sample's normalised chunk [chunk_size, action_dim]."""
+        """The sample's normalised chunk [chunk_size, action_dim] (history mode: [S, chunk_size, action_dim])."""
         first, length, _ = self.segments[sample.segment]
-        return self.actions[chunk_rows(first, length, sample.frame - first, self.chunk_size)]
+        t = sample.frame - first
+        if self.window is None:
+            return self.actions[chunk_rows(first, length, t, self.chunk_size)]
+        return np.stack([self.actions[chunk_rows(first, length, t + i, self.chunk_size)] for i in range(self.window)])
+
+    def frames_of(self, sample: Sample) -> list[int]:
+        """The sample's frame indices: [1] single frame, [S] history mode."""
+        return [sample.frame] if self.window is None else list(range(sample.frame, sample.frame + self.window))
 
     def batch(self, indices: list[int], rng: np.random.Generator) -> dict:
-        """Samples of one task -> ``pixels`` [B, C, S, S], ``targets`` [B, K, A], ``proprio`` [B, P] (if any) and
-        the ``task``."""
+        """Samples of one task -> ``pixels`` [B, C, H, W], ``targets`` [B, K, A], ``proprio`` [B, P] (if any) and
+        the ``task``; history mode: ``pixels`` [B, S, C, H, W], ``targets`` [B, S, K, A], ``proprio`` [B, S, P]."""
         samples = [self.samples[i] for i in indices]
-        frames = self.decoded.frames[[s.frame for s in samples]]
+        rows = [f for s in samples for f in self.frames_of(s)]
+        frames = self.decoded.frames[rows]
         if self.image_aug:
             size = self.processor.size
             frames = np.stack([crop_resize(f, size=size, area=CROP_AREA, at=tuple(rng.random(2))) for f in frames])
+        pixels = self.processor.batch(frames)  # [B * S, C, H, W]
+        shape = (len(samples),) if self.window is None else (len(samples), self.window)
         out = {
             "task": self.segments[samples[0].segment][2],
-            "pixels": self.processor.batch(frames),
+            "pixels": pixels.view(*shape, *pixels.shape[1:]),
             "targets": torch.from_numpy(np.stack([self.targets(s) for s in samples])),
         }
         if self.proprio is not None:
-            out["proprio"] = torch.from_numpy(self.proprio[[s.frame for s in samples]])
+            out["proprio"] = torch.from_numpy(self.proprio[rows]).view(*shape, -1)
         return out
 
 

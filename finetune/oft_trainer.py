@@ -1,5 +1,5 @@
 """``OFTTrainer``: OpenVLA-OFT's L1-regression recipe (moojink/openvla-oft ``vla-scripts/finetune.py``) on a
-LeRobot dataset, single-frame.
+LeRobot dataset, single frame or in the runtime's history mode with the full cache (``oft_history``).
 
 What trains: LoRA on the OpenVLA backbone's linear layers (``cfg.lora``; ``lm_head`` left out, the parallel
 forward never runs it) + the whole ``L1RegressionActionHead`` + the proprio projector (when the model has
@@ -10,8 +10,10 @@ bidirectional forward per micro-batch, exactly the forward the runtime runs (``O
 ``proprio_projector--{steps}_checkpoint.pt`` in upstream's format (``module.``-prefixed keys) and
 ``dataset_statistics.json``; ``load_policy(CKPT, adapter=RUN)`` loads them back.
 
-Not yet: history mode (and so the chunked cache's gate), several processes, ``--resume``, ``merge``,
-``trainable`` other than ``lora``.
+``session_config.json`` records the history mode and cache the model was trained for (the loader's default).
+
+Not yet: the chunked cache's gate (history mode trains with ``kv.mode: full``), several processes,
+``--resume``, ``merge``, ``trainable`` other than ``lora``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from torch.utils.data import DataLoader
 
 from vla_runtime.api import load_policy
 from vla_runtime.checkpoints.openvla_oft import DDP_PREFIX
-from vla_runtime.config import HistoryMode
+from vla_runtime.config import HistoryMode, SessionConfig
+from vla_runtime.kv import KVConfig, KVMode
 from vla_runtime.models.openvla_oft.configuration_oft import ACTION_HEAD, PROPRIO_PROJECTOR
 from vla_runtime.models.openvla_oft.modeling_oft import OpenVLAOFT
 
@@ -36,6 +39,7 @@ from . import outputs
 from .config import FinetuneConfig
 from .lora import apply_lora, resolve_targets
 from .oft_data import OFTMicroBatches, OFTTrainingData
+from .oft_history import HistoryLayout, PositionedMaskedForm
 from .trainer import lr_factor
 
 log = logging.getLogger(__name__)
@@ -44,31 +48,55 @@ UNUSED_BY_OFT = ("language_model.lm_head",)  # the parallel forward reads hidden
 
 
 class OFTTrainModule(nn.Module):
-    """``oft`` (the ``OpenVLAOFT``, LoRA injected into ``oft.vla``); ``forward`` returns the L1 loss."""
+    """``oft`` (the ``OpenVLAOFT``, LoRA injected into ``oft.vla``); ``forward`` returns the L1 loss.
+    ``history``: batches are windows of steps (``oft_history``), else single frames."""
 
-    def __init__(self, oft: OpenVLAOFT, prompts: dict) -> None:
+    def __init__(self, oft: OpenVLAOFT, prompts: dict, *, history: bool = False) -> None:
         super().__init__()
         self.oft = oft
         self.prompts = prompts
+        self.history = history
 
     def predict(self, batch: dict) -> torch.Tensor:
-        """``pixels`` [B, C, S, S] (+ ``proprio`` [B, P]) of one ``task`` -> normalised chunks [B, K, A] (float32)."""
+        """``pixels`` [B, C, H, W] (+ ``proprio`` [B, P]) of one ``task`` -> normalised chunks [B, K, A] (float32);
+        history mode: ``pixels`` [B, S, C, H, W] (+ ``proprio`` [B, S, P]) -> [B, S, K, A]."""
+        if self.history:
+            return self.predict_history(batch)
         oft = self.oft
         image_tokens = oft.embed_images([batch["pixels"]])
         proprio = oft.embed_proprio(batch["proprio"]) if "proprio" in batch else None
         embeds, start = oft.sequence(self.prompts[batch["task"]], image_tokens, proprio)
         return oft.action_head(oft.action_hidden(embeds, start)).float()
 
+    def predict_history(self, batch: dict) -> torch.Tensor:
+        """Windows of S steps in one forward (``HistoryLayout``) -> normalised chunks [B, S, K, A] (float32)."""
+        oft, prompt = self.oft, self.prompts[batch["task"]]
+        b, s = batch["pixels"].shape[:2]
+        image = oft.embed_images([batch["pixels"].flatten(0, 1)])  # [B * S, N, dim]
+        proprio = oft.embed_proprio(batch["proprio"].flatten(0, 1)) if "proprio" in batch else None  # [B * S, 1, dim]
+        obs = oft.observation(image, proprio)
+        obs = obs.view(b, s, *obs.shape[1:])  # [B, S, O, dim]
+        head = oft.history_prompt(prompt, b)  # [B, P, dim]
+        query, first = oft.query_block(prompt, b)  # [B, Q, dim]
+        x = torch.cat([head, *(t for i in range(s) for t in (obs[:, i], query))], dim=1)  # [B, N, dim]
+        layout = HistoryLayout(head.shape[1], obs.shape[2], query.shape[1], s, first, oft.cfg.action_tokens)
+        decoder = oft.vla.language_model.model
+        form = PositionedMaskedForm(decoder.cfg.rope, layout.positions().to(x.device), layout.mask().to(x.device))
+        hidden = decoder(inputs_embeds=x, cache=form)[:, layout.head_rows().to(x.device)]  # [B, S, K * A, dim]
+        return oft.action_head(hidden.flatten(0, 1)).view(b, s, oft.cfg.chunk_size, oft.cfg.action_dim).float()
+
     def forward(self, batch: dict) -> torch.Tensor:
-        """The mean L1 loss over the micro-batch's chunks (``targets`` [B, K, A])."""
+        """The mean L1 loss over the micro-batch's chunks (``targets`` [B, K, A] or [B, S, K, A])."""
         return F.l1_loss(self.predict(batch), batch["targets"].float())
 
 
 def check_oft_config(cfg: FinetuneConfig, world: int) -> None:
     """``ValueError`` naming each setting the OFT recipe does not support yet."""
     problems = []
-    if cfg.history is not HistoryMode.SINGLE:
-        problems.append(f"history {cfg.history.value!r} (use history: single; history-mode training is not implemented for OFT)")
+    if cfg.history is HistoryMode.HISTORY and cfg.kv.mode is not KVMode.FULL:
+        problems.append(f"kv.mode {cfg.kv.mode.value!r} in history mode (the gate is not trained for OFT yet: kv.mode full, or history: single)")
+    if cfg.history is HistoryMode.HISTORY and cfg.data.window == 0:
+        problems.append("data.window 0 (whole episodes; give a window of steps)")
     if cfg.trainable != "lora":
         problems.append(f"trainable {cfg.trainable!r} (OFT trains LoRA + the action head + the proprio projector: trainable: lora)")
     if world > 1:
@@ -103,7 +131,8 @@ class OFTTrainer:
         for module in (oft.action_head, oft.proprio_projector):
             if module is not None:
                 module.requires_grad_(True)
-        self.module = OFTTrainModule(oft, self.data.prompts).to(self.device).train()
+        self.history = cfg.history is HistoryMode.HISTORY
+        self.module = OFTTrainModule(oft, self.data.prompts, history=self.history).to(self.device).train()
         params = [p for p in self.module.parameters() if p.requires_grad]
         log.info("trainable parameters: %s of %s", f"{sum(p.numel() for p in params):,}", f"{sum(p.numel() for p in self.module.parameters()):,}")
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
@@ -151,4 +180,6 @@ class OFTTrainer:
                 state = {DDP_PREFIX + k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
                 torch.save(state, out / f"{name}--{steps}_checkpoint.pt")
         outputs.write_json(out / outputs.STATISTICS, self.data.statistics)
+        kv = self.cfg.kv if self.history else KVConfig()
+        outputs.write_json(out / outputs.SESSION_CONFIG, SessionConfig(kv=kv, history=self.cfg.history, center_crop=self.cfg.data.image_aug))
         log.info("wrote %s", out)

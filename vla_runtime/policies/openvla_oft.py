@@ -24,16 +24,18 @@ import numpy as np
 import torch
 
 from ..checkpoints.openvla_oft import OFTCheckpoint, apply_oft_adapter, load_openvla_oft
-from ..config import HistoryMode, SessionConfig
+from ..config import HistoryMode, SessionConfig, from_dict
 from ..device import resolve_device, resolve_dtype, synchronize
 from ..kv import KVConfig, make_cache
 from ..kv.base import KVStats
 from ..kv.geometry import CacheGeometry
+from ..models.openvla.configuration_openvla import read_json
 from ..models.openvla.processing_openvla import center_crop, resolve_unnorm_key
 from ..models.openvla_oft.configuration_oft import OFTConfig, OFTPlatform
 from ..models.openvla_oft.normalization_oft import BoundsStats
 from .base import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_image, validate_instruction
 from .gates import GateOwner, trained_gate
+from .openvla import SESSION_CONFIG
 
 
 class OpenVLAOFTPolicy(GateOwner, Policy):
@@ -46,6 +48,8 @@ class OpenVLAOFTPolicy(GateOwner, Policy):
             then wrist cameras); as many as the model was trained with (``num_images_in_input``).
         kv: default cache of history-mode sessions (single mode holds none).
         kv_gate: the trained ``ChunkGate`` for a chunked ``KVConfig`` (``None`` = untrained default).
+        session: default ``SessionConfig`` of ``new_session(instruction)`` (its ``kv``/``unnorm_key`` replaced by
+            the arguments above); a fine-tuned model brings the one it was trained for.
     """
 
     name = "openvla-oft"
@@ -61,6 +65,7 @@ class OpenVLAOFTPolicy(GateOwner, Policy):
         cameras: tuple[str, ...] = (PRIMARY_CAMERA,),
         kv: KVConfig | None = None,
         kv_gate: torch.nn.Module | None = None,
+        session: SessionConfig | None = None,
     ) -> None:
         if len(set(cameras)) != len(cameras):
             raise ValueError(f"cameras {cameras} name a camera twice; each image the model takes needs its own camera")
@@ -75,6 +80,7 @@ class OpenVLAOFTPolicy(GateOwner, Policy):
         self.cameras = cameras
         self.kv = kv or KVConfig()
         self.kv_gate = kv_gate
+        self.session = session or SessionConfig()
         if unnorm_key is not None and self.norm_stats:
             resolve_unnorm_key(self.norm_stats, unnorm_key)  # fail at load, not at the first step
         self.unnorm_key = unnorm_key
@@ -97,7 +103,7 @@ class OpenVLAOFTPolicy(GateOwner, Policy):
 
     def new_session(self, instruction: str, config: SessionConfig | None = None) -> "OpenVLAOFTSession":
         validate_instruction(instruction)
-        config = config or SessionConfig(kv=self.kv, unnorm_key=self.unnorm_key)
+        config = config or replace(self.session, kv=self.kv, unnorm_key=self.unnorm_key)
         if config.unnorm_key is None and self.unnorm_key is not None:
             config = replace(config, unnorm_key=self.unnorm_key)
         return OpenVLAOFTSession(self, instruction, config)
@@ -264,7 +270,8 @@ def load_openvla_oft_policy(
 
     platform: ``libero``/``bridge``/``aloha`` (chunk 8/5/25; default: matched by the components' sizes).
     cameras: the ``Observation.images`` keys fed as the model's images, third-person first (1 to 3).
-    kv: the history-mode sessions' default cache (single mode holds none); a trained ``ChunkGate``
+    kv: the history-mode sessions' default cache (single mode holds none). ``session_config.json`` (in the
+    adapter, else the checkpoint) gives the default session a fine-tuned model was trained for; a trained ``ChunkGate``
     (``gates.safetensors`` + ``kv_config.json``) beside the checkpoint is loaded. adapter: a ``vla_finetune``
     OFT output directory (``apply_oft_adapter``: LoRA merged, its action head / proprio projector and statistics).
     """
@@ -277,7 +284,15 @@ def load_openvla_oft_policy(
     dt = resolve_dtype(dtype, dev)
     cameras = tuple(cameras)
     checkpoint = load_openvla_oft(path, device=dev, dtype=dt, platform=platform, num_images=len(cameras))
+    places = [Path(path)]  # where session_config.json is looked for, the adapter first
     if adapter is not None:
         apply_oft_adapter(checkpoint, Path(adapter), device=dev, dtype=dt)
+        places.insert(0, Path(adapter))
+    session_file = next((d / SESSION_CONFIG for d in places if (d / SESSION_CONFIG).is_file()), None)
+    session = from_dict(SessionConfig, read_json(session_file)) if session_file is not None else None
+    if session is not None:
+        kv, unnorm_key = kv or session.kv, unnorm_key or session.unnorm_key
     gate, kv = trained_gate(path, dev, kv)
-    return OpenVLAOFTPolicy(checkpoint, device=dev, dtype=dt, unnorm_key=unnorm_key, cameras=cameras, kv=kv, kv_gate=gate)
+    return OpenVLAOFTPolicy(
+        checkpoint, device=dev, dtype=dt, unnorm_key=unnorm_key, cameras=cameras, kv=kv, kv_gate=gate, session=session
+    )
