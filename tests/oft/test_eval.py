@@ -30,6 +30,14 @@ def test_eval_tiny_oft_end_to_end(tmp_path, capsys):
     # every step is one stand-alone forward of [BOS] + 256 image tokens + prompt + 8 x 7 action slots + </s>
     assert episode["kv_final"]["tokens_seen"] > 8 * 7
     assert (out / "videos" / "reach-v3.mp4").stat().st_size > 0
+    # history mode: one chunked cache for the episode, two chunks' observations kept, the query blocks not
+    hist = tmp_path / "eval-history"
+    assert main(common + ["--checkpoint", str(ckpt), "--execution-horizon", "4", "--history", "history", "--kv", "chunked",
+                          "--no-video", "--out", str(hist)]) == 0  # fmt: skip
+    (episode,) = json.loads((hist / "report.json").read_text())["episodes"]
+    assert episode["steps"] == 6 and episode["error"] is None
+    # tiny model: 16 image tokens per observation, no proprio; the prompt pinned once
+    assert episode["kv_final"]["tokens_seen"] == episode["kv_final"]["tokens_raw"] and 2 * 16 < episode["kv_final"]["tokens_seen"] < 2 * 16 + 40
 
     proprio = tmp_path / "tiny-oft-proprio"
     assert main(["make-tiny", "--family", "openvla-oft", str(proprio)]) == 0
