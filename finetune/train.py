@@ -18,8 +18,11 @@ import sys
 import torch
 import torch.distributed as dist
 
+from vla_runtime.api import detect_family
+
 from .args import add_arguments, config_from_args
 from .config import FinetuneConfig
+from .oft_trainer import OFTTrainer
 from .trainer import DistEnv, Trainer
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,14 @@ def dist_env_from_environ() -> DistEnv:
     )
 
 
+def make_trainer(cfg: FinetuneConfig, env: DistEnv) -> "Trainer | OFTTrainer":
+    """The trainer of the checkpoint's family: ``OFTTrainer`` for ``openvla-oft`` (L1 regression of action
+    chunks), else ``Trainer`` (OpenVLA's action tokens; it names the families it refuses)."""
+    if detect_family(cfg.checkpoint) == "openvla-oft":
+        return OFTTrainer(cfg, world=env.world)
+    return Trainer(cfg, env)
+
+
 def run_training(cfg: FinetuneConfig, env: DistEnv) -> int:
     """Train ``cfg`` in this process (joining the process group when ``env.world > 1``)."""
     if env.world > 1:
@@ -40,7 +51,7 @@ def run_training(cfg: FinetuneConfig, env: DistEnv) -> int:
             torch.cuda.set_device(env.local_rank)
         dist.init_process_group(backend="nccl" if cuda else "gloo")
     try:
-        Trainer(cfg, env).train()
+        make_trainer(cfg, env).train()
     finally:
         if env.world > 1:
             dist.destroy_process_group()

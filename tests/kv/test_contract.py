@@ -156,3 +156,62 @@ def test_a_forward_larger_than_the_cache_is_a_clear_error(model, mode):
 def test_kv_mode_parses_its_yaml_name(mode):
     assert KVMode.parse(mode.value) is mode is KVMode.parse(mode)
     assert KVConfig(mode.value).mode is mode
+
+
+class _MaskedPass:
+    """Oracle seam: one forward at positions 0..T-1 with an explicit visibility mask [T, T] (True = visible)."""
+
+    def __init__(self, rope, mask: torch.Tensor) -> None:
+        self.rope, self.mask = rope, mask
+
+    def attend(self, layer, q, k_raw, v):
+        from vla_runtime.kv.attention import masked_attention
+        from vla_runtime.kv.rope import apply_rope, rope_cos_sin
+
+        cos, sin = rope_cos_sin(torch.arange(q.shape[2]), self.rope)
+        return masked_attention(apply_rope(q, cos, sin), apply_rope(k_raw, cos, sin), v, self.mask)
+
+    def end_forward(self, *, pin: bool = False) -> None:
+        pass
+
+
+def _boom(*args, **kwargs):
+    raise AssertionError("the causal-only kernel must not run a bidirectional block")
+
+
+@torch.no_grad()
+def test_bidirectional_block_sees_both_ways_and_leaves_no_trace(model, mode):
+    """A query block in ``bidirectional_block`` equals the flat forward whose block rows see every token (the
+    history causal); afterwards the cache holds what it held and the next step's logits are unchanged. On the
+    decoupled caches the kernel path's fallback (gather + rotate) gives the same block output."""
+    x, bounds = episode(2)
+    block = torch.randn(1, 7, x.shape[2], generator=torch.Generator().manual_seed(5))
+    nxt = torch.randn(1, 9, x.shape[2], generator=torch.Generator().manual_seed(6))
+    cache, plain = build(mode, "easy", model), build(mode, "easy", model)
+    run_stream(model, cache, x, bounds)
+    run_stream(model, plain, x, bounds)
+    before = cache.stats()
+    with cache.bidirectional_block() as mark:
+        assert mark == before.tokens_seen
+        out = model(inputs_embeds=block, cache=cache)
+    n, t = x.shape[1], block.shape[1]
+    mask = torch.ones(n + t, n + t).tril().bool()
+    mask[n:] = True
+    oracle = model(inputs_embeds=torch.cat([x, block], dim=1), cache=_MaskedPass(model.cfg.rope, mask))[:, n:]
+    torch.testing.assert_close(out, oracle, atol=1e-5, rtol=1e-5)
+    causal = torch.ones(n + t, n + t).tril().bool()
+    wrong = model(inputs_embeds=torch.cat([x, block], dim=1), cache=_MaskedPass(model.cfg.rope, causal))[:, n:]
+    assert (out - wrong).abs().max() > 1e-3  # the check tells a causal block apart
+    after = cache.stats()
+    assert (after.tokens_seen, after.tokens_raw, after.bytes) == (before.tokens_seen, before.tokens_raw, before.bytes)
+    assert not cache.bidirectional
+    torch.testing.assert_close(model(inputs_embeds=nxt, cache=cache), model(inputs_embeds=nxt, cache=plain), atol=0, rtol=0)
+    if hasattr(cache, "backend"):
+        backend = cache.backend
+        cache.backend = dataclasses.replace(backend, kernel=_boom)
+        with cache.bidirectional_block():
+            gathered = model(inputs_embeds=block, cache=cache)
+        cache.backend = backend
+        with cache.bidirectional_block():
+            viewed = model(inputs_embeds=block, cache=cache)
+        torch.testing.assert_close(gathered, viewed, atol=1e-5, rtol=1e-5)

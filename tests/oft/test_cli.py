@@ -32,8 +32,9 @@ def test_make_tiny_info_predict_round_trip(tmp_path, capsys):
     assert len(lines) == 2 and len(lines[0]["chunk"]) == 8 and all(len(a) == 7 for a in lines[0]["chunk"])
     assert lines[0]["chunk"] == lines[1]["chunk"] and lines[0]["action"] == lines[0]["chunk"][0]
     assert lines[0]["unnorm_key"] == "libero_spatial_no_noops" and lines[0]["action_tokens"] is None
-    assert main(args + ["--history", "history"]) == 2  # not supported yet: a clear error, no traceback
-    assert "not supported yet" in capsys.readouterr().err
+    assert main(args + ["--history", "history"]) == 0  # one cache for the episode: step 2 sees step 1's frame
+    steps = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(steps) == 2 and len(steps[1]["chunk"]) == 8 and steps[0]["chunk"] != steps[1]["chunk"]
 
     aloha = tmp_path / "aloha"
     assert main(["make-tiny", "--family", "openvla-oft", str(aloha), "--oft-platform", "aloha"]) == 0

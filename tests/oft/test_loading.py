@@ -9,6 +9,7 @@ import torch
 from vla_runtime.api import Observation, detect_family, load_policy
 from vla_runtime.checkpoints.openvla_oft import load_openvla_oft
 from vla_runtime.config import SessionConfig
+from vla_runtime.kv import KVConfig
 
 HEAD = "action_head--150000_checkpoint.pt"
 
@@ -97,8 +98,9 @@ def test_platform_choice(oft_libero, oft_no_proprio, caplog):
 
 def test_session_errors(oft_libero, frame):
     policy = load_policy(oft_libero, device="cpu")
-    with pytest.raises(ValueError, match="history='history' .*not supported yet"):
-        policy.new_session("go", SessionConfig(history="history"))
+    small = policy.new_session("go", SessionConfig(history="history", kv=KVConfig.of("full", capacity=40)))
+    with pytest.raises(ValueError, match="FullCache is full: .* > capacity 40"):  # history mode: the cache's limits
+        small.step(Observation(images={"primary": frame(0)}, state=np.zeros(8)))
     session = policy.new_session("go")
     with pytest.raises(ValueError, match=r"needs `state` \[8\], got None"):
         session.step(Observation(images={"primary": frame(0)}))
@@ -110,3 +112,13 @@ def test_session_errors(oft_libero, frame):
         load_policy(oft_libero, device="meta", cameras=("primary", "primary"))
     with pytest.raises(ValueError, match="`num_images` must be 1, 2 or 3"):
         load_policy(oft_libero, device="meta", cameras=("primary", "a", "b", "c"))
+
+
+def test_adapter_errors_name_the_directory(oft_libero, oft_no_proprio, tmp_path):
+    with pytest.raises(FileNotFoundError, match="adapter directory .*nope does not exist"):
+        load_policy(oft_libero, device="meta", adapter=tmp_path / "nope")
+    with pytest.raises(ValueError, match="is not an OFT fine-tuning output: it has none of adapter_config.json"):
+        load_policy(oft_libero, device="meta", adapter=tmp_path)
+    shutil.copy(next(oft_libero.glob("proprio_projector--*")), tmp_path / "proprio_projector--10_checkpoint.pt")
+    with pytest.raises(ValueError, match="is a proprio projector, but .* was trained without one"):
+        load_policy(oft_no_proprio, device="meta", adapter=tmp_path)

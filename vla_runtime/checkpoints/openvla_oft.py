@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +28,9 @@ from ..models.openvla_oft.configuration_oft import (
     component_files,
     platform_for,
 )
+from ..models.openvla.configuration_openvla import read_json
 from ..models.openvla_oft.modeling_oft import OpenVLAOFT
+from .adapter import has_lora, merge_lora
 from .openvla import OpenVLACheckpoint, load_openvla
 
 log = logging.getLogger(__name__)
@@ -160,3 +162,38 @@ def load_openvla_oft(
             model.proprio_projector.load_state_dict({k: v.to(device, dtype) for k, v in proprio.items()}, strict=True, assign=True)
     return OFTCheckpoint(path, base, config, chosen, model.eval(), files)
 
+
+
+def apply_oft_adapter(checkpoint: OFTCheckpoint, adapter: Path, *, device: torch.device | str, dtype: torch.dtype) -> None:
+    """A ``vla_finetune`` OFT output directory onto ``checkpoint`` (in place): its LoRA adapter
+    (``adapter_config.json`` + ``adapter_model.safetensors``, on the OpenVLA backbone) merged into the weights,
+    its ``action_head--*checkpoint.pt`` / ``proprio_projector--*checkpoint.pt`` replacing the checkpoint's
+    (same shapes), its ``dataset_statistics.json`` replacing the statistics."""
+    adapter = Path(adapter)
+    if not adapter.is_dir():
+        raise FileNotFoundError(f"adapter directory {adapter} does not exist")
+    statistics = adapter / "dataset_statistics.json"
+    head_file = find_component(adapter, ACTION_HEAD, required=False)
+    proprio_file = find_component(adapter, PROPRIO_PROJECTOR, required=False)
+    if not (has_lora(adapter) or head_file or proprio_file or statistics.is_file()):
+        raise ValueError(
+            f"{adapter} is not an OFT fine-tuning output: it has none of adapter_config.json, action_head--*checkpoint.pt, "
+            "proprio_projector--*checkpoint.pt, dataset_statistics.json"
+        )
+    if proprio_file is not None and checkpoint.model.proprio_projector is None:
+        raise ValueError(f"{proprio_file} is a proprio projector, but {checkpoint.path} was trained without one")
+    load = torch.device(device).type != "meta"
+    if has_lora(adapter) and load:
+        checkpoint.model.vla = merge_lora(checkpoint.model.vla, adapter).eval()
+        checkpoint.base.model = checkpoint.model.vla
+    for file, module, name in ((head_file, checkpoint.model.action_head, ACTION_HEAD),
+                               (proprio_file, checkpoint.model.proprio_projector, PROPRIO_PROJECTOR)):  # fmt: skip
+        if file is None:
+            continue
+        state = load_component(file)
+        _check_state(module, state, file)
+        if load:
+            module.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True)
+        checkpoint.components[name] = file
+    if statistics.is_file():
+        checkpoint.base.config = replace(checkpoint.base.config, norm_stats=read_json(statistics))

@@ -28,6 +28,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=k_idx <= q_idx, enable_gqa=gqa)
 
 
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention where every query sees every key: held keys and the queries' own block both ways.
+
+    q: [B, Hq, T, D] rotated; k, v: [B, Hkv, S, D] (k rotated; the last T are the queries' own tokens).
+    Returns [B, Hq, T, D]. What a cache's ``bidirectional_block`` forward uses instead of ``causal_attention``.
+    """
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def masked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

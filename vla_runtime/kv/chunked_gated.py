@@ -241,7 +241,10 @@ class ChunkedGatedCache(SlotCache):
         if self._plan is None:  # first layer of this forward: slots and positions once for all layers
             self._begin_forward(q.shape[2])
         self.store.write(layer, self._plan, k_raw, v)
-        return attend_slots(self.store, self.backend, self.view, layer, q, k_raw, v, self._slots[layer], self._n_keys[layer])
+        return attend_slots(
+            self.store, self.backend, self.view, layer, q, k_raw, v, self._slots[layer], self._n_keys[layer],
+            causal=not self.bidirectional,
+        )
 
     # ---- commit / compress ---------------------------------------------------------------------------
     def end_forward(self, *, pin: bool = False) -> None:

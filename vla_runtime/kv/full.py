@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import causal_attention
+from .attention import block_attention, causal_attention
 from .base import CacheParams, KVStats
 from .geometry import CacheGeometry
 from .rope import apply_rope, rope_cos_sin
@@ -66,6 +66,8 @@ class FullCache(SlotCache):
         k[:, :, start:end] = apply_rope(k_raw, self._cos, self._sin)
         v_all[:, :, start:end] = v
         q = apply_rope(q, self._cos, self._sin)
+        if self.bidirectional:
+            return block_attention(q, k[:, :, :end], v_all[:, :, :end])
         return causal_attention(q, k[:, :, :end], v_all[:, :, :end], past=start)
 
     def end_forward(self, *, pin: bool = False) -> None:

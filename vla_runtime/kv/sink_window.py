@@ -79,7 +79,7 @@ class SinkWindowCache(SlotCache):
             else:
                 self._slots = torch.cat((torch.arange(s.n_pinned, device=s.device), self._plan.raw))
         s.write(layer, self._plan, k_raw, v)
-        return attend_slots(s, self.backend, self.view, layer, q, k_raw, v, self._slots, self._n_keys)
+        return attend_slots(s, self.backend, self.view, layer, q, k_raw, v, self._slots, self._n_keys, causal=not self.bidirectional)
 
     def end_forward(self, *, pin: bool = False) -> None:
         if self._plan is None:

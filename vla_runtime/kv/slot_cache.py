@@ -9,6 +9,8 @@ many slots it holds (``held_slots``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import ClassVar
 
 from .base import CacheParams
@@ -50,6 +52,7 @@ class SlotCache:
         self.store.reset()
         self._mark: int | None = None
         self._positions_used = 0
+        self.bidirectional = False
 
     @property
     def length(self) -> int:
@@ -74,6 +77,22 @@ class SlotCache:
         self.store.check_rollback(mark)
         self.store.length = mark
         self._mark = None
+
+    @contextmanager
+    def bidirectional_block(self) -> Iterator[int]:
+        """Forwards inside append a *query block* that leaves no trace: its tokens attend to everything the
+        cache shows and to each other both ways (not causally), at the positions after the held tokens; on
+        exit they are rolled back (a mark is open inside, so nothing is compressed meanwhile). Yields the
+        mark. OpenVLA-OFT's history mode evaluates its parallel action block this way."""
+        if self._mark is not None:
+            raise ValueError("bidirectional_block needs no open mark (it opens and closes its own)")
+        mark = self.mark()
+        self.bidirectional = True
+        try:
+            yield mark
+        finally:
+            self.bidirectional = False
+            self.rollback(mark)
 
     # ---- bytes -------------------------------------------------------------------------------------
     def held_slots(self) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import causal_attention
+from .attention import block_attention, causal_attention
 from .backend import CacheBackend
 from .geometry import CacheGeometry
 from .rope import RopeConfig, apply_rope, inv_freq, rope_cos_sin
@@ -191,7 +191,7 @@ class RotatedView:
         self.version = [-1] * store.k.shape[0]
 
     def attend(self, store: SlotStore, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               slots: torch.Tensor | slice, n_keys: int) -> torch.Tensor:  # fmt: skip
+               slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True) -> torch.Tensor:  # fmt: skip
         """See ``attend_slots``; ``k_new, v_new``: [B, Hkv, T, D] the new tokens (k pre-RoPE)."""
         t = q.shape[2]
         held = n_keys - t
@@ -206,6 +206,8 @@ class RotatedView:
         vv[:, :, held:n_keys] = v_new
         self.n[layer] = n_keys
         q = apply_rope(q, cos[held:], sin[held:])
+        if not causal:
+            return block_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys])
         return causal_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], past=held)
 
 
@@ -219,6 +221,8 @@ def attend_slots(
     v_new: torch.Tensor,
     slots: torch.Tensor | slice,
     n_keys: int,
+    *,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Attention of the new queries over ``n_keys`` slots of ``layer`` listed in attention order.
 
@@ -226,11 +230,28 @@ def attend_slots(
     as the last T of ``slots`` ([N] long tensor, or ``slice(0, N)`` when the held tokens are slots 0..N-1).
     Compacted positions are ``0 .. n_keys-1`` in that order, so queries sit at ``n_keys-T .. n_keys-1``.
     The Triton kernel reads the store directly; the torch path goes through ``view``. Returns [B, Hq, T, D].
+    ``causal=False``: the new queries see each other both ways (a ``bidirectional_block`` forward); the
+    causal-only kernel is then bypassed by gathering and rotating the keys (``gathered_block_attention``).
     """
     if backend.kernel is None:
-        return view.attend(store, layer, q, k_new, v_new, slots, n_keys)
+        return view.attend(store, layer, q, k_new, v_new, slots, n_keys, causal=causal)
     t = q.shape[2]
     idx = torch.arange(n_keys, device=q.device) if isinstance(slots, slice) else slots
+    if not causal:
+        return gathered_block_attention(store, layer, q, idx, n_keys)
     pos = torch.arange(n_keys, device=q.device, dtype=torch.int32)
     k_store, v_store = store.k[layer], store.v[layer]  # [B, Hkv, S, D]
     return backend.kernel(q, k_store, v_store, idx.to(torch.int32), pos, pos[n_keys - t :], store.rope.inv_freq(n_keys))
+
+
+def gathered_block_attention(store: SlotStore, layer: int, q: torch.Tensor, idx: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """Every new query over every listed slot (the new tokens' too), keys gathered from the pre-RoPE store and
+    rotated at compacted positions ``0 .. n_keys-1``: the kernel path's bidirectional-block fallback.
+
+    q: [B, Hq, T, D] pre-RoPE; idx: [n_keys] long slots in attention order. Returns [B, Hq, T, D].
+    """
+    t = q.shape[2]
+    cos, sin = store.rope.get(n_keys)
+    k = apply_rope(store.k[layer].index_select(2, idx), cos, sin)  # [B, Hkv, N, D]
+    v = store.v[layer].index_select(2, idx)  # [B, Hkv, N, D]
+    return block_attention(apply_rope(q, cos[n_keys - t :], sin[n_keys - t :]), k, v)

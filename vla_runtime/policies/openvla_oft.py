@@ -1,13 +1,20 @@
-"""``OpenVLAOFTPolicy`` (family ``openvla-oft``) and its ``EpisodeSession``: one forward per step returns a
-whole action chunk (``modeling_oft``), un-normalised with the checkpoint's dataset statistics.
+"""``OpenVLAOFTPolicy`` (family ``openvla-oft``) and its ``EpisodeSession``: a step returns a whole action
+chunk decoded in parallel (``modeling_oft``), un-normalised with the checkpoint's dataset statistics.
 
-Single-frame only: each step is a stand-alone forward, so the session holds no cache. History mode (and
-the chunked cache) is not supported yet and is refused when the session is made.
+Two history modes (``SessionConfig.history``):
+
+- ``single`` (upstream's): each step is one stand-alone bidirectional forward of ``[BOS] + images (+ proprio)
+  + prompt + 29871 + K*A zeros + </s>``; no cache is held.
+- ``history``: one cache per episode (any ``KVConfig``). ``[BOS] + ids("In: ... {instruction}?")`` is
+  prefilled once and pinned; each step appends and **keeps** its observation, ``images (+ proprio)``,
+  attending causally to the history; then the step's action query ``ids("\nOut:") + 29871 + K*A zeros +
+  </s>`` runs in a ``bidirectional_block`` (it sees the whole held history and itself both ways) and is
+  rolled back, so the history holds observations only. The head reads the query's rows as in single mode.
+  A checkpoint trained single-frame has never seen this layout: history mode wants fine-tuning for it.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -16,20 +23,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoints.openvla_oft import OFTCheckpoint, load_openvla_oft
-from ..config import HistoryMode, SessionConfig
+from ..checkpoints.openvla_oft import OFTCheckpoint, apply_oft_adapter, load_openvla_oft
+from ..config import HistoryMode, SessionConfig, from_dict
 from ..device import resolve_device, resolve_dtype, synchronize
-from ..kv import KVConfig
+from ..kv import KVConfig, make_cache
 from ..kv.base import KVStats
+from ..kv.geometry import CacheGeometry
+from ..models.openvla.configuration_openvla import read_json
 from ..models.openvla.processing_openvla import center_crop, resolve_unnorm_key
 from ..models.openvla_oft.configuration_oft import OFTConfig, OFTPlatform
 from ..models.openvla_oft.normalization_oft import BoundsStats
 from .base import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_image, validate_instruction
+from .gates import GateOwner, trained_gate
+from .openvla import SESSION_CONFIG
 
-log = logging.getLogger(__name__)
 
-
-class OpenVLAOFTPolicy(Policy):
+class OpenVLAOFTPolicy(GateOwner, Policy):
     """A loaded OFT checkpoint.
 
     Args:
@@ -37,6 +46,10 @@ class OpenVLAOFTPolicy(Policy):
         device, dtype: where the weights live. unnorm_key: default dataset key of the statistics.
         cameras: ``Observation.images`` keys of the model's images in its input order (third-person first,
             then wrist cameras); as many as the model was trained with (``num_images_in_input``).
+        kv: default cache of history-mode sessions (single mode holds none).
+        kv_gate: the trained ``ChunkGate`` for a chunked ``KVConfig`` (``None`` = untrained default).
+        session: default ``SessionConfig`` of ``new_session(instruction)`` (its ``kv``/``unnorm_key`` replaced by
+            the arguments above); a fine-tuned model brings the one it was trained for.
     """
 
     name = "openvla-oft"
@@ -50,6 +63,9 @@ class OpenVLAOFTPolicy(Policy):
         dtype: torch.dtype,
         unnorm_key: str | None = None,
         cameras: tuple[str, ...] = (PRIMARY_CAMERA,),
+        kv: KVConfig | None = None,
+        kv_gate: torch.nn.Module | None = None,
+        session: SessionConfig | None = None,
     ) -> None:
         if len(set(cameras)) != len(cameras):
             raise ValueError(f"cameras {cameras} name a camera twice; each image the model takes needs its own camera")
@@ -62,6 +78,9 @@ class OpenVLAOFTPolicy(Policy):
         self.image_processor = checkpoint.base.image_processor
         self.device, self.dtype = device, dtype
         self.cameras = cameras
+        self.kv = kv or KVConfig()
+        self.kv_gate = kv_gate
+        self.session = session or SessionConfig()
         if unnorm_key is not None and self.norm_stats:
             resolve_unnorm_key(self.norm_stats, unnorm_key)  # fail at load, not at the first step
         self.unnorm_key = unnorm_key
@@ -75,12 +94,16 @@ class OpenVLAOFTPolicy(Policy):
         return self.config.action_dim
 
     @property
+    def gate_geometry(self) -> CacheGeometry:
+        return self.model.vla.cfg.llm.geometry
+
+    @property
     def chunk_size(self) -> int:
         return self.config.chunk_size
 
     def new_session(self, instruction: str, config: SessionConfig | None = None) -> "OpenVLAOFTSession":
         validate_instruction(instruction)
-        config = config or SessionConfig(unnorm_key=self.unnorm_key)
+        config = config or replace(self.session, kv=self.kv, unnorm_key=self.unnorm_key)
         if config.unnorm_key is None and self.unnorm_key is not None:
             config = replace(config, unnorm_key=self.unnorm_key)
         return OpenVLAOFTSession(self, instruction, config)
@@ -119,16 +142,12 @@ class OpenVLAOFTPolicy(Policy):
 
 
 class OpenVLAOFTSession(EpisodeSession):
-    """One episode: the prompt and the statistics; each step is independent (no cache)."""
+    """One episode: the prompt and the statistics; in history mode also the cache (see the module docstring)."""
 
     def __init__(self, policy: OpenVLAOFTPolicy, instruction: str, config: SessionConfig) -> None:
-        if config.history is not HistoryMode.SINGLE:
-            raise ValueError(
-                f"openvla-oft supports history={HistoryMode.SINGLE.value!r} only; history={config.history.value!r} "
-                "(a cache across steps) is not supported yet"
-            )
         super().__init__(instruction, config)
         self.policy = policy
+        self.history = config.history is HistoryMode.HISTORY
         cfg = policy.config
         if not policy.norm_stats:
             raise ValueError(f"{policy.checkpoint.path} has no dataset statistics (dataset_statistics.json): OFT actions cannot be un-normalised")
@@ -142,12 +161,37 @@ class OpenVLAOFTSession(EpisodeSession):
             if "proprio" not in entry:
                 raise ValueError(f"statistics {self.unnorm_key!r} have no `proprio` entry; the proprio projector needs one")
             self.proprio_stats = BoundsStats.from_dict(entry["proprio"], cfg.normalization, what=f"{self.unnorm_key} proprio")
-        self.reset(instruction)
+        self._build(validate_instruction(instruction))
 
+    def _build(self, instruction: str) -> None:
+        """Tokenise the prompt; history mode sizes the cache for one step (observation + query block)."""
+        policy = self.policy
+        self.instruction = instruction
+        self.prompt = policy.tokenizer.prompt(instruction)
+        self.cache = None
+        self._pinned = False
+        if not self.history:
+            return
+        kv = self.config.kv.for_step(self.step_tokens(), whole_context=False)
+        self.kv_config = kv
+        gate = policy.chunk_gate(kv)
+        extra = {} if gate is None else {"gate": gate}
+        geometry = policy.model.vla.cfg.llm.geometry
+        self.cache = make_cache(kv, geometry, batch=1, device=policy.device, dtype=policy.dtype, **extra)
+
+    def step_tokens(self) -> int:
+        """History mode's tokens per step: the observation kept (images + proprio) and the query rolled back."""
+        cfg = self.policy.config
+        observation = cfg.num_images * self.policy.checkpoint.base.config.vision.num_patches + (cfg.proprio_dim is not None)
+        return observation + len(self.prompt.out) + 1 + cfg.action_tokens + 1
+
+    @torch.inference_mode()  # the cache holds inference tensors from the steps; clear them in the same mode
     def reset(self, instruction: str | None = None) -> None:
-        if instruction is not None:
-            self.instruction = validate_instruction(instruction)
-            self.prompt = self.policy.tokenizer.prompt(self.instruction)
+        if instruction is not None and instruction != self.instruction:
+            self._build(validate_instruction(instruction))
+        elif self.cache is not None:
+            self.cache.reset()
+            self._pinned = False
 
     def inputs(self, obs: Observation) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Validated, preprocessed inputs: pixels per camera [1, 3 * towers, S, S] and the normalised state
@@ -172,7 +216,7 @@ class OpenVLAOFTSession(EpisodeSession):
 
     @torch.inference_mode()
     def step(self, obs: Observation) -> StepResult:
-        """One forward -> ``StepResult.actions`` [chunk_size, action_dim] in robot units."""
+        """One chunk -> ``StepResult.actions`` [chunk_size, action_dim] in robot units."""
         start = time.perf_counter()
         pixels, state = self.inputs(obs)
         model, device = self.policy.model, self.policy.device
@@ -180,16 +224,35 @@ class OpenVLAOFTSession(EpisodeSession):
         proprio = None if state is None else model.embed_proprio(state)
         synchronize(device)
         t1 = time.perf_counter()
-        embeds, first = model.sequence(self.prompt, image_tokens, proprio)
-        hidden = model.action_hidden(embeds, first)
+        if self.history:
+            hidden = self._history_hidden(image_tokens, proprio)
+            kv = self.cache.stats()
+        else:
+            embeds, first = model.sequence(self.prompt, image_tokens, proprio)
+            hidden = model.action_hidden(embeds, first)
+            kv = KVStats(positions_used=embeds.shape[1], tokens_seen=embeds.shape[1])
         synchronize(device)
         t2 = time.perf_counter()
         normalized = model.action_head(hidden).float()[0].cpu().numpy()  # [chunk, A]
         actions = self.action_stats.unnormalize(normalized)
         t3 = time.perf_counter()
         timings = {"vision": (t1 - start) * 1e3, "prefill": (t2 - t1) * 1e3, "decode": (t3 - t2) * 1e3, "total": (t3 - start) * 1e3}
-        tokens = embeds.shape[1]
-        return StepResult(actions=actions, timings=timings, kv=KVStats(positions_used=tokens, tokens_seen=tokens))
+        return StepResult(actions=actions, timings=timings, kv=kv)
+
+    def _history_hidden(self, image_tokens: torch.Tensor, proprio: torch.Tensor | None) -> torch.Tensor:
+        """History mode: pin the prompt (first step), keep the observation, evaluate the query block over the
+        history and roll it back. image_tokens [1, num_images * N, dim], proprio [1, 1, dim] or None ->
+        the head's rows [1, K * A, dim]."""
+        model = self.policy.model
+        decoder = model.vla.language_model.model
+        if not self._pinned:
+            decoder(inputs_embeds=model.history_prompt(self.prompt), cache=self.cache, pin=True)
+            self._pinned = True
+        decoder(inputs_embeds=model.observation(image_tokens, proprio), cache=self.cache)
+        block, first = model.query_block(self.prompt)
+        with self.cache.bidirectional_block():
+            hidden = decoder(inputs_embeds=block, cache=self.cache)  # [1, Q, dim]
+        return model.head_input(hidden, first)
 
 
 def load_openvla_oft_policy(
@@ -207,12 +270,11 @@ def load_openvla_oft_policy(
 
     platform: ``libero``/``bridge``/``aloha`` (chunk 8/5/25; default: matched by the components' sizes).
     cameras: the ``Observation.images`` keys fed as the model's images, third-person first (1 to 3).
-    ``kv`` is ignored (each step is one stand-alone forward); ``adapter`` is not supported.
+    kv: the history-mode sessions' default cache (single mode holds none). ``session_config.json`` (in the
+    adapter, else the checkpoint) gives the default session a fine-tuned model was trained for; a trained ``ChunkGate``
+    (``gates.safetensors`` + ``kv_config.json``) beside the checkpoint is loaded. adapter: a ``vla_finetune``
+    OFT output directory (``apply_oft_adapter``: LoRA merged, its action head / proprio projector and statistics).
     """
-    if adapter is not None:
-        raise ValueError(f"adapter {adapter}: OpenVLA-OFT checkpoints load with their components only (adapter=None)")
-    if kv is not None:
-        log.info("openvla-oft holds no KV cache across steps; kv=%s is ignored", kv)
     if isinstance(platform, str):
         try:
             platform = OFTPlatform(platform)
@@ -222,4 +284,15 @@ def load_openvla_oft_policy(
     dt = resolve_dtype(dtype, dev)
     cameras = tuple(cameras)
     checkpoint = load_openvla_oft(path, device=dev, dtype=dt, platform=platform, num_images=len(cameras))
-    return OpenVLAOFTPolicy(checkpoint, device=dev, dtype=dt, unnorm_key=unnorm_key, cameras=cameras)
+    places = [Path(path)]  # where session_config.json is looked for, the adapter first
+    if adapter is not None:
+        apply_oft_adapter(checkpoint, Path(adapter), device=dev, dtype=dt)
+        places.insert(0, Path(adapter))
+    session_file = next((d / SESSION_CONFIG for d in places if (d / SESSION_CONFIG).is_file()), None)
+    session = from_dict(SessionConfig, read_json(session_file)) if session_file is not None else None
+    if session is not None:
+        kv, unnorm_key = kv or session.kv, unnorm_key or session.unnorm_key
+    gate, kv = trained_gate(path, dev, kv)
+    return OpenVLAOFTPolicy(
+        checkpoint, device=dev, dtype=dt, unnorm_key=unnorm_key, cameras=cameras, kv=kv, kv_gate=gate, session=session
+    )

@@ -13,6 +13,11 @@ positions ``0 .. T-1``. The head reads the final-normed hidden states of ``chunk
 positions starting **one before** the first action position (upstream slices
 ``NUM_PATCHES + NUM_PROMPT_TOKENS :``, i.e. from the prompt's last token, 29871, as in training, where the
 state before a token predicts it), reshapes them to one row per action and regresses normalised actions.
+
+History mode (ours, not upstream's; the session drives the cache): ``history_prompt`` is pinned once, each
+step appends its ``observation`` (images + proprio, kept, causal) and evaluates ``query_block``
+(``ids("\nOut:") + 29871 + zeros + </s>``) bidirectionally over the history, then drops it; the head reads
+the block's rows from the position before its first zero, as above (``head_input``).
 """
 
 from __future__ import annotations
@@ -121,12 +126,42 @@ class OpenVLAOFT(nn.Module):
         start = sum(p.shape[1] for p in parts)
         return torch.cat([*parts, zeros, stop], dim=1), start
 
+    # ---- history mode (one cache per episode; the session drives the cache) ---------------------------
+    def history_prompt(self, prompt: PromptIds, batch: int = 1) -> torch.Tensor:
+        """Pinned once per episode: ``[BOS] + ids("In: What action should the robot take to {instruction}?")``
+        -> [B, 1 + P, dim]."""
+        embed = self.vla.language_model.model.embed_tokens
+        device = embed.weight.device
+        return embed(torch.tensor([[prompt.bos, *prompt.instruction]], device=device)).expand(batch, -1, -1)
+
+    @staticmethod
+    def observation(image_tokens: torch.Tensor, proprio: torch.Tensor | None) -> torch.Tensor:
+        """What a history-mode step appends and keeps: image tokens [B, num_images * N, dim] (+ the proprio
+        token [B, 1, dim]) -> [B, num_images * N (+ 1), dim]."""
+        return image_tokens if proprio is None else torch.cat([image_tokens, proprio], dim=1)
+
+    def query_block(self, prompt: PromptIds, batch: int = 1) -> tuple[torch.Tensor, int]:
+        """A history-mode step's action query, evaluated bidirectionally and never kept:
+        ``ids("\nOut:") + [29871] + chunk_size * action_dim zeros + embed(</s>)`` -> ([B, Q, dim], the index in
+        it of the first action position)."""
+        embed = self.vla.language_model.model.embed_tokens
+        device = embed.weight.device
+        text = embed(torch.tensor([[*prompt.out, prompt.empty]], device=device)).expand(batch, -1, -1)  # [B, O + 1, dim]
+        zeros = text.new_zeros(batch, self.cfg.action_tokens, text.shape[2])  # [B, K * A, dim]
+        stop = embed(torch.tensor([[STOP_TOKEN_ID]], device=device)).expand(batch, -1, -1)  # [B, 1, dim]
+        return torch.cat([text, zeros, stop], dim=1), text.shape[1]
+
+    def head_input(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        """Final-normed hidden states [B, T, dim] -> the head's rows [B, K * A, dim] (from ``start - 1``, as
+        upstream slices them: the state before an action position predicts it)."""
+        return hidden[:, start - 1 : start - 1 + self.cfg.action_tokens]
+
     def action_hidden(self, embeds: torch.Tensor, start: int) -> torch.Tensor:
         """Bidirectional forward of embeds [B, T, dim] -> the head's input [B, K * A, dim] (final-normed
         hidden states of positions ``start - 1 .. start - 2 + K * A``)."""
         decoder = self.vla.language_model.model
         hidden = decoder(inputs_embeds=embeds, cache=BidirectionalPass(decoder.cfg.rope))  # [B, T, dim]
-        return hidden[:, start - 1 : start - 1 + self.cfg.action_tokens]
+        return self.head_input(hidden, start)
 
     def predict(
         self, prompt: PromptIds, pixels: Sequence[torch.Tensor], state: torch.Tensor | None = None
