@@ -246,17 +246,20 @@ class TrainingData:
         return sum(layout.boundaries[: len(layout.boundaries) - (self.padded_steps(w) - w.steps) * self.action_dim])
 
     # ---- one micro-batch ---------------------------------------------------------------------------
-    def pixels(self, frames: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
-        """uint8 [N, H, W, 3] -> [N, C, S, S]; with ``image_aug`` a random crop of 0.9 of the area first
-        (one draw per frame). One vectorised pass when the frames are at the model's size: a batch is
-        thousands of frames, and thousands of tiny per-frame ops starve a GPU run of its CPU."""
+    def pixels(self, frames: np.ndarray, rng: np.random.Generator) -> tuple[str, torch.Tensor]:
+        """uint8 [N, H, W, 3] -> ``("frames", uint8 [N, S, S, 3])`` when they are at the model's size (the
+        training module normalises them on its device: ``ImageProcessor.normalize``), else ``("pixels",
+        [N, C, S, S])``; with ``image_aug`` a random crop of 0.9 of the area first (one draw per frame)."""
         if self.image_aug:
             size = self.processor.size
             frames = np.stack([crop_resize(f, size=size, area=CROP_AREA, at=tuple(rng.random(2))) for f in frames])
-        return self.processor.batch(frames)
+        if self.processor.takes_as_is(*frames.shape[1:3]):
+            return "frames", torch.from_numpy(np.ascontiguousarray(frames))
+        return "pixels", self.processor.batch(frames)
 
     def batch(self, indices: list[int], rng: np.random.Generator) -> dict:
-        """Windows (of one bucket) -> tensors: ``pixels`` [B, S, C, H, W], ``proprio`` [B, S, P] (if any),
+        """Windows (of one bucket) -> tensors: ``frames`` uint8 [B, S, H, W, 3] (or ``pixels`` [B, S, C, H, W]
+        for frames the model's transform must resize: ``pixels``), ``proprio`` [B, S, P] (if any),
         ``text_ids`` [B, Nt], ``labels`` [B, S * A] (``IGNORE`` on padded steps), ``tokens`` (the
         windows' real tokens, padding excluded) and the bucket ``key``."""
         windows = [self.windows[i] for i in indices]
@@ -268,7 +271,8 @@ class TrainingData:
             if not same_positions(own, layout):
                 raise AssertionError(f"window {w} does not share its bucket's layout")
             rows = self._rows(w)
-            pixels.append(self.pixels(self.decoded.frames[rows], rng))
+            image_key, images = self.pixels(self.decoded.frames[rows], rng)
+            pixels.append(images)
             text.append(ids)
             step_labels = self.action_ids[rows].copy()  # [S, A]
             step_labels[w.steps :] = IGNORE
@@ -279,7 +283,7 @@ class TrainingData:
         out = {
             "key": key,
             "tokens": tokens,
-            "pixels": torch.stack(pixels),
+            image_key: torch.stack(pixels),
             "text_ids": torch.tensor(text, dtype=torch.long),
             "labels": torch.from_numpy(np.stack(labels)).long(),
         }

@@ -87,10 +87,12 @@ class PolicyTrainModule(nn.Module):
         kv: KVConfig | None,
         loss: LossSettings,
         *,
+        image_processor=None,
         gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.vla = vla
+        self.image_processor = image_processor  # normalises uint8 ``frames`` batches on the model's device
         self.gate = gate
         self.kv = kv
         self.loss = loss
@@ -101,10 +103,19 @@ class PolicyTrainModule(nn.Module):
             self.chunked = kv.params.resolve(geometry)
             check_gate(gate, geometry, chunk=self.chunked.chunk)
 
+    def pixels(self, batch: dict) -> torch.Tensor:
+        """The batch's pixel values [B, S, C, H, W]: ``pixels`` as given, or uint8 ``frames`` [B, S, H, W, 3]
+        normalised here (``TrainingData.pixels``)."""
+        if "pixels" in batch:
+            return batch["pixels"]
+        frames = batch["frames"]
+        pixels = self.image_processor.normalize(frames.flatten(0, 1))  # [B * S, C, H, W]
+        return pixels.view(*frames.shape[:2], *pixels.shape[1:])
+
     def embed(self, batch: dict, layout: FlatLayout) -> torch.Tensor:
         """Input embeddings [B, N, dim]: text ids embedded, image and proprio tokens scattered in."""
         vla = self.vla
-        pixels = batch["pixels"]  # [B, S, C, H, W]
+        pixels = self.pixels(batch)  # [B, S, C, H, W]
         b, steps = pixels.shape[:2]
         device = pixels.device
         dim = vla.language_model.cfg.dim
@@ -168,7 +179,8 @@ class PolicyTrainModule(nn.Module):
         if self.loss.change_weight == 1.0:
             loss = rows * ce_sum / n_valid.clamp(min=1)  # the mean over real targets
         else:  # the weighted mean over real targets
-            weight = change_weights(labels, steps=batch["pixels"].shape[1], weight=self.loss.change_weight) * valid
+            steps = batch["pixels" if "pixels" in batch else "frames"].shape[1]
+            weight = change_weights(labels, steps=steps, weight=self.loss.change_weight) * valid
             loss = rows * (ce * weight).sum() / weight.sum().clamp(min=1)
         one = torch.ones((), device=x.device)
         kept, hard = one, one

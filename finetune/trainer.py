@@ -97,6 +97,7 @@ class Trainer:
             self.gate,
             self.kv if self.gate is not None else None,
             loss,
+            image_processor=self.policy.image_processor,
             gradient_checkpointing=cfg.gradient_checkpointing,
         ).to(self.device)
         self.module = module.train()

@@ -35,10 +35,11 @@ def episode(
     action_dim: int = 7,
     state_dim: int | None = 4,
     gripper_max: float = 1.0,
+    size: int = 32,
 ) -> Episode:
     """Frames whose content moves with time; smooth deltas and a gripper that opens and closes."""
     t = np.arange(n)
-    y, x = np.mgrid[0:32, 0:32]
+    y, x = np.mgrid[0:size, 0:size]
     frames = np.stack([((x * 8 + y * 3 + 20 * s) % 256) for s in t]).astype(np.uint8)[..., None].repeat(3, axis=-1)
     frames = np.clip(frames.astype(int) + rng.integers(0, 16, frames.shape), 0, 255).astype(np.uint8)
     deltas = 0.02 * np.sin(0.7 * t[:, None] + np.arange(action_dim - 1)[None])
@@ -55,17 +56,18 @@ def write_dataset(
     state_dim: int | None = 4,
     gripper_max: float = 1.0,
     seed: int = 0,
+    size: int = 32,
 ) -> Path:
     rng = np.random.default_rng(seed)
     features = DatasetFeatures(
-        cameras={"front": (32, 32)},
+        cameras={"front": (size, size)},
         state_names=None if state_dim is None else [f"s{i}" for i in range(state_dim)],
         action_names=ACTION_NAMES[:action_dim] if action_dim <= 7 else [f"a{i}" for i in range(action_dim)],
     )
     with LeRobotWriter(root, features, WriterConfig(fps=10)) as writer:
         for i, n in enumerate(lengths):
             writer.add_episode(
-                episode(rng, n, TASKS[i % 2], action_dim=action_dim, state_dim=state_dim, gripper_max=gripper_max)
+                episode(rng, n, TASKS[i % 2], action_dim=action_dim, state_dim=state_dim, gripper_max=gripper_max, size=size)
             )
     return root
 
@@ -116,7 +118,8 @@ def training_and_streaming_hidden(trainer, index: int):
     forwards = window_forwards(
         data.prompts[w.episode], data.action_ids[rows].tolist(), history=True, has_proprio=True, prev_token=prev
     )
-    images = [vla.embed_image(batch["pixels"][:, s]) for s in range(w.steps)]
+    pixels = module.pixels(batch)  # [1, S, C, H, W]
+    images = [vla.embed_image(pixels[:, s]) for s in range(w.steps)]
     proprio = [vla.embed_proprio(batch["proprio"][:, s]) for s in range(w.steps)]
     cache = make_cache(trainer.kv, vla.language_model.cfg.geometry, gate=trainer.gate)
     hidden = [

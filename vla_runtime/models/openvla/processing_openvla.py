@@ -156,12 +156,22 @@ class ImageProcessor:
         if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
             raise ValueError(f"expected uint8 frames [N, H, W, 3], got {frames.dtype} {list(frames.shape)}")
         n, h, w = frames.shape[:3]
-        if h != w or any(t.size != h for t in self.towers):
+        if not self.takes_as_is(h, w):
             return torch.stack([self(f) for f in frames]) if n else torch.empty(0, 3 * len(self.towers), self.size, self.size)
-        x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float().div(255)  # as TVF.to_tensor
+        return self.normalize(torch.from_numpy(np.ascontiguousarray(frames)))
+
+    def takes_as_is(self, height: int, width: int) -> bool:
+        """Frames of this size are square at every tower's size: no resize, ``normalize`` is the whole transform."""
+        return height == width and all(t.size == height for t in self.towers)
+
+    def normalize(self, frames: torch.Tensor) -> torch.Tensor:
+        """uint8 frames [N, S, S, 3] at the towers' size (``takes_as_is``), on any device -> [N, 3 * towers, S, S]
+        float32, as ``TVF.to_tensor`` then ``TVF.normalize`` per tower. Training moves uint8 frames to the GPU
+        and normalises there: an eighth of the bytes of two towers' float pixels, and no CPU work."""
+        x = frames.permute(0, 3, 1, 2).float().div(255)
         out = []
-        for t in self.towers:  # as TVF.normalize: (x - mean) / std in float32
-            mean, std = (torch.tensor(v, dtype=torch.float32)[:, None, None] for v in (t.mean, t.std))
+        for t in self.towers:  # (x - mean) / std in float32
+            mean, std = (torch.tensor(v, dtype=torch.float32, device=x.device)[:, None, None] for v in (t.mean, t.std))
             out.append((x - mean) / std)
         return torch.cat(out, dim=1)
 
