@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from vla_runtime.api import Observation, load_policy
+from vla_runtime.api import BatchInputError, Observation, load_policy
 from vla_runtime.config import SessionConfig
 from vla_runtime.kv import FullCache, FullParams, KVConfig, KVMode
 from vla_runtime.models.action_postprocess import postprocess_actions
@@ -176,3 +176,32 @@ def test_state_layouts_of_the_simulators_map_to_upstreams(tiny_hybridvla, frame)
         forced.step(obs(image, STATE))
     with pytest.raises(KeyError, match="unknown state layout 'joints'"):
         load_policy(tiny_hybridvla, state_layout="joints")
+
+
+@pytest.mark.parametrize(("history", "kv"), [("single", "full"), ("history", "full"), ("history", "chunked")])
+def test_step_batch_equals_steps_alone(policy, frame, history, kv):
+    prompts = ["put the red cube in the bowl", "open the drawer", "close the microwave door please"]
+    configs = [SessionConfig(history=history, kv=KVConfig(mode=kv), seed=i) for i in range(len(prompts))]
+    alone = [policy.new_session(p, c) for p, c in zip(prompts, configs)]
+    batched = [policy.new_session(p, c) for p, c in zip(prompts, configs)]
+    assert policy.batched_steps
+    for t in range(4):
+        frames = [obs(frame(10 * i + t), STATE + 0.01 * i) for i in range(len(prompts))]
+        expected = [s.step(o) for s, o in zip(alone, frames)]
+        rows = range(len(prompts)) if t != 1 else [0, 2]  # at t = 1 row 1 steps alone: the caches' lengths differ
+        for i in set(range(len(prompts))) - set(rows):
+            batched[i].step(frames[i])
+        results = policy.step_batch([batched[i] for i in rows], [frames[i] for i in rows])
+        for i, result in zip(rows, results):
+            np.testing.assert_array_equal(batched[i].last_tokens, alone[i].last_tokens)  # the AR branch's ids
+            np.testing.assert_allclose(result.actions, expected[i].actions, atol=1e-5)
+            assert batched[i].last_used_ar == alone[i].last_used_ar and result.kv == expected[i].kv
+    assert any(np.any(alone[0].last_tokens != s.last_tokens) for s in alone[1:])  # the rows really differ
+
+
+def test_step_batch_refuses_a_missing_state_before_changing_anything(policy, frame):
+    sessions = [policy.new_session("open the drawer", SessionConfig(history="history")) for _ in range(2)]
+    with pytest.raises(BatchInputError) as e:
+        policy.step_batch(sessions, [obs(frame(0)), Observation(images={"primary": frame(1)})])
+    assert e.value.index == 1 and "needs the robot state" in str(e.value)
+    assert all(s.cache.stats().tokens_seen == 0 for s in sessions)

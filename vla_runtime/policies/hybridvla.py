@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,7 @@ from ..models.hybridvla.modeling_hybridvla import DiffusionHead, HybridVLA, deco
 from ..models.hybridvla.processing_hybridvla import STATE_LAYOUTS, ar_action_tokenizer, collaborative_ensemble, to_proprio
 from ..models.openvla.processing_openvla import ActionStats
 from ..models.openvla.prompt_openvla import PromptIds
-from .base import Observation, Policy
+from .base import Observation, Policy, StepResult
 from .gates import trained_gate
 from .prismatic_session import PrismaticPolicy, PrismaticSession
 
@@ -105,42 +106,74 @@ class HybridVLASession(PrismaticSession):
 
     def _act(self, embeds: torch.Tensor, obs: Observation, timings: dict) -> np.ndarray:
         policy = self.policy
-        model, sampling = policy.model, policy.config.sampling
-        run_diff, run_ar = sampling.branches
-        diff = ar = None
+        model = policy.model
+        run_diff, run_ar = policy.config.sampling.branches
         # single mode: the prefix goes in with the first DDIM step's tokens (one forward fewer). History mode
         # prefills it on its own: a cache only compresses after a forward without an open mark.
         fuse = run_diff and not self.history
         if not fuse:
             self._prefill(embeds, timings)
+        draws = self.draw()
+        normalized = ids = conf = None
         if run_diff:
             start = time.perf_counter()
-            normalized = denoise_on_cache(
-                model.lm, model.head, self.cache, policy.diffusion, self._noise(), prefix=embeds if fuse else None
-            )
+            normalized = denoise_on_cache(model.lm, model.head, self.cache, policy.diffusion, draws.diff_noise,
+                                          prefix=embeds if fuse else None)[0]  # fmt: skip
             synchronize(policy.device)
             timings["denoise"] = (time.perf_counter() - start) * 1e3
-            diff = postprocess_actions(normalized[0].float().cpu().numpy(), self.action_stats)  # [chunk, A]
         if run_ar:
             start = time.perf_counter()
-            t = torch.randint(0, policy.diffusion.num_timesteps, (1,), generator=self.generator).to(policy.device)
-            mark = self.cache.mark()
-            ids, conf = decode_ar_actions(
-                model.lm, model.head, self.cache, noise=self._noise(), t=t,
-                tail_ids=(EOD_TOKEN_ID, self.prompt.empty), n_tokens=policy.action_dim,
-            )  # fmt: skip
-            self.cache.rollback(mark)
+            ids, conf = (x[0] for x in decode_ar_branch(policy, self.cache, draws.ar_noise, draws.t, self.prompt.empty))
             synchronize(policy.device)
             timings["decode"] = (time.perf_counter() - start) * 1e3
-            self.last_tokens = ids.cpu().numpy()
-            self.last_confidences = conf[0].float().cpu().numpy()
+        return self.finish(normalized, ids, conf)
+
+    def draw(self) -> "Draws":
+        """This step's random draws from the session's generator, in the order every path takes them."""
+        policy = self.policy
+        run_diff, run_ar = policy.config.sampling.branches
+        diff = self._noise() if run_diff else None
+        if not run_ar:
+            return Draws(diff, None, None)
+        t = torch.randint(0, policy.diffusion.num_timesteps, (1,), generator=self.generator).to(policy.device)
+        return Draws(diff, t, self._noise())
+
+    def finish(self, normalized: torch.Tensor | None, ids: torch.Tensor | None, conf: torch.Tensor | None) -> np.ndarray:
+        """The branches' outputs for this session (diffusion chunk [chunk, A] normalised; AR ids and confidences
+        [A]) -> actions in robot units: the chunk with its first action ensembled, or the AR action [1, A]."""
+        policy = self.policy
+        diff = ar = None
+        if normalized is not None:
+            diff = postprocess_actions(normalized.float().cpu().numpy(), self.action_stats)  # [chunk, A]
+        if ids is not None:
+            self.last_tokens = ids.cpu().numpy()[None]
+            self.last_confidences = conf.float().cpu().numpy()
             ar = postprocess_actions(policy.ar_tokens.normalized(self.last_tokens[0]), self.action_stats)  # [A]
         if diff is None:
             self.last_used_ar = True
             return ar[None]
         if ar is not None:
-            diff[0], self.last_used_ar = collaborative_ensemble(diff[0], ar, self.last_confidences, sampling.ensemble)
+            diff[0], self.last_used_ar = collaborative_ensemble(diff[0], ar, self.last_confidences, policy.config.sampling.ensemble)
         return diff
+
+
+@dataclass
+class Draws:
+    """One step's random inputs: the diffusion branch's noise [1, chunk, A]; the AR branch's t [1] and noise."""
+
+    diff_noise: torch.Tensor | None
+    t: torch.Tensor | None
+    ar_noise: torch.Tensor | None
+
+
+def decode_ar_branch(policy: "HybridVLAPolicy", cache, noise: torch.Tensor, t: torch.Tensor, empty_id: int):
+    """The AR branch on the cached prefixes (rolled back afterwards): ids, confidences [B, action_dim]."""
+    model = policy.model
+    mark = cache.mark()
+    ids, conf = decode_ar_actions(model.lm, model.head, cache, noise=noise, t=t, tail_ids=(EOD_TOKEN_ID, empty_id),
+                                  n_tokens=policy.action_dim)  # fmt: skip
+    cache.rollback(mark)
+    return ids, conf
 
 
 class HybridVLAPolicy(PrismaticPolicy, Policy):
@@ -164,9 +197,16 @@ class HybridVLAPolicy(PrismaticPolicy, Policy):
         self.diffusion = GaussianDiffusion(config.sampling.diffusion)
         self.ar_tokens = ar_action_tokenizer(config.sampling.need_to_sub)
 
+    batched_steps = True
+
     @property
     def action_dim(self) -> int:
         return self.config.head.action_dim
+
+    def step_batch(self, sessions: list[HybridVLASession], observations: list[Observation]) -> list[StepResult]:
+        from .hybridvla_batching import step_batch
+
+        return step_batch(self, sessions, observations)
 
     @property
     def chunk_size(self) -> int:
