@@ -40,12 +40,24 @@ def test_steps_are_fitted_once_from_the_measured_rate():
         TimeBudget(0)
 
 
-def test_a_budgeted_run_ends_where_the_budget_says_and_records_it(tiny_ckpt, tiny_dataset, tmp_path):
+class Ticking(Clock):
+    """Every reading is 0.1 s after the last: the budget sees a machine of exactly 10 steps per second."""
+
+    def __call__(self) -> float:
+        self.now += 0.1
+        return self.now
+
+
+def test_a_budgeted_run_ends_where_the_budget_says_and_records_it(tiny_ckpt, tiny_dataset, tmp_path, monkeypatch):
+    import vla_finetune.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "TimeBudget", lambda minutes: TimeBudget(minutes, clock=Ticking()))
     out = tmp_path / "budget"
     run = {"max_steps": 500, "log_every": 1, "lr_schedule": "cosine", "lora": {"rank": 4}, "time_budget": 0.03}
     Trainer(make_config(tiny_ckpt, tiny_dataset, out, **run)).train()
     recorded = yaml.safe_load((out / outputs.RUN_CONFIG).read_text())["max_steps"]
     log = [json.loads(line) for line in (out / outputs.LOG).read_text().splitlines()]
-    assert 12 <= recorded < 500 and log[-1]["step"] == recorded  # fitted after 2 + 10 timed steps
+    # 1.8 s: timed from step 2 (0.3 s) to 12 (1.3 s), 10 steps/s; 0.6 s left -> 5 more steps (margin 0.97)
+    assert recorded == 17 and log[-1]["step"] == 17 and len(log) == 17
     assert log[-1]["lr"] < 0.05 * max(r["lr"] for r in log)  # the cosine schedule ended at the fitted step
-    assert json.loads((out / "checkpoints" / "last" / "state.json").read_text())["step"] == recorded
+    assert json.loads((out / "checkpoints" / "last" / "state.json").read_text())["step"] == 17
