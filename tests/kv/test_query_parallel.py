@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from vla_runtime.kv import ChunkedGatedCache, ChunkGate, KVMode
+from vla_runtime.kv.budget import BudgetMode
 from vla_runtime.kv.chunked_parallel import ForwardSchedule, ParallelChunkedAttention
 from vla_runtime.kv.query_parallel import ParallelQueryAttention, QueryBlocks
 
@@ -39,10 +40,12 @@ def stream(model, cache, x: torch.Tensor, steps: int = STEPS) -> torch.Tensor:
     return torch.cat(out, dim=1)
 
 
-def parallel(model, gate, x, lengths, blocks, *, soft: bool, temperature: float = 1.0, kv_cfg=KV):
-    params = kv_cfg.params.resolve(model.cfg.geometry)
+def parallel(model, gate, x, lengths, blocks, *, soft: bool, temperature: float = 1.0, budget=BudgetMode.HARD):
+    params = KV.params.resolve(model.cfg.geometry)
     schedule = ForwardSchedule.build(lengths, PROMPT, window=params.window, chunk=params.chunk)
-    attn = ParallelQueryAttention(schedule, blocks, gate, params, model.cfg.rope, soft=soft, temperature=temperature)
+    attn = ParallelQueryAttention(
+        schedule, blocks, gate, params, model.cfg.rope, soft=soft, temperature=temperature, budget=budget
+    )
     return model(inputs_embeds=x, cache=attn), attn
 
 
@@ -55,8 +58,14 @@ def test_query_blocks_equal_streaming_bidirectional_blocks(model, gate_kind):
     with torch.no_grad():
         hard, attn = parallel(model, gate, x, lengths, blocks, soft=False)
         sharp, _ = parallel(model, gate, x, lengths, blocks, soft=True, temperature=1e-4)
+        relaxed, _ = parallel(model, gate, x, lengths, blocks, soft=True, temperature=1e-4, budget=BudgetMode.SOFT)
+        warm, _ = parallel(model, gate, x, lengths, blocks, soft=True, temperature=1.0)
     torch.testing.assert_close(hard, streamed, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(sharp, streamed, atol=1e-4, rtol=1e-4)
+    # the relaxed top-M converges too where scores are distinct (the default gate's equal scores give m = 1/2)
+    if gate_kind == "dropping":
+        torch.testing.assert_close(relaxed, streamed, atol=1e-4, rtol=1e-4)
+    assert (warm - streamed).abs().max() > 1e-3  # soft gates at T = 1 are another (trainable) function
     aux = attn.aux()
     assert aux.schedule.n_chunks == cache.chunks_formed > 10  # chunks formed from observation tokens only
     assert int(cache.budget_dropped.sum()) > 0  # the budget bound within the episode
@@ -80,6 +89,15 @@ def test_kept_tokens_never_see_query_blocks(model):
         alone = model(inputs_embeds=x[:, kept_idx], cache=ParallelChunkedAttention(schedule, gate, params, model.cfg.rope))
     torch.testing.assert_close(out[:, kept_idx], alone, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(changed[:, kept_idx], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_batch_rows_are_independent_windows(model):
+    x, lengths, blocks = sequence(steps=4, batch=2, seed=3)
+    gate = dropping_gate(model)
+    with torch.no_grad():
+        both, _ = parallel(model, gate, x, lengths, blocks, soft=True, temperature=0.5)
+        rows = [parallel(model, gate, x[i : i + 1], lengths, blocks, soft=True, temperature=0.5)[0] for i in range(2)]
+    torch.testing.assert_close(both, torch.cat(rows), atol=1e-5, rtol=1e-5)
 
 
 def test_soft_query_blocks_train_the_gate(model):
