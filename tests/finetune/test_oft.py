@@ -94,8 +94,8 @@ def test_outputs_load_back_and_reproduce_the_trained_chunks(oft_run):
 
 def test_unsupported_settings_are_named(tmp_path, oft_run):
     _, _, ckpt, _ = oft_run
-    cfg = make_config(ckpt, tmp_path / "none", tmp_path / "run", trainable="all")  # history mode + chunked: the defaults
-    with pytest.raises(ValueError, match="its fine-tuning does not support: kv.mode 'chunked' in history mode .*; trainable 'all'"):
+    cfg = make_config(ckpt, tmp_path / "none", tmp_path / "run", trainable="all", data={"window": 0})
+    with pytest.raises(ValueError, match="its fine-tuning does not support: data.window 0 .*; trainable 'all'"):
         make_trainer(cfg, DistEnv())
 
 

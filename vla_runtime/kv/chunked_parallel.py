@@ -217,14 +217,15 @@ class ParallelChunkedAttention:
         log_g = gate.log_keep_prob(scores, layer, temperature=self.temperature)
         return k_rep.to(k.dtype), v_rep.to(v.dtype), scores, log_g
 
-    def _retention(self, scores: torch.Tensor, log_g: torch.Tensor, kept: torch.Tensor):
+    def _retention(self, scores: torch.Tensor, log_g: torch.Tensor, kept: torch.Tensor, formed: Sequence[int]):
         """Per segment: which chunks streaming holds, which the soft form shows, and their score bias.
 
-        scores, log_g, kept: [B, n]. Returns visible, shown [B, S, n] bool, bias [B, S, n] or ``None``
-        (hard gates), retained [B, n] bool (held after the last forward).
+        scores, log_g, kept: [B, n]; formed: [S] chunks formed before each segment (``self.formed``, or any
+        other states of the cache, e.g. query blocks'). Returns visible, shown [B, S, n] bool, bias [B, S, n]
+        or ``None`` (hard gates), retained [B, n] bool (held after the last forward).
         """
         m, n = self.params.max_chunks, scores.shape[1]
-        formed = torch.tensor(self.formed + [n], device=scores.device)  # [S + 1]: the end as a last "segment"
+        formed = torch.tensor(list(formed) + [n], device=scores.device)  # [S + 1]: the end as a last "segment"
         with torch.no_grad():
             visible = visible_chunks(beaten_counts(scores.detach(), kept), kept, formed, m)  # [B, S + 1, n]
         visible, retained = visible[:, :-1], visible[:, -1]
@@ -240,26 +241,33 @@ class ParallelChunkedAttention:
         return visible, shown, bias, retained
 
     # ---- attention ----------------------------------------------------------------------------------
-    def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [B, Hq, N, D]; k_raw, v: [B, Hkv, N, D] for the whole sequence -> [B, Hq, N, D]."""
-        sched = self.schedule
+    def chunk_keys(self, layer: int, k_raw: torch.Tensor, v: torch.Tensor, formed: Sequence[int]):
+        """One layer's chunk representatives and what each cache state sees of them (records ``aux``).
+
+        k_raw, v: [B, Hkv, N, D] (the schedule's tokens); formed: [S] chunks formed before each state.
+        Returns k_rep, v_rep [B, Hkv, n, D], visible, shown [B, S, n] bool, bias [B, S, n] or ``None``.
+        """
         b, hkv, n_tok, d = k_raw.shape
-        if n_tok != sched.n_tokens:
-            raise ValueError(f"the sequence has {n_tok} tokens but the boundaries cover {sched.n_tokens}")
-        n, n_seg = sched.n_chunks, len(sched.segments)
-        if n:
+        if n_tok != self.schedule.n_tokens:
+            raise ValueError(f"the sequence has {n_tok} tokens but the boundaries cover {self.schedule.n_tokens}")
+        if self.schedule.n_chunks:
             k_rep, v_rep, scores, log_g = self._gates(layer, k_raw, v)
             kept = (scores > self.gate.threshold(layer)).detach()
-            visible, shown, bias, retained = self._retention(scores, log_g, kept)
+            visible, shown, bias, retained = self._retention(scores, log_g, kept, formed)
         else:
             k_rep = v_rep = k_raw.new_zeros(b, hkv, 0, d)
             scores = log_g = k_raw.new_zeros(b, 0, dtype=torch.float32)
             kept = retained = torch.zeros(b, 0, dtype=torch.bool, device=k_raw.device)
-            visible = shown = torch.zeros(b, n_seg, 0, dtype=torch.bool, device=k_raw.device)
+            visible = shown = torch.zeros(b, len(formed), 0, dtype=torch.bool, device=k_raw.device)
             bias = None
         self.layers[layer] = dict(keep_prob=log_g.exp(), scores=scores, kept=kept, retained=retained)
+        return k_rep, v_rep, visible, shown, bias
+
+    def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [B, Hq, N, D]; k_raw, v: [B, Hkv, N, D] for the whole sequence -> [B, Hq, N, D]."""
+        k_rep, v_rep, visible, shown, bias = self.chunk_keys(layer, k_raw, v, self.formed)
         if self._plan is None:
-            self._plan = SegmentPlan.build(sched, self.formed, q.device)
+            self._plan = SegmentPlan.build(self.schedule, self.formed, q.device)
         return attend_segments(
             self._plan, self.rope, q, k_raw, v, k_rep, v_rep, visible=visible, shown=shown, bias=bias
         )

@@ -26,7 +26,7 @@ import torch
 from ..checkpoints.openvla_oft import OFTCheckpoint, apply_oft_adapter, load_openvla_oft
 from ..config import HistoryMode, SessionConfig, from_dict
 from ..device import resolve_device, resolve_dtype, synchronize
-from ..kv import KVConfig, make_cache
+from ..kv import KVConfig, has_gate, make_cache
 from ..kv.base import KVStats
 from ..kv.geometry import CacheGeometry
 from ..models.openvla.configuration_openvla import read_json
@@ -272,7 +272,7 @@ def load_openvla_oft_policy(
     cameras: the ``Observation.images`` keys fed as the model's images, third-person first (1 to 3).
     kv: the history-mode sessions' default cache (single mode holds none). ``session_config.json`` (in the
     adapter, else the checkpoint) gives the default session a fine-tuned model was trained for; a trained ``ChunkGate``
-    (``gates.safetensors`` + ``kv_config.json``) beside the checkpoint is loaded. adapter: a ``vla_finetune``
+    (``gates.safetensors`` + ``kv_config.json``) in the adapter, else beside the checkpoint, is loaded. adapter: a ``vla_finetune``
     OFT output directory (``apply_oft_adapter``: LoRA merged, its action head / proprio projector and statistics).
     """
     if isinstance(platform, str):
@@ -292,7 +292,8 @@ def load_openvla_oft_policy(
     session = from_dict(SessionConfig, read_json(session_file)) if session_file is not None else None
     if session is not None:
         kv, unnorm_key = kv or session.kv, unnorm_key or session.unnorm_key
-    gate, kv = trained_gate(path, dev, kv)
+    gate_dir = next((d for d in places if has_gate(d)), Path(path))  # a gate trained with the adapter first
+    gate, kv = trained_gate(gate_dir, dev, kv)
     return OpenVLAOFTPolicy(
         checkpoint, device=dev, dtype=dt, unnorm_key=unnorm_key, cameras=cameras, kv=kv, kv_gate=gate, session=session
     )
