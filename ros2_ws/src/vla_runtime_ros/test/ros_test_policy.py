@@ -24,6 +24,7 @@ from vla_runtime.kv.base import KVStats
 FAMILY = "ros-test"
 MARKER = "ros_test_policy.json"
 BYTES_PER_TOKEN = 1024  # what one token's K/V would take (reported in KVStats.bytes)
+PREFIX_MARK = 10.0  # added to the last action dimension by a step that was handed an RTC prefix
 
 
 @dataclass
@@ -39,7 +40,8 @@ class RosTestPolicyConfig:
 def expected_actions(image: np.ndarray, state: np.ndarray | None, cfg: RosTestPolicyConfig) -> np.ndarray:
     """The chunk a step returns for ``image`` uint8 [H, W, 3]: float [chunk_size, action_dim].
 
-    action[k, j] = 0.5 * mean_rgb[j % 3] / 255 - 0.1 * j + 0.01 * k (+ sum(state) / 100 when given).
+    action[k, j] = 0.5 * mean_rgb[j % 3] / 255 - 0.1 * j + 0.01 * k (+ sum(state) / 100 when given). A step
+    handed the queued actions (``Observation.prefix``, ``blend: rtc``) adds ``PREFIX_MARK`` to the last dimension.
     """
     mean = image.reshape(-1, 3).mean(axis=0) / 255.0  # [3]
     j = np.arange(cfg.action_dim)
@@ -62,6 +64,8 @@ class RosTestSession(EpisodeSession):
         if self.policy_config.step_ms:
             time.sleep(self.policy_config.step_ms / 1e3)
         actions = expected_actions(image, obs.state, self.policy_config)
+        if obs.prefix is not None:
+            actions[:, -1] += PREFIX_MARK
         if self.policy_config.fault == "raise":
             raise RuntimeError("test policy fault: CUDA out of memory (simulated)")
         if self.policy_config.fault == "nan":

@@ -16,7 +16,7 @@ pytest.importorskip("rclpy")
 
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from ros_harness import Diagnostics, NodeProcess, resend_until, solid_image, wait_for  # noqa: E402
-from ros_test_policy import RosTestPolicyConfig, expected_actions, write_checkpoint  # noqa: E402
+from ros_test_policy import PREFIX_MARK, RosTestPolicyConfig, expected_actions, write_checkpoint  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Float32MultiArray, String  # noqa: E402
 from vla_runtime_ros import conversions  # noqa: E402
@@ -88,6 +88,23 @@ def test_slow_chunk_policy_publishes_on_every_tick_with_async_refill(harness, no
         want = expected_actions(image, None, RosTestPolicyConfig(chunk_size=chunk))  # [chunk, 7]: row k = base + 0.01 k
         rows = {int(round((a[0] - want[0, 0]) / 0.01)) for a in action_values(actions)}
         assert rows and min(rows) >= 2 and max(rows) <= chunk - 1, rows  # never a row for a tick already past
+    finally:
+        camera.close(harness)
+
+
+def test_rtc_hands_the_queued_actions_to_the_chunk_policys_next_steps(harness, node_factory, tmp_path):
+    rate, chunk = 10.0, 10
+    ckpt = write_checkpoint(tmp_path / "rtc-chunk", chunk_size=chunk, step_ms=2 * 1e3 / rate)
+    proc, diag, actions = node_factory("/rtc", ckpt, control_rate_hz=rate, refill_threshold=2, blend="rtc")
+    camera = harness.stream(Image, "/rtc/image_raw", qos_profile_sensor_data, 30.0, conversions.array_to_image_msg(solid_image(5)))
+    try:
+        _, status = diag.wait(lambda s, v: int(v["steps"]) >= 6, what="six chunks")
+        last = [a[-1] for a in action_values(actions)]
+        base = expected_actions(solid_image(5), None, RosTestPolicyConfig(chunk_size=chunk))[0, -1]
+        # the first chunk had nothing queued before it; later steps were handed the queue (the mark), and
+        # their rows replaced the first chunk's on the ticks after they landed
+        marked = [v > base + PREFIX_MARK / 2 for v in last]  # rows are base + 0.01 k (+ the mark)
+        assert not marked[0] and any(marked), last
     finally:
         camera.close(harness)
 
