@@ -42,3 +42,19 @@ def test_make_tiny_info_predict_round_trip(tmp_path, capsys):
     assert main(["info", str(aloha), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert (info["platform"], info["chunk_size"], info["action_dim"], info["normalization"]) == ("aloha", 25, 14, "bounds")
+
+    film = tmp_path / "film"
+    assert main(["make-tiny", "--family", "openvla-oft", str(film), "--film"]) == 0
+    assert (film / "vision_backbone--150000_checkpoint.pt").is_file()
+    capsys.readouterr()
+    assert main(["info", str(film), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    p = info["parameters"]
+    assert info["film"] is True and info["components"]["vision_backbone"] == "vision_backbone--150000_checkpoint.pt"
+    assert p["total"] == p["vision"] + p["projector"] + p["llm"] + p["action_head"]
+    film_args = ["predict", "--checkpoint", str(film), "--image", str(png), "--state", ",".join(["0.1"] * 8), "--steps", "1"]
+    chunks = []
+    for instruction in ("open the drawer", "close the drawer"):  # FiLM: the instruction reaches the vision towers
+        assert main(film_args + ["--instruction", instruction]) == 0
+        chunks.append(json.loads(capsys.readouterr().out.splitlines()[0])["chunk"])
+    assert chunks[0] != chunks[1]

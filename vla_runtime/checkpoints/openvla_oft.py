@@ -6,6 +6,7 @@ trained under DDP) is stripped, as upstream's ``load_component_state_dict`` does
 tensors: ``action_head``'s ``model.fc2.weight`` [action_dim, hidden] and ``model.layer_norm1.weight``
 [llm_dim * action_dim]; ``proprio_projector``'s ``fc1.weight`` [llm_dim, proprio_dim]. The chunk length
 and normalisation come from the platform (``configuration_oft.PLATFORMS``), given or matched by sizes.
+A ``vision_backbone--*checkpoint.pt`` makes the checkpoint FiLM-conditioned (OFT+, ``openvla_oft_film``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..models.openvla_oft.configuration_oft import (
 from ..models.openvla.configuration_openvla import read_json
 from ..models.openvla_oft.modeling_oft import OpenVLAOFT
 from .adapter import has_lora, merge_lora
+from .openvla_oft_film import check_film_state, split_film_state
 from .openvla import OpenVLACheckpoint, load_openvla
 
 log = logging.getLogger(__name__)
@@ -127,9 +129,8 @@ def load_openvla_oft(
 ) -> OFTCheckpoint:
     """Load an OFT directory onto ``device`` in ``dtype`` (``"meta"``: structure only, as ``load_openvla``)."""
     path = Path(path)
-    for pattern, what in ((NOISY_ACTION_PROJECTOR, "the diffusion variant"), (VISION_BACKBONE, "FiLM (OFT+)")):
-        if component_files(path, pattern):
-            raise ValueError(f"{path} holds a {pattern} checkpoint: {what} is not supported yet (L1-regression OFT only)")
+    if component_files(path, NOISY_ACTION_PROJECTOR):
+        raise ValueError(f"{path} holds a {NOISY_ACTION_PROJECTOR} checkpoint: the diffusion variant is not supported yet")
     base = load_openvla(path, device=device, dtype=dtype)
     llm_dim = base.config.llm.dim
     files = {ACTION_HEAD: find_component(path, ACTION_HEAD, required=True)}
@@ -150,16 +151,27 @@ def load_openvla_oft(
         proprio_dim = _shape(proprio, "fc1.weight", proprio_file, 2)[1]
     chosen = resolve_platform(platform, action_dim, proprio_dim)
     constants = PLATFORMS[chosen]
-    config = OFTConfig(llm_dim, action_dim, constants.chunk_size, proprio_dim, num_images, constants.normalization, hidden)
+    film_file = find_component(path, VISION_BACKBONE, required=False)
+    config = OFTConfig(
+        llm_dim, action_dim, constants.chunk_size, proprio_dim, num_images, constants.normalization, hidden, film=film_file is not None
+    )
     with torch.device("meta"):
-        model = OpenVLAOFT(base.model, config)  # the head (+ projector) on meta, the loaded backbone kept
+        model = OpenVLAOFT(base.model, config)  # the head (+ projector, FiLM) on meta, the loaded backbone kept
     _check_state(model.action_head, head, files[ACTION_HEAD])
     if proprio is not None:
         _check_state(model.proprio_projector, proprio, proprio_file)
+    vision = film = None
+    if film_file is not None:
+        files[VISION_BACKBONE] = film_file
+        vision, film = split_film_state(load_component(film_file), film_file)
+        check_film_state(model.vla.vision_backbone, model.film, vision, film, film_file)
     if torch.device(device).type != "meta":
         model.action_head.load_state_dict({k: v.to(device, dtype) for k, v in head.items()}, strict=True, assign=True)
         if proprio is not None:
             model.proprio_projector.load_state_dict({k: v.to(device, dtype) for k, v in proprio.items()}, strict=True, assign=True)
+        if film is not None:  # upstream loads the whole FiLM'd backbone over the merged checkpoint's vision weights
+            model.vla.vision_backbone.load_state_dict({k: v.to(device, dtype) for k, v in vision.items()}, strict=True)
+            model.film.load_state_dict({k: v.to(device, dtype) for k, v in film.items()}, strict=True, assign=True)
     return OFTCheckpoint(path, base, config, chosen, model.eval(), files)
 
 

@@ -127,10 +127,11 @@ class OpenVLAOFTPolicy(GateOwner, Policy):
             "action_dim": cfg.action_dim,
             "proprio_dim": cfg.proprio_dim,
             "normalization": cfg.normalization.value,
+            "film": cfg.film,
             "components": {k: v.name for k, v in self.checkpoint.components.items()},
             "parameters": {
                 "total": count(self.model),
-                "vision": count(vla.vision_backbone),
+                "vision": count(vla.vision_backbone) + count(self.model.film),
                 "projector": count(vla.projector) + count(self.model.proprio_projector),
                 "llm": count(vla.language_model),
                 "action_head": count(self.model.action_head),
@@ -168,6 +169,8 @@ class OpenVLAOFTSession(EpisodeSession):
         policy = self.policy
         self.instruction = instruction
         self.prompt = policy.tokenizer.prompt(instruction)
+        with torch.inference_mode():
+            self.language = policy.model.language(self.prompt)  # FiLM's conditioning [1, llm_dim], or None
         self.cache = None
         self._pinned = False
         if not self.history:
@@ -220,7 +223,7 @@ class OpenVLAOFTSession(EpisodeSession):
         start = time.perf_counter()
         pixels, state = self.inputs(obs)
         model, device = self.policy.model, self.policy.device
-        image_tokens = model.embed_images(pixels)
+        image_tokens = model.embed_images(pixels, self.language)
         proprio = None if state is None else model.embed_proprio(state)
         synchronize(device)
         t1 = time.perf_counter()

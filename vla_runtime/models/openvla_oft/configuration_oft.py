@@ -50,7 +50,7 @@ PLATFORMS: dict[OFTPlatform, PlatformConstants] = {
 ACTION_HEAD = "action_head"  # upstream's find_checkpoint_file patterns
 PROPRIO_PROJECTOR = "proprio_projector"
 NOISY_ACTION_PROJECTOR = "noisy_action_projector"  # diffusion variant (not supported yet)
-VISION_BACKBONE = "vision_backbone"  # FiLM (OFT+) (not supported yet)
+VISION_BACKBONE = "vision_backbone"  # FiLM (OFT+): the whole vision backbone with FiLM layers
 STOP_TOKEN_ID = 2  # upstream's STOP_INDEX ('</s>'), appended after the action positions
 HEAD_BLOCKS = 2  # L1RegressionActionHead: MLPResNet(num_blocks=2, ...)
 
@@ -77,6 +77,7 @@ class OFTConfig:
         num_images: images per step (1 third-person + up to 2 wrist cameras), ``num_images_in_input``.
         normalization: how actions/proprio are (un)normalised with the dataset statistics.
         head_hidden: the MLPResNet's hidden width (upstream: ``llm_dim``).
+        film: the vision towers are FiLM-conditioned on the task's language (OFT+, ``use_film``).
     """
 
     llm_dim: int
@@ -86,6 +87,7 @@ class OFTConfig:
     num_images: int = 1
     normalization: NormalizationType = NormalizationType.BOUNDS_Q99
     head_hidden: int | None = None
+    film: bool = False
 
     def __post_init__(self) -> None:
         for name in ("llm_dim", "action_dim", "chunk_size"):

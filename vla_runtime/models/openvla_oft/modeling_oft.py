@@ -31,6 +31,7 @@ from ...kv.bidirectional import BidirectionalPass
 from ..openvla.modeling_openvla import OpenVLA, ProprioProjector
 from ..openvla.prompt_openvla import PromptIds
 from .configuration_oft import HEAD_BLOCKS, STOP_TOKEN_ID, OFTConfig
+from .film import VisionFiLM, average_language_embedding
 
 
 class MLPResNetBlock(nn.Module):
@@ -94,16 +95,31 @@ class OpenVLAOFT(nn.Module):
         self.vla = vla
         self.action_head = L1RegressionActionHead(cfg)
         self.proprio_projector = ProprioProjector(cfg.proprio_dim, cfg.llm_dim) if cfg.proprio_dim else None
+        self.film = VisionFiLM(vla.vision_backbone, cfg.llm_dim) if cfg.film else None
 
-    def embed_images(self, pixels: Sequence[torch.Tensor]) -> torch.Tensor:
+    def language(self, prompt: PromptIds, batch: int = 1) -> torch.Tensor | None:
+        """FiLM's conditioning for ``prompt``: the mean input embedding of BOS + prompt ids + ``</s>`` (every
+        non-action position of upstream's sequence) -> [B, llm_dim]; ``None`` without FiLM."""
+        if self.film is None:
+            return None
+        embed = self.vla.language_model.model.embed_tokens
+        return average_language_embedding(embed, [*prompt.input_ids, STOP_TOKEN_ID], batch)
+
+    def embed_images(self, pixels: Sequence[torch.Tensor], language: torch.Tensor | None = None) -> torch.Tensor:
         """pixels[i]: [B, 3 * towers, S, S], one per camera (third-person first) -> [B, num_images * N, dim].
 
-        Upstream featurizes each image separately and concatenates the patch tokens; the projector is per
-        token, so projecting each image apart is the same computation.
+        language: [B, llm_dim] (``language(prompt)``), required with FiLM, ignored without. Upstream
+        featurizes each image separately (FiLM'd by the same language) and concatenates the patch tokens; the
+        projector is per token, so projecting each image apart is the same computation.
         """
         if len(pixels) != self.cfg.num_images:
             raise ValueError(f"this OFT policy takes {self.cfg.num_images} image(s) per step, got {len(pixels)}")
-        return torch.cat([self.vla.embed_image(p) for p in pixels], dim=1)  # [B, num_images * N, dim]
+        if self.film is None:
+            return torch.cat([self.vla.embed_image(p) for p in pixels], dim=1)  # [B, num_images * N, dim]
+        if language is None:
+            raise ValueError("this OFT checkpoint is FiLM-conditioned (vision_backbone--*checkpoint.pt): pass `language` (OpenVLAOFT.language(prompt))")
+        backbone = self.vla.vision_backbone
+        return torch.cat([self.vla.projector(self.film(backbone, p, language)) for p in pixels], dim=1)  # [B, num_images * N, dim]
 
     def embed_proprio(self, state: torch.Tensor) -> torch.Tensor:
         """state: [B, proprio_dim] (normalised) -> the proprio token [B, 1, dim]."""
@@ -168,7 +184,7 @@ class OpenVLAOFT(nn.Module):
     ) -> torch.Tensor:
         """One chunk: pixels[i] [B, 3 * towers, S, S], state [B, proprio_dim] (normalised) or None ->
         normalised actions [B, chunk_size, action_dim] (float32)."""
-        image_tokens = self.embed_images(pixels)
+        image_tokens = self.embed_images(pixels, self.language(prompt, pixels[0].shape[0]))
         proprio = None if state is None else self.embed_proprio(state)
         embeds, start = self.sequence(prompt, image_tokens, proprio)
         return self.action_head(self.action_hidden(embeds, start)).float()
