@@ -7,6 +7,8 @@ tensors: ``action_head``'s ``model.fc2.weight`` [action_dim, hidden] and ``model
 [llm_dim * action_dim]; ``proprio_projector``'s ``fc1.weight`` [llm_dim, proprio_dim]. The chunk length
 and normalisation come from the platform (``configuration_oft.PLATFORMS``), given or matched by sizes.
 A ``vision_backbone--*checkpoint.pt`` makes the checkpoint FiLM-conditioned (OFT+, ``openvla_oft_film``).
+A ``noisy_action_projector--*checkpoint.pt`` (``fc1.weight`` [llm_dim, 1]) makes it the diffusion variant;
+its action head is then ``noise_predictor.mlp_resnet.*`` (same sizes under that prefix).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from ..models.openvla_oft.configuration_oft import (
     ACTION_HEAD,
+    DIFFUSION_STEPS,
     NOISY_ACTION_PROJECTOR,
     PLATFORMS,
     PROPRIO_PROJECTOR,
@@ -38,6 +41,8 @@ from .openvla import OpenVLACheckpoint, load_openvla
 log = logging.getLogger(__name__)
 
 DDP_PREFIX = "module."
+L1_HEAD_PREFIX = "model."  # L1RegressionActionHead.model (MLPResNet)
+DIFFUSION_HEAD_PREFIX = "noise_predictor.mlp_resnet."  # DiffusionActionHead.noise_predictor.mlp_resnet
 
 
 @dataclass
@@ -126,17 +131,29 @@ def load_openvla_oft(
     dtype: torch.dtype = torch.float32,
     platform: OFTPlatform | None = None,
     num_images: int = 1,
+    diffusion_steps: int = DIFFUSION_STEPS,
 ) -> OFTCheckpoint:
-    """Load an OFT directory onto ``device`` in ``dtype`` (``"meta"``: structure only, as ``load_openvla``)."""
+    """Load an OFT directory onto ``device`` in ``dtype`` (``"meta"``: structure only, as ``load_openvla``).
+
+    diffusion_steps: DDIM steps per chunk for the diffusion variant (upstream's default 50; ignored for L1).
+    """
     path = Path(path)
-    if component_files(path, NOISY_ACTION_PROJECTOR):
-        raise ValueError(f"{path} holds a {NOISY_ACTION_PROJECTOR} checkpoint: the diffusion variant is not supported yet")
     base = load_openvla(path, device=device, dtype=dtype)
     llm_dim = base.config.llm.dim
     files = {ACTION_HEAD: find_component(path, ACTION_HEAD, required=True)}
     head = load_component(files[ACTION_HEAD])
-    action_dim, hidden = _shape(head, "model.fc2.weight", files[ACTION_HEAD], 2)
-    (head_in,) = _shape(head, "model.layer_norm1.weight", files[ACTION_HEAD], 1)
+    noisy_file = find_component(path, NOISY_ACTION_PROJECTOR, required=False)
+    diffusion = noisy_file is not None
+    head_prefix = DIFFUSION_HEAD_PREFIX if diffusion else L1_HEAD_PREFIX
+    if diffusion and f"{L1_HEAD_PREFIX}fc2.weight" in head:
+        raise ValueError(f"{path} has {noisy_file.name} (the diffusion variant) but {files[ACTION_HEAD].name} is an L1-regression head (`model.*` keys)")
+    if not diffusion and f"{DIFFUSION_HEAD_PREFIX}fc2.weight" in head:
+        raise ValueError(
+            f"{files[ACTION_HEAD].name} is a diffusion head (`noise_predictor.*` keys) but {path} has no "
+            f"{NOISY_ACTION_PROJECTOR}--*checkpoint.pt beside it (the diffusion variant needs both)"
+        )
+    action_dim, hidden = _shape(head, f"{head_prefix}fc2.weight", files[ACTION_HEAD], 2)
+    (head_in,) = _shape(head, f"{head_prefix}layer_norm1.weight", files[ACTION_HEAD], 1)
     if head_in != llm_dim * action_dim:
         raise ValueError(
             f"{files[ACTION_HEAD].name}: the head takes {head_in} features per action; expected llm_dim {llm_dim} x "
@@ -153,13 +170,19 @@ def load_openvla_oft(
     constants = PLATFORMS[chosen]
     film_file = find_component(path, VISION_BACKBONE, required=False)
     config = OFTConfig(
-        llm_dim, action_dim, constants.chunk_size, proprio_dim, num_images, constants.normalization, hidden, film=film_file is not None
+        llm_dim, action_dim, constants.chunk_size, proprio_dim, num_images, constants.normalization, hidden,
+        film=film_file is not None, diffusion=diffusion, diffusion_steps=diffusion_steps,
     )
     with torch.device("meta"):
         model = OpenVLAOFT(base.model, config)  # the head (+ projector, FiLM) on meta, the loaded backbone kept
     _check_state(model.action_head, head, files[ACTION_HEAD])
     if proprio is not None:
         _check_state(model.proprio_projector, proprio, proprio_file)
+    noisy = None
+    if diffusion:
+        files[NOISY_ACTION_PROJECTOR] = noisy_file
+        noisy = load_component(noisy_file)
+        _check_state(model.noisy_action_projector, noisy, noisy_file)
     vision = film = None
     if film_file is not None:
         files[VISION_BACKBONE] = film_file
@@ -169,6 +192,8 @@ def load_openvla_oft(
         model.action_head.load_state_dict({k: v.to(device, dtype) for k, v in head.items()}, strict=True, assign=True)
         if proprio is not None:
             model.proprio_projector.load_state_dict({k: v.to(device, dtype) for k, v in proprio.items()}, strict=True, assign=True)
+        if noisy is not None:
+            model.noisy_action_projector.load_state_dict({k: v.to(device, dtype) for k, v in noisy.items()}, strict=True, assign=True)
         if film is not None:  # upstream loads the whole FiLM'd backbone over the merged checkpoint's vision weights
             model.vla.vision_backbone.load_state_dict({k: v.to(device, dtype) for k, v in vision.items()}, strict=True)
             model.film.load_state_dict({k: v.to(device, dtype) for k, v in film.items()}, strict=True, assign=True)

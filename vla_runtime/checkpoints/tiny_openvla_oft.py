@@ -5,7 +5,8 @@ them, ``action_head--{step}_checkpoint.pt`` and ``proprio_projector--{step}_chec
 of the DDP-wrapped modules' state dicts, so every key starts with ``module.``) and
 ``dataset_statistics.json`` (action and proprio statistics of one dataset). ``film=True`` adds
 ``vision_backbone--{step}_checkpoint.pt`` as upstream saves it for OFT+ (``openvla_oft_film``'s layout:
-the whole FiLM-wrapped backbone, every ViT linear as a LoRA ``base_layer`` + ``lora_A/B`` of rank 4).
+the whole FiLM-wrapped backbone, every ViT linear as a LoRA ``base_layer`` + ``lora_A/B`` of rank 4);
+``diffusion=True`` writes the diffusion variant (``noise_predictor.*`` head + ``noisy_action_projector--*``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ import torch
 
 from ..models.llama import LLAMA_CONFIGS, LlamaConfig
 from ..models.openvla.modeling_openvla import ProprioProjector
-from ..models.openvla_oft.configuration_oft import ACTION_HEAD, PLATFORMS, PROPRIO_PROJECTOR, VISION_BACKBONE, OFTConfig, OFTPlatform
+from ..models.openvla_oft.configuration_oft import (
+    ACTION_HEAD,
+    NOISY_ACTION_PROJECTOR,
+    PLATFORMS,
+    PROPRIO_PROJECTOR,
+    VISION_BACKBONE,
+    OFTConfig,
+    OFTPlatform,
+)
+from ..models.openvla_oft.diffusion_oft import DiffusionActionHead, NoisyActionProjector
 from ..models.openvla_oft.film import VisionFiLM
 from ..models.openvla_oft.modeling_oft import L1RegressionActionHead
 from .openvla import load_openvla
@@ -88,12 +98,15 @@ def make_tiny_openvla_oft(
     llm: LlamaConfig | None = None,
     film: bool = False,
     film_lora_rank: int | None = 4,
+    diffusion: bool = False,
 ) -> Path:
     """Write a tiny random OFT checkpoint directory for ``platform``'s sizes and return its path.
 
     proprio: write a proprio projector (the platform's proprio size). step: the training step in the
     component file names. llm: another decoder geometry than ``LLAMA_CONFIGS["tiny"]``. film: write a FiLM
     vision backbone (OFT+), its linears as LoRA layers of ``film_lora_rank`` (``None``: plain weights).
+    diffusion: the diffusion variant: a ``DiffusionActionHead`` as ``action_head--*`` and
+    ``noisy_action_projector--{step}_checkpoint.pt``.
     """
     out = Path(out)
     constants = PLATFORMS[platform]
@@ -103,9 +116,13 @@ def make_tiny_openvla_oft(
     (out / "dataset_statistics.json").write_text(json.dumps(stats, indent=2) + "\n")
     cfg = OFTConfig(llm.dim, constants.action_dim, constants.chunk_size, constants.proprio_dim if proprio else None)
     generator = torch.Generator().manual_seed(seed + 1)
-    head = L1RegressionActionHead(cfg)
+    head = DiffusionActionHead(cfg) if diffusion else L1RegressionActionHead(cfg)
     _randomize(head, generator)
     _save_component(head, out / f"{ACTION_HEAD}--{step}_checkpoint.pt", dtype)
+    if diffusion:
+        noisy = NoisyActionProjector(llm.dim)
+        _randomize(noisy, generator)
+        _save_component(noisy, out / f"{NOISY_ACTION_PROJECTOR}--{step}_checkpoint.pt", dtype)
     if proprio:
         projector = ProprioProjector(constants.proprio_dim, llm.dim)
         _randomize(projector, generator)
