@@ -170,3 +170,13 @@ def test_diffusion_load_errors_are_named(oft_diffusion, oft_libero, tmp_path):
     shutil.copy(next(oft_diffusion.glob("action_head--*")), broken / "action_head--150000_checkpoint.pt")
     with pytest.raises(ValueError, match=r"noisy_action_projector--150000_checkpoint.pt: `fc1.weight` has shape \[64, 2\]; expected \[64, 1\]"):
         load_policy(broken, device="cpu")
+
+
+def test_film_with_diffusion(tmp_path, frame):
+    """Both components load and run together (a smoke test: the FiLM and diffusion paths are each checked above)."""
+    path = make_tiny_openvla_oft(tmp_path / "both", seed=6, dtype=torch.float32, film=True, diffusion=True)
+    policy = load_policy(path, device="cpu", dtype="float32", diffusion_steps=2)
+    assert policy.config.film and policy.config.diffusion
+    obs = _obs(frame, 3)
+    a, b = (policy.new_session(text).step(obs).actions for text in ("open the drawer", "close the drawer"))
+    assert a.shape == (8, 7) and np.abs(a - b).max() > 1e-3
