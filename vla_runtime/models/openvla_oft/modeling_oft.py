@@ -18,6 +18,10 @@ History mode (ours, not upstream's; the session drives the cache): ``history_pro
 step appends its ``observation`` (images + proprio, kept, causal) and evaluates ``query_block``
 (``ids("\nOut:") + 29871 + zeros + </s>``) bidirectionally over the history, then drops it; the head reads
 the block's rows from the position before its first zero, as above (``head_input``).
+
+Variants: FiLM (OFT+, ``film.py``) conditions the vision towers on ``language(prompt)``; the diffusion
+variant (``diffusion_oft.py``, ``denoise``) adds a timestep token after the observation and puts projected
+noisy actions at the action positions instead of zeros, one whole forward per DDIM step (single mode only).
 """
 
 from __future__ import annotations
