@@ -183,6 +183,12 @@ class OFTTrainer:
         torch.manual_seed(cfg.seed)
         self.policy = load_policy(cfg.checkpoint, device=cfg.device, dtype="float32")
         self.device = self.policy.device
+        variant = self.policy.config
+        if variant.diffusion or variant.film:
+            raise ValueError(
+                f"{cfg.checkpoint} is OpenVLA-OFT's {'diffusion variant' if variant.diffusion else 'FiLM (OFT+) variant'}: "
+                "fine-tuning supports the L1-regression variant without FiLM only (inference supports both)"
+            )
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
         self.data = OFTTrainingData.prepare(cfg, self.policy, cache_dir=cfg.data.cache_dir or self.out / "cache")

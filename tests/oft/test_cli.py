@@ -42,3 +42,33 @@ def test_make_tiny_info_predict_round_trip(tmp_path, capsys):
     assert main(["info", str(aloha), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert (info["platform"], info["chunk_size"], info["action_dim"], info["normalization"]) == ("aloha", 25, 14, "bounds")
+
+    film = tmp_path / "film"
+    assert main(["make-tiny", "--family", "openvla-oft", str(film), "--film"]) == 0
+    assert (film / "vision_backbone--150000_checkpoint.pt").is_file()
+    capsys.readouterr()
+    assert main(["info", str(film), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    p = info["parameters"]
+    assert info["film"] is True and info["components"]["vision_backbone"] == "vision_backbone--150000_checkpoint.pt"
+    assert p["total"] == p["vision"] + p["projector"] + p["llm"] + p["action_head"]
+    film_args = ["predict", "--checkpoint", str(film), "--image", str(png), "--state", ",".join(["0.1"] * 8), "--steps", "1"]
+    chunks = []
+    for instruction in ("open the drawer", "close the drawer"):  # FiLM: the instruction reaches the vision towers
+        assert main(film_args + ["--instruction", instruction]) == 0
+        chunks.append(json.loads(capsys.readouterr().out.splitlines()[0])["chunk"])
+    assert chunks[0] != chunks[1]
+
+    diffusion = tmp_path / "diffusion"
+    assert main(["make-tiny", "--family", "openvla-oft", str(diffusion), "--diffusion"]) == 0
+    assert (diffusion / "noisy_action_projector--150000_checkpoint.pt").is_file()
+    capsys.readouterr()
+    assert main(["info", str(diffusion), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    p = info["parameters"]
+    assert info["diffusion"] == {"train_steps": 50, "steps": 50} and info["film"] is False
+    assert p["total"] == p["vision"] + p["projector"] + p["llm"] + p["action_head"]
+    assert main(["predict", "--checkpoint", str(diffusion), "--image", str(png), "--instruction", "open the drawer",
+                 "--state", ",".join(["0.1"] * 8), "--steps", "2"]) == 0  # fmt: skip
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 2 and len(lines[0]["chunk"]) == 8 and lines[0]["chunk"] != lines[1]["chunk"]  # a new draw per step

@@ -77,9 +77,9 @@ def test_not_a_state_dict_and_unpicklable(copy):
         load_openvla_oft(copy)
 
 
-def test_variants_not_supported_yet(copy):
+def test_noisy_projector_beside_an_l1_head(copy):
     torch.save({}, copy / "noisy_action_projector--150000_checkpoint.pt")
-    with pytest.raises(ValueError, match="diffusion variant is not supported yet"):
+    with pytest.raises(ValueError, match=r"\(the diffusion variant\) but .* is an L1-regression head"):
         load_openvla_oft(copy)
 
 

@@ -6,6 +6,9 @@ trained under DDP) is stripped, as upstream's ``load_component_state_dict`` does
 tensors: ``action_head``'s ``model.fc2.weight`` [action_dim, hidden] and ``model.layer_norm1.weight``
 [llm_dim * action_dim]; ``proprio_projector``'s ``fc1.weight`` [llm_dim, proprio_dim]. The chunk length
 and normalisation come from the platform (``configuration_oft.PLATFORMS``), given or matched by sizes.
+A ``vision_backbone--*checkpoint.pt`` makes the checkpoint FiLM-conditioned (OFT+, ``openvla_oft_film``).
+A ``noisy_action_projector--*checkpoint.pt`` (``fc1.weight`` [llm_dim, 1]) makes it the diffusion variant;
+its action head is then ``noise_predictor.mlp_resnet.*`` (same sizes under that prefix).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from ..models.openvla_oft.configuration_oft import (
     ACTION_HEAD,
+    DIFFUSION_STEPS,
     NOISY_ACTION_PROJECTOR,
     PLATFORMS,
     PROPRIO_PROJECTOR,
@@ -31,11 +35,14 @@ from ..models.openvla_oft.configuration_oft import (
 from ..models.openvla.configuration_openvla import read_json
 from ..models.openvla_oft.modeling_oft import OpenVLAOFT
 from .adapter import has_lora, merge_lora
+from .openvla_oft_film import check_film_state, split_film_state
 from .openvla import OpenVLACheckpoint, load_openvla
 
 log = logging.getLogger(__name__)
 
 DDP_PREFIX = "module."
+L1_HEAD_PREFIX = "model."  # L1RegressionActionHead.model (MLPResNet)
+DIFFUSION_HEAD_PREFIX = "noise_predictor.mlp_resnet."  # DiffusionActionHead.noise_predictor.mlp_resnet
 
 
 @dataclass
@@ -124,18 +131,29 @@ def load_openvla_oft(
     dtype: torch.dtype = torch.float32,
     platform: OFTPlatform | None = None,
     num_images: int = 1,
+    diffusion_steps: int = DIFFUSION_STEPS,
 ) -> OFTCheckpoint:
-    """Load an OFT directory onto ``device`` in ``dtype`` (``"meta"``: structure only, as ``load_openvla``)."""
+    """Load an OFT directory onto ``device`` in ``dtype`` (``"meta"``: structure only, as ``load_openvla``).
+
+    diffusion_steps: DDIM steps per chunk for the diffusion variant (upstream's default 50; ignored for L1).
+    """
     path = Path(path)
-    for pattern, what in ((NOISY_ACTION_PROJECTOR, "the diffusion variant"), (VISION_BACKBONE, "FiLM (OFT+)")):
-        if component_files(path, pattern):
-            raise ValueError(f"{path} holds a {pattern} checkpoint: {what} is not supported yet (L1-regression OFT only)")
     base = load_openvla(path, device=device, dtype=dtype)
     llm_dim = base.config.llm.dim
     files = {ACTION_HEAD: find_component(path, ACTION_HEAD, required=True)}
     head = load_component(files[ACTION_HEAD])
-    action_dim, hidden = _shape(head, "model.fc2.weight", files[ACTION_HEAD], 2)
-    (head_in,) = _shape(head, "model.layer_norm1.weight", files[ACTION_HEAD], 1)
+    noisy_file = find_component(path, NOISY_ACTION_PROJECTOR, required=False)
+    diffusion = noisy_file is not None
+    head_prefix = DIFFUSION_HEAD_PREFIX if diffusion else L1_HEAD_PREFIX
+    if diffusion and f"{L1_HEAD_PREFIX}fc2.weight" in head:
+        raise ValueError(f"{path} has {noisy_file.name} (the diffusion variant) but {files[ACTION_HEAD].name} is an L1-regression head (`model.*` keys)")
+    if not diffusion and f"{DIFFUSION_HEAD_PREFIX}fc2.weight" in head:
+        raise ValueError(
+            f"{files[ACTION_HEAD].name} is a diffusion head (`noise_predictor.*` keys) but {path} has no "
+            f"{NOISY_ACTION_PROJECTOR}--*checkpoint.pt beside it (the diffusion variant needs both)"
+        )
+    action_dim, hidden = _shape(head, f"{head_prefix}fc2.weight", files[ACTION_HEAD], 2)
+    (head_in,) = _shape(head, f"{head_prefix}layer_norm1.weight", files[ACTION_HEAD], 1)
     if head_in != llm_dim * action_dim:
         raise ValueError(
             f"{files[ACTION_HEAD].name}: the head takes {head_in} features per action; expected llm_dim {llm_dim} x "
@@ -150,16 +168,35 @@ def load_openvla_oft(
         proprio_dim = _shape(proprio, "fc1.weight", proprio_file, 2)[1]
     chosen = resolve_platform(platform, action_dim, proprio_dim)
     constants = PLATFORMS[chosen]
-    config = OFTConfig(llm_dim, action_dim, constants.chunk_size, proprio_dim, num_images, constants.normalization, hidden)
+    film_file = find_component(path, VISION_BACKBONE, required=False)
+    config = OFTConfig(
+        llm_dim, action_dim, constants.chunk_size, proprio_dim, num_images, constants.normalization, hidden,
+        film=film_file is not None, diffusion=diffusion, diffusion_steps=diffusion_steps,
+    )
     with torch.device("meta"):
-        model = OpenVLAOFT(base.model, config)  # the head (+ projector) on meta, the loaded backbone kept
+        model = OpenVLAOFT(base.model, config)  # the head (+ projector, FiLM) on meta, the loaded backbone kept
     _check_state(model.action_head, head, files[ACTION_HEAD])
     if proprio is not None:
         _check_state(model.proprio_projector, proprio, proprio_file)
+    noisy = None
+    if diffusion:
+        files[NOISY_ACTION_PROJECTOR] = noisy_file
+        noisy = load_component(noisy_file)
+        _check_state(model.noisy_action_projector, noisy, noisy_file)
+    vision = film = None
+    if film_file is not None:
+        files[VISION_BACKBONE] = film_file
+        vision, film = split_film_state(load_component(film_file), film_file)
+        check_film_state(model.vla.vision_backbone, model.film, vision, film, film_file)
     if torch.device(device).type != "meta":
         model.action_head.load_state_dict({k: v.to(device, dtype) for k, v in head.items()}, strict=True, assign=True)
         if proprio is not None:
             model.proprio_projector.load_state_dict({k: v.to(device, dtype) for k, v in proprio.items()}, strict=True, assign=True)
+        if noisy is not None:
+            model.noisy_action_projector.load_state_dict({k: v.to(device, dtype) for k, v in noisy.items()}, strict=True, assign=True)
+        if film is not None:  # upstream loads the whole FiLM'd backbone over the merged checkpoint's vision weights
+            model.vla.vision_backbone.load_state_dict({k: v.to(device, dtype) for k, v in vision.items()}, strict=True)
+            model.film.load_state_dict({k: v.to(device, dtype) for k, v in film.items()}, strict=True, assign=True)
     return OFTCheckpoint(path, base, config, chosen, model.eval(), files)
 
 

@@ -35,6 +35,8 @@ def _openvla_oft(out: Path, args: argparse.Namespace) -> Path:
         platform=OFTPlatform(args.oft_platform),
         proprio=not args.no_proprio,
         dtype=DTYPES[args.dtype],
+        film=args.film,
+        diffusion=args.diffusion,
     )
 
 
@@ -70,6 +72,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--oft-platform", choices=("libero", "bridge", "aloha"), default="libero",
                    help="openvla-oft: the platform's sizes (chunk x action dims: libero 8x7, bridge 5x7, aloha 25x14)")
     p.add_argument("--no-proprio", action="store_true", help="openvla-oft: no proprio projector")
+    p.add_argument("--film", action="store_true", help="openvla-oft: FiLM (OFT+): write vision_backbone--*checkpoint.pt")
+    p.add_argument("--diffusion", action="store_true",
+                   help="openvla-oft: the diffusion variant (noise-predicting head + noisy_action_projector--*checkpoint.pt)")
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.set_defaults(func=run)
 

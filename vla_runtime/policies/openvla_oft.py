@@ -31,7 +31,7 @@ from ..kv.base import KVStats
 from ..kv.geometry import CacheGeometry
 from ..models.openvla.configuration_openvla import read_json
 from ..models.openvla.processing_openvla import center_crop, resolve_unnorm_key
-from ..models.openvla_oft.configuration_oft import OFTConfig, OFTPlatform
+from ..models.openvla_oft.configuration_oft import DIFFUSION_STEPS, OFTConfig, OFTPlatform
 from ..models.openvla_oft.normalization_oft import BoundsStats
 from .base import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_image, validate_instruction
 from .gates import GateOwner, trained_gate
@@ -127,11 +127,13 @@ class OpenVLAOFTPolicy(GateOwner, Policy):
             "action_dim": cfg.action_dim,
             "proprio_dim": cfg.proprio_dim,
             "normalization": cfg.normalization.value,
+            "film": cfg.film,
+            "diffusion": {"train_steps": cfg.diffusion_train_steps, "steps": cfg.diffusion_steps} if cfg.diffusion else None,
             "components": {k: v.name for k, v in self.checkpoint.components.items()},
             "parameters": {
                 "total": count(self.model),
-                "vision": count(vla.vision_backbone),
-                "projector": count(vla.projector) + count(self.model.proprio_projector),
+                "vision": count(vla.vision_backbone) + count(self.model.film),
+                "projector": count(vla.projector) + count(self.model.proprio_projector) + count(self.model.noisy_action_projector),
                 "llm": count(vla.language_model),
                 "action_head": count(self.model.action_head),
             },
@@ -161,6 +163,9 @@ class OpenVLAOFTSession(EpisodeSession):
             if "proprio" not in entry:
                 raise ValueError(f"statistics {self.unnorm_key!r} have no `proprio` entry; the proprio projector needs one")
             self.proprio_stats = BoundsStats.from_dict(entry["proprio"], cfg.normalization, what=f"{self.unnorm_key} proprio")
+        if self.history and cfg.diffusion:
+            raise ValueError("history mode is not supported for the diffusion variant of OpenVLA-OFT (use history: single)")
+        self.generator = torch.Generator().manual_seed(config.seed)  # the diffusion variant's starting noise
         self._build(validate_instruction(instruction))
 
     def _build(self, instruction: str) -> None:
@@ -168,6 +173,8 @@ class OpenVLAOFTSession(EpisodeSession):
         policy = self.policy
         self.instruction = instruction
         self.prompt = policy.tokenizer.prompt(instruction)
+        with torch.inference_mode():
+            self.language = policy.model.language(self.prompt)  # FiLM's conditioning [1, llm_dim], or None
         self.cache = None
         self._pinned = False
         if not self.history:
@@ -187,6 +194,7 @@ class OpenVLAOFTSession(EpisodeSession):
 
     @torch.inference_mode()  # the cache holds inference tensors from the steps; clear them in the same mode
     def reset(self, instruction: str | None = None) -> None:
+        self.generator.manual_seed(self.config.seed)
         if instruction is not None and instruction != self.instruction:
             self._build(validate_instruction(instruction))
         elif self.cache is not None:
@@ -220,10 +228,21 @@ class OpenVLAOFTSession(EpisodeSession):
         start = time.perf_counter()
         pixels, state = self.inputs(obs)
         model, device = self.policy.model, self.policy.device
-        image_tokens = model.embed_images(pixels)
+        image_tokens = model.embed_images(pixels, self.language)
         proprio = None if state is None else model.embed_proprio(state)
         synchronize(device)
         t1 = time.perf_counter()
+        cfg = self.policy.config
+        if cfg.diffusion:  # the denoising loop: every step a whole forward + the head ("decode")
+            noise = torch.randn((1, cfg.chunk_size, cfg.action_dim), generator=self.generator).to(device)  # [1, K, A], drawn on the CPU
+            embeds_len = len(self.prompt.input_ids) + image_tokens.shape[1] + (proprio is not None) + 1 + cfg.action_tokens + 1  # + time, </s>
+            normalized = model.denoise(self.prompt, image_tokens, proprio, noise)[0].cpu().numpy()  # [K, A]
+            t2 = time.perf_counter()
+            actions = self.action_stats.unnormalize(normalized)
+            t3 = time.perf_counter()
+            kv = KVStats(positions_used=embeds_len, tokens_seen=embeds_len * cfg.diffusion_steps)
+            timings = {"vision": (t1 - start) * 1e3, "prefill": 0.0, "decode": (t2 - t1) * 1e3, "total": (t3 - start) * 1e3}
+            return StepResult(actions=actions, timings=timings, kv=kv)
         if self.history:
             hidden = self._history_hidden(image_tokens, proprio)
             kv = self.cache.stats()
@@ -265,6 +284,7 @@ def load_openvla_oft_policy(
     unnorm_key: str | None = None,
     platform: str | OFTPlatform | None = None,
     cameras: Sequence[str] = (PRIMARY_CAMERA,),
+    diffusion_steps: int = DIFFUSION_STEPS,
 ) -> OpenVLAOFTPolicy:
     """Load an OpenVLA-OFT directory (``load_policy``'s OFT branch).
 
@@ -274,6 +294,8 @@ def load_openvla_oft_policy(
     adapter, else the checkpoint) gives the default session a fine-tuned model was trained for; a trained ``ChunkGate``
     (``gates.safetensors`` + ``kv_config.json``) in the adapter, else beside the checkpoint, is loaded. adapter: a ``vla_finetune``
     OFT output directory (``apply_oft_adapter``: LoRA merged, its action head / proprio projector and statistics).
+    diffusion_steps: DDIM steps per chunk of the diffusion variant (upstream's 50); each session's noise is
+    drawn from its own generator, seeded with ``SessionConfig.seed`` (re-seeded on ``reset``).
     """
     if isinstance(platform, str):
         try:
@@ -283,7 +305,7 @@ def load_openvla_oft_policy(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     cameras = tuple(cameras)
-    checkpoint = load_openvla_oft(path, device=dev, dtype=dt, platform=platform, num_images=len(cameras))
+    checkpoint = load_openvla_oft(path, device=dev, dtype=dt, platform=platform, num_images=len(cameras), diffusion_steps=diffusion_steps)
     places = [Path(path)]  # where session_config.json is looked for, the adapter first
     if adapter is not None:
         apply_oft_adapter(checkpoint, Path(adapter), device=dev, dtype=dt)

@@ -49,10 +49,12 @@ PLATFORMS: dict[OFTPlatform, PlatformConstants] = {
 
 ACTION_HEAD = "action_head"  # upstream's find_checkpoint_file patterns
 PROPRIO_PROJECTOR = "proprio_projector"
-NOISY_ACTION_PROJECTOR = "noisy_action_projector"  # diffusion variant (not supported yet)
-VISION_BACKBONE = "vision_backbone"  # FiLM (OFT+) (not supported yet)
+NOISY_ACTION_PROJECTOR = "noisy_action_projector"  # the diffusion variant's noisy-action projector
+VISION_BACKBONE = "vision_backbone"  # FiLM (OFT+): the whole vision backbone with FiLM layers
 STOP_TOKEN_ID = 2  # upstream's STOP_INDEX ('</s>'), appended after the action positions
-HEAD_BLOCKS = 2  # L1RegressionActionHead: MLPResNet(num_blocks=2, ...)
+HEAD_BLOCKS = 2  # L1RegressionActionHead / NoisePredictionModel: MLPResNet(num_blocks=2, ...)
+DIFFUSION_TRAIN_STEPS = 50  # upstream's num_diffusion_steps_train (finetune.py, run_libero_eval.py defaults)
+DIFFUSION_STEPS = 50  # upstream's num_diffusion_steps_inference
 
 
 def component_files(path: Path, pattern: str) -> list[Path]:
@@ -77,6 +79,10 @@ class OFTConfig:
         num_images: images per step (1 third-person + up to 2 wrist cameras), ``num_images_in_input``.
         normalization: how actions/proprio are (un)normalised with the dataset statistics.
         head_hidden: the MLPResNet's hidden width (upstream: ``llm_dim``).
+        film: the vision towers are FiLM-conditioned on the task's language (OFT+, ``use_film``).
+        diffusion: the diffusion variant (noise-predicting head + noisy-action projector, DDIM) instead of L1.
+        diffusion_train_steps: the DDIM schedule's training steps (not stored in the files; upstream 50).
+        diffusion_steps: DDIM steps per chunk (``num_diffusion_steps_inference``, upstream 50).
     """
 
     llm_dim: int
@@ -86,6 +92,10 @@ class OFTConfig:
     num_images: int = 1
     normalization: NormalizationType = NormalizationType.BOUNDS_Q99
     head_hidden: int | None = None
+    film: bool = False
+    diffusion: bool = False
+    diffusion_train_steps: int = DIFFUSION_TRAIN_STEPS
+    diffusion_steps: int = DIFFUSION_STEPS
 
     def __post_init__(self) -> None:
         for name in ("llm_dim", "action_dim", "chunk_size"):
@@ -97,6 +107,10 @@ class OFTConfig:
             raise ValueError(f"OFTConfig `num_images` must be 1, 2 or 3 (third-person + wrist cameras), got {self.num_images}")
         if not isinstance(self.normalization, NormalizationType):
             object.__setattr__(self, "normalization", NormalizationType(self.normalization))
+        if not 1 <= self.diffusion_steps <= self.diffusion_train_steps:
+            raise ValueError(
+                f"OFTConfig `diffusion_steps` must be in [1, diffusion_train_steps = {self.diffusion_train_steps}], got {self.diffusion_steps}"
+            )
         if self.head_hidden is None:
             object.__setattr__(self, "head_hidden", self.llm_dim)
 

@@ -18,6 +18,10 @@ History mode (ours, not upstream's; the session drives the cache): ``history_pro
 step appends its ``observation`` (images + proprio, kept, causal) and evaluates ``query_block``
 (``ids("\nOut:") + 29871 + zeros + </s>``) bidirectionally over the history, then drops it; the head reads
 the block's rows from the position before its first zero, as above (``head_input``).
+
+Variants: FiLM (OFT+, ``film.py``) conditions the vision towers on ``language(prompt)``; the diffusion
+variant (``diffusion_oft.py``, ``denoise``) adds a timestep token after the observation and puts projected
+noisy actions at the action positions instead of zeros, one whole forward per DDIM step (single mode only).
 """
 
 from __future__ import annotations
@@ -31,38 +35,9 @@ from ...kv.bidirectional import BidirectionalPass
 from ..openvla.modeling_openvla import OpenVLA, ProprioProjector
 from ..openvla.prompt_openvla import PromptIds
 from .configuration_oft import HEAD_BLOCKS, STOP_TOKEN_ID, OFTConfig
-
-
-class MLPResNetBlock(nn.Module):
-    """Pre-norm residual MLP block: x + ReLU(Linear(LayerNorm(x))). ``ffn.0`` LayerNorm, ``ffn.1`` Linear."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.ffn = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.ReLU())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., dim] -> [..., dim]."""
-        return x + self.ffn(x)
-
-
-class MLPResNet(nn.Module):
-    """LayerNorm -> fc1 -> ReLU -> blocks -> LayerNorm -> fc2 (upstream ``action_heads.MLPResNet``)."""
-
-    def __init__(self, num_blocks: int, input_dim: int, hidden_dim: int, output_dim: int) -> None:
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(input_dim)
-        self.fc1 = nn.Linear(input_dim, hidden_dim)
-        self.relu = nn.ReLU()
-        self.mlp_resnet_blocks = nn.ModuleList(MLPResNetBlock(hidden_dim) for _ in range(num_blocks))
-        self.layer_norm2 = nn.LayerNorm(hidden_dim)
-        self.fc2 = nn.Linear(hidden_dim, output_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., input_dim] -> [..., output_dim]."""
-        x = self.relu(self.fc1(self.layer_norm1(x)))
-        for block in self.mlp_resnet_blocks:
-            x = block(x)
-        return self.fc2(self.layer_norm2(x))
+from .diffusion_oft import OFTDDIM, DiffusionActionHead, NoisyActionProjector, sinusoidal_time
+from .film import VisionFiLM, average_language_embedding
+from .mlp_resnet import MLPResNet
 
 
 class L1RegressionActionHead(nn.Module):
@@ -92,18 +67,34 @@ class OpenVLAOFT(nn.Module):
             raise ValueError(f"OFTConfig.llm_dim {cfg.llm_dim} != the OpenVLA backbone's LLM width {vla.cfg.llm.dim}")
         self.cfg = cfg
         self.vla = vla
-        self.action_head = L1RegressionActionHead(cfg)
+        self.action_head = DiffusionActionHead(cfg) if cfg.diffusion else L1RegressionActionHead(cfg)
+        self.noisy_action_projector = NoisyActionProjector(cfg.llm_dim) if cfg.diffusion else None
         self.proprio_projector = ProprioProjector(cfg.proprio_dim, cfg.llm_dim) if cfg.proprio_dim else None
+        self.film = VisionFiLM(vla.vision_backbone, cfg.llm_dim) if cfg.film else None
 
-    def embed_images(self, pixels: Sequence[torch.Tensor]) -> torch.Tensor:
+    def language(self, prompt: PromptIds, batch: int = 1) -> torch.Tensor | None:
+        """FiLM's conditioning for ``prompt``: the mean input embedding of BOS + prompt ids + ``</s>`` (every
+        non-action position of upstream's sequence) -> [B, llm_dim]; ``None`` without FiLM."""
+        if self.film is None:
+            return None
+        embed = self.vla.language_model.model.embed_tokens
+        return average_language_embedding(embed, [*prompt.input_ids, STOP_TOKEN_ID], batch)
+
+    def embed_images(self, pixels: Sequence[torch.Tensor], language: torch.Tensor | None = None) -> torch.Tensor:
         """pixels[i]: [B, 3 * towers, S, S], one per camera (third-person first) -> [B, num_images * N, dim].
 
-        Upstream featurizes each image separately and concatenates the patch tokens; the projector is per
-        token, so projecting each image apart is the same computation.
+        language: [B, llm_dim] (``language(prompt)``), required with FiLM, ignored without. Upstream
+        featurizes each image separately (FiLM'd by the same language) and concatenates the patch tokens; the
+        projector is per token, so projecting each image apart is the same computation.
         """
         if len(pixels) != self.cfg.num_images:
             raise ValueError(f"this OFT policy takes {self.cfg.num_images} image(s) per step, got {len(pixels)}")
-        return torch.cat([self.vla.embed_image(p) for p in pixels], dim=1)  # [B, num_images * N, dim]
+        if self.film is None:
+            return torch.cat([self.vla.embed_image(p) for p in pixels], dim=1)  # [B, num_images * N, dim]
+        if language is None:
+            raise ValueError("this OFT checkpoint is FiLM-conditioned (vision_backbone--*checkpoint.pt): pass `language` (OpenVLAOFT.language(prompt))")
+        backbone = self.vla.vision_backbone
+        return torch.cat([self.vla.projector(self.film(backbone, p, language)) for p in pixels], dim=1)  # [B, num_images * N, dim]
 
     def embed_proprio(self, state: torch.Tensor) -> torch.Tensor:
         """state: [B, proprio_dim] (normalised) -> the proprio token [B, 1, dim]."""
@@ -125,6 +116,33 @@ class OpenVLAOFT(nn.Module):
         parts = [text[:, :1], *observation, text[:, 1:]]
         start = sum(p.shape[1] for p in parts)
         return torch.cat([*parts, zeros, stop], dim=1), start
+
+    def denoise(self, prompt: PromptIds, image_tokens: torch.Tensor, proprio: torch.Tensor | None, noise: torch.Tensor) -> torch.Tensor:
+        """The diffusion variant's chunk (upstream ``_run_diffusion_prediction``): noise [B, K, A] -> normalised
+        actions [B, K, A] (float32) after ``diffusion_steps`` DDIM steps.
+
+        The sequence is ``sequence``'s with one more token after the observation, the timestep embedding
+        (``sinusoidal_time(t, llm_dim)``), and the action positions holding ``noisy_action_projector`` of the
+        current sample's entries (row-major, one token per entry) instead of zeros. Each step re-runs the whole
+        bidirectional forward; the image tokens are computed once. image_tokens: [B, num_images * N, dim];
+        proprio: [B, 1, dim] or None.
+        """
+        if self.noisy_action_projector is None:
+            raise ValueError("this OFT checkpoint is the L1-regression variant (no noisy_action_projector--*checkpoint.pt)")
+        b, k, a = noise.shape
+        observation = image_tokens if proprio is None else torch.cat([image_tokens, proprio], dim=1)
+        slot = observation.new_zeros(b, 1, observation.shape[2])  # [B, 1, dim], the timestep token's place
+        embeds, start = self.sequence(prompt, observation, slot)  # [B, T, dim]
+        time_index = 1 + observation.shape[1]
+        scheduler = OFTDDIM(self.cfg.diffusion_train_steps, self.cfg.diffusion_steps)
+        x = noise.float()
+        for t in scheduler.timesteps:
+            step = embeds.clone()
+            step[:, time_index] = sinusoidal_time(torch.full((b,), float(t), device=x.device), self.cfg.llm_dim).to(embeds.dtype)
+            step[:, start : start + k * a] = self.noisy_action_projector(x.reshape(b, k * a, 1).to(embeds.dtype))  # [B, K * A, dim]
+            eps = self.action_head(self.action_hidden(step, start)).float()  # [B, K, A]
+            x = scheduler.step(eps, t, x)
+        return x
 
     # ---- history mode (one cache per episode; the session drives the cache) ---------------------------
     def history_prompt(self, prompt: PromptIds, batch: int = 1) -> torch.Tensor:
@@ -164,11 +182,17 @@ class OpenVLAOFT(nn.Module):
         return self.head_input(hidden, start)
 
     def predict(
-        self, prompt: PromptIds, pixels: Sequence[torch.Tensor], state: torch.Tensor | None = None
+        self, prompt: PromptIds, pixels: Sequence[torch.Tensor], state: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One chunk: pixels[i] [B, 3 * towers, S, S], state [B, proprio_dim] (normalised) or None ->
-        normalised actions [B, chunk_size, action_dim] (float32)."""
-        image_tokens = self.embed_images(pixels)
+        normalised actions [B, chunk_size, action_dim] (float32). The diffusion variant starts from
+        ``noise`` [B, chunk_size, action_dim] (required there)."""
+        image_tokens = self.embed_images(pixels, self.language(prompt, pixels[0].shape[0]))
         proprio = None if state is None else self.embed_proprio(state)
+        if self.cfg.diffusion:
+            if noise is None:
+                raise ValueError("the diffusion variant needs `noise` [B, chunk_size, action_dim] to start from")
+            return self.denoise(prompt, image_tokens, proprio, noise)
         embeds, start = self.sequence(prompt, image_tokens, proprio)
         return self.action_head(self.action_hidden(embeds, start)).float()
