@@ -109,6 +109,28 @@ def test_rtc_hands_the_queued_actions_to_the_chunk_policys_next_steps(harness, n
         camera.close(harness)
 
 
+def test_an_openvla_oft_checkpoint_drives_the_node_with_its_chunks(harness, node_factory, tmp_path):
+    """The node loads any family through load_policy: a tiny OFT (LIBERO sizes, 7-D, no proprio) publishes its
+    chunks, rows in tick order, at the control rate."""
+    import torch
+    from vla_runtime.api import Observation, load_policy
+    from vla_runtime.checkpoints.tiny_openvla_oft import make_tiny_openvla_oft
+
+    ckpt = make_tiny_openvla_oft(tmp_path / "oft", proprio=False, dtype=torch.float32)
+    image = solid_image(7, shape=(56, 56))
+    chunk = load_policy(ckpt, device="cpu").new_session("stack the blocks").step(Observation(images={"primary": image})).actions
+    proc, diag, actions = node_factory("/oft", ckpt, control_rate_hz=10.0, device="cpu", torch_threads=1, latency_skip=False)
+    camera = harness.stream(Image, "/oft/image_raw", qos_profile_sensor_data, 30.0, conversions.array_to_image_msg(image))
+    try:
+        diag.wait(lambda s, v: int(v["steps"]) >= 2, what="two OFT chunks")
+        got = np.array(action_values(actions))  # [n, 7]
+        assert got.shape[1] == 7 and chunk.shape == (8, 7)
+        rows = [int(np.argmin(np.abs(chunk - a).max(axis=1))) for a in got]  # which row of the chunk each action is
+        assert np.allclose(got, chunk[rows], atol=1e-5) and rows[:3] == [0, 1, 2], rows
+    finally:
+        camera.close(harness)
+
+
 @pytest.mark.parametrize("fallback, keep", [("hold", []), ("zero", [6]), ("repeat_last", [])])
 def test_each_fallback_when_no_fresh_action_is_due(harness, node_factory, policy_checkpoints, fallback, keep):
     ns = f"/fb_{fallback}"
