@@ -20,6 +20,12 @@ def oft_libero(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def oft_diffusion(tmp_path_factory):
+    """LIBERO sizes (8 x 7, proprio 8), the diffusion variant, float32 on disk."""
+    return make_tiny_openvla_oft(tmp_path_factory.mktemp("oft") / "diffusion", seed=5, dtype=torch.float32, diffusion=True)
+
+
+@pytest.fixture(scope="session")
 def oft_no_proprio(tmp_path_factory):
     """7-D actions, no proprio projector (LIBERO and Bridge both fit), bf16 on disk as upstream."""
     return make_tiny_openvla_oft(tmp_path_factory.mktemp("oft") / "noproprio", seed=2, platform=OFTPlatform.BRIDGE, proprio=False)

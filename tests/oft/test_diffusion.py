@@ -20,12 +20,6 @@ from oft_reference import all_actions_mask, fork_attention_mask, head_actions, i
 from test_forward import INSTRUCTION, _stats, upstream_normalize_proprio, upstream_unnormalize
 
 
-@pytest.fixture(scope="module")
-def oft_diffusion(tmp_path_factory):
-    """LIBERO sizes (8 x 7, proprio 8), the diffusion variant, float32 on disk."""
-    return make_tiny_openvla_oft(tmp_path_factory.mktemp("oft") / "diffusion", seed=5, dtype=torch.float32, diffusion=True)
-
-
 def ddim_alphas_cumprod(train_steps=50):
     """diffusers' ``squaredcos_cap_v2`` (betas_for_alpha_bar, max beta 0.999), cumprod in float32."""
     abar = lambda s: math.cos((s + 0.008) / 1.008 * math.pi / 2) ** 2  # noqa: E731
@@ -140,8 +134,6 @@ def test_noise_comes_from_the_session_generator(oft_diffusion, frame):
     np.testing.assert_array_equal(session.step(obs).actions, first)  # reset re-seeds
     np.testing.assert_array_equal(policy.new_session(INSTRUCTION).step(obs).actions, first)
     assert np.abs(policy.new_session(INSTRUCTION, SessionConfig(seed=1)).step(obs).actions - first).max() > 1e-3
-    with pytest.raises(ValueError, match="history mode is not supported for the diffusion variant"):
-        policy.new_session(INSTRUCTION, SessionConfig(history="history"))
     with pytest.raises(ValueError, match=r"`diffusion_steps` must be in \[1, diffusion_train_steps = 50\], got 51"):
         load_policy(oft_diffusion, device="meta", diffusion_steps=51)
 

@@ -10,7 +10,11 @@ Two history modes (``SessionConfig.history``):
   attending causally to the history; then the step's action query ``ids("\nOut:") + 29871 + K*A zeros +
   </s>`` runs in a ``bidirectional_block`` (it sees the whole held history and itself both ways) and is
   rolled back, so the history holds observations only. The head reads the query's rows as in single mode.
-  A checkpoint trained single-frame has never seen this layout: history mode wants fine-tuning for it.
+  The diffusion variant keeps the same per step (pinned prompt once, then ``images (+ proprio)``); then every
+  DDIM step runs its own query block ``[timestep token] + ids("\nOut:") + 29871 + K*A noisy-action tokens +
+  </s>`` in a ``bidirectional_block`` (``OpenVLAOFT.denoise_history``), so a step adds no more tokens than the
+  L1 variant's. A checkpoint trained single-frame has never seen this layout: history mode wants fine-tuning
+  for it.
 """
 
 from __future__ import annotations
@@ -163,8 +167,6 @@ class OpenVLAOFTSession(EpisodeSession):
             if "proprio" not in entry:
                 raise ValueError(f"statistics {self.unnorm_key!r} have no `proprio` entry; the proprio projector needs one")
             self.proprio_stats = BoundsStats.from_dict(entry["proprio"], cfg.normalization, what=f"{self.unnorm_key} proprio")
-        if self.history and cfg.diffusion:
-            raise ValueError("history mode is not supported for the diffusion variant of OpenVLA-OFT (use history: single)")
         self.generator = torch.Generator().manual_seed(config.seed)  # the diffusion variant's starting noise
         self._build(validate_instruction(instruction))
 
@@ -187,10 +189,11 @@ class OpenVLAOFTSession(EpisodeSession):
         self.cache = make_cache(kv, geometry, batch=1, device=policy.device, dtype=policy.dtype, **extra)
 
     def step_tokens(self) -> int:
-        """History mode's tokens per step: the observation kept (images + proprio) and the query rolled back."""
+        """History mode's tokens per step: the observation kept (images + proprio) and the query rolled back
+        (with the diffusion variant's timestep token)."""
         cfg = self.policy.config
         observation = cfg.num_images * self.policy.checkpoint.base.config.vision.num_patches + (cfg.proprio_dim is not None)
-        return observation + len(self.prompt.out) + 1 + cfg.action_tokens + 1
+        return observation + int(cfg.diffusion) + len(self.prompt.out) + 1 + cfg.action_tokens + 1
 
     @torch.inference_mode()  # the cache holds inference tensors from the steps; clear them in the same mode
     def reset(self, instruction: str | None = None) -> None:
@@ -233,15 +236,23 @@ class OpenVLAOFTSession(EpisodeSession):
         synchronize(device)
         t1 = time.perf_counter()
         cfg = self.policy.config
-        if cfg.diffusion:  # the denoising loop: every step a whole forward + the head ("decode")
+        if cfg.diffusion:  # the denoising loop ("decode"): per DDIM step a whole forward (single) or a query block (history) + the head
             noise = torch.randn((1, cfg.chunk_size, cfg.action_dim), generator=self.generator).to(device)  # [1, K, A], drawn on the CPU
-            embeds_len = len(self.prompt.input_ids) + image_tokens.shape[1] + (proprio is not None) + 1 + cfg.action_tokens + 1  # + time, </s>
-            normalized = model.denoise(self.prompt, image_tokens, proprio, noise)[0].cpu().numpy()  # [K, A]
+            if self.history:
+                self._keep_observation(image_tokens, proprio)
+                synchronize(device)
+                t_kept = time.perf_counter()
+                normalized = model.denoise_history(self.prompt, noise, self.cache)[0].cpu().numpy()  # [K, A]
+                kv = self.cache.stats()
+            else:
+                t_kept = t1
+                embeds_len = len(self.prompt.input_ids) + image_tokens.shape[1] + (proprio is not None) + 1 + cfg.action_tokens + 1  # + time, </s>
+                normalized = model.denoise(self.prompt, image_tokens, proprio, noise)[0].cpu().numpy()  # [K, A]
+                kv = KVStats(positions_used=embeds_len, tokens_seen=embeds_len * cfg.diffusion_steps)
             t2 = time.perf_counter()
             actions = self.action_stats.unnormalize(normalized)
             t3 = time.perf_counter()
-            kv = KVStats(positions_used=embeds_len, tokens_seen=embeds_len * cfg.diffusion_steps)
-            timings = {"vision": (t1 - start) * 1e3, "prefill": 0.0, "decode": (t2 - t1) * 1e3, "total": (t3 - start) * 1e3}
+            timings = {"vision": (t1 - start) * 1e3, "prefill": (t_kept - t1) * 1e3, "decode": (t2 - t_kept) * 1e3, "total": (t3 - start) * 1e3}
             return StepResult(actions=actions, timings=timings, kv=kv)
         if self.history:
             hidden = self._history_hidden(image_tokens, proprio)
@@ -264,14 +275,21 @@ class OpenVLAOFTSession(EpisodeSession):
         the head's rows [1, K * A, dim]."""
         model = self.policy.model
         decoder = model.vla.language_model.model
-        if not self._pinned:
-            decoder(inputs_embeds=model.history_prompt(self.prompt), cache=self.cache, pin=True)
-            self._pinned = True
-        decoder(inputs_embeds=model.observation(image_tokens, proprio), cache=self.cache)
+        self._keep_observation(image_tokens, proprio)
         block, first = model.query_block(self.prompt)
         with self.cache.bidirectional_block():
             hidden = decoder(inputs_embeds=block, cache=self.cache)  # [1, Q, dim]
         return model.head_input(hidden, first)
+
+    def _keep_observation(self, image_tokens: torch.Tensor, proprio: torch.Tensor | None) -> None:
+        """History mode, both variants: pin the prompt (first step), then append and keep the observation
+        (image_tokens [1, num_images * N, dim] + proprio [1, 1, dim] or None), causal over the history."""
+        model = self.policy.model
+        decoder = model.vla.language_model.model
+        if not self._pinned:
+            decoder(inputs_embeds=model.history_prompt(self.prompt), cache=self.cache, pin=True)
+            self._pinned = True
+        decoder(inputs_embeds=model.observation(image_tokens, proprio), cache=self.cache)
 
 
 def load_openvla_oft_policy(

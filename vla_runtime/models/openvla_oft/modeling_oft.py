@@ -21,17 +21,20 @@ the block's rows from the position before its first zero, as above (``head_input
 
 Variants: FiLM (OFT+, ``film.py``) conditions the vision towers on ``language(prompt)``; the diffusion
 variant (``diffusion_oft.py``, ``denoise``) adds a timestep token after the observation and puts projected
-noisy actions at the action positions instead of zeros, one whole forward per DDIM step (single mode only).
+noisy actions at the action positions instead of zeros, one whole forward per DDIM step; in history mode
+(``denoise_history``) each DDIM step is a query block ``[timestep] + ids("\nOut:") + 29871 + noisy tokens +
+</s>`` over the held history, rolled back like the L1 one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from ...kv.bidirectional import BidirectionalPass
+from ...kv.slot_cache import SlotCache
 from ..openvla.modeling_openvla import OpenVLA, ProprioProjector
 from ..openvla.prompt_openvla import PromptIds
 from .configuration_oft import HEAD_BLOCKS, STOP_TOKEN_ID, OFTConfig
@@ -127,20 +130,30 @@ class OpenVLAOFT(nn.Module):
         bidirectional forward; the image tokens are computed once. image_tokens: [B, num_images * N, dim];
         proprio: [B, 1, dim] or None.
         """
+        observation = image_tokens if proprio is None else torch.cat([image_tokens, proprio], dim=1)
+        slot = observation.new_zeros(observation.shape[0], 1, observation.shape[2])  # [B, 1, dim], the timestep token's place
+        embeds, start = self.sequence(prompt, observation, slot)  # [B, T, dim]
+        forward = lambda step: self.action_hidden(step, start)  # noqa: E731  a whole bidirectional forward
+        return self._sample(embeds, noise, time_index=1 + observation.shape[1], start=start, hidden=forward)
+
+    def _sample(
+        self, embeds: torch.Tensor, noise: torch.Tensor, *, time_index: int, start: int,
+        hidden: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The DDIM loop over a template embeds [B, T, dim]: each step writes ``sinusoidal_time(t)`` at
+        ``time_index`` and the projected entries of x_t at the K * A positions from ``start`` into a copy,
+        ``hidden`` maps it to the head's rows [B, K * A, dim], the head predicts eps and ``OFTDDIM`` steps.
+        noise: [B, K, A] -> normalised actions [B, K, A] (float32)."""
         if self.noisy_action_projector is None:
             raise ValueError("this OFT checkpoint is the L1-regression variant (no noisy_action_projector--*checkpoint.pt)")
         b, k, a = noise.shape
-        observation = image_tokens if proprio is None else torch.cat([image_tokens, proprio], dim=1)
-        slot = observation.new_zeros(b, 1, observation.shape[2])  # [B, 1, dim], the timestep token's place
-        embeds, start = self.sequence(prompt, observation, slot)  # [B, T, dim]
-        time_index = 1 + observation.shape[1]
         scheduler = OFTDDIM(self.cfg.diffusion_train_steps, self.cfg.diffusion_steps)
         x = noise.float()
         for t in scheduler.timesteps:
             step = embeds.clone()
             step[:, time_index] = sinusoidal_time(torch.full((b,), float(t), device=x.device), self.cfg.llm_dim).to(embeds.dtype)
             step[:, start : start + k * a] = self.noisy_action_projector(x.reshape(b, k * a, 1).to(embeds.dtype))  # [B, K * A, dim]
-            eps = self.action_head(self.action_hidden(step, start)).float()  # [B, K, A]
+            eps = self.action_head(hidden(step)).float()  # [B, K, A]
             x = scheduler.step(eps, t, x)
         return x
 
@@ -168,6 +181,23 @@ class OpenVLAOFT(nn.Module):
         zeros = text.new_zeros(batch, self.cfg.action_tokens, text.shape[2])  # [B, K * A, dim]
         stop = embed(torch.tensor([[STOP_TOKEN_ID]], device=device)).expand(batch, -1, -1)  # [B, 1, dim]
         return torch.cat([text, zeros, stop], dim=1), text.shape[1]
+
+    def denoise_history(self, prompt: PromptIds, noise: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        """The diffusion variant in history mode, after the step's observation is kept: noise [B, K, A] ->
+        normalised actions [B, K, A] (float32). Each DDIM step evaluates a fresh query block
+        ``[timestep token] + ids("\nOut:") + 29871 + noisy_action_projector(x_t entries) + embed(</s>)`` inside
+        ``cache.bidirectional_block()`` (the timestep token right after the newest observation, as upstream
+        places it after the observation; the block is rolled back, so the cache keeps observations only); the
+        head reads eps from the rows ``query_block``'s head reads, one later for the timestep token."""
+        block, first = self.query_block(prompt, noise.shape[0])
+        block = torch.cat([block.new_zeros(block.shape[0], 1, block.shape[2]), block], dim=1)  # [B, 1 + Q, dim]
+        decoder = self.vla.language_model.model
+
+        def hidden(step: torch.Tensor) -> torch.Tensor:
+            with cache.bidirectional_block():
+                return self.head_input(decoder(inputs_embeds=step, cache=cache), first + 1)
+
+        return self._sample(block, noise, time_index=0, start=first + 1, hidden=hidden)
 
     def head_input(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
         """Final-normed hidden states [B, T, dim] -> the head's rows [B, K * A, dim] (from ``start - 1``, as
