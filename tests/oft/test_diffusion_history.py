@@ -17,7 +17,7 @@ from vla_runtime.config import SessionConfig
 from vla_runtime.kv import KVConfig
 
 from oft_reference import head_actions, llama_hidden, proprio_token, strip_ddp
-from test_diffusion import ddim_alphas_cumprod
+from test_oft_diffusion import ddim_alphas_cumprod
 from test_history import INSTRUCTION, STOP_ID, flat_mask, observations
 
 STEPS, SEED = 2, 4  # DDIM steps per chunk, the sessions' seed
