@@ -94,7 +94,7 @@ def test_lerobot_reads_edits_and_merges_our_dataset(interop, codec):
     merged = LeRobotDataset(interop / f"{name}-merged")
     assert_episodes(merged, [eps[0], eps[2], *eps], codec)
     if codec is not None:  # merging packed the episodes into one file per camera
-        assert len({(r[f"videos/observation.images.front/file_index"]) for r in merged._episodes}) == 1
+        assert len({(r["videos/observation.images.front/file_index"]) for r in merged._episodes}) == 1
     assert_episodes(LeRobotDataset(interop / f"{name}-merged-deleted"), [eps[0], eps[0], eps[2]], codec)
 
 
