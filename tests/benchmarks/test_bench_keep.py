@@ -1,0 +1,62 @@
+"""bench_keep.py's pure parts: KitchenWorld's questions are answerable from its memory, and the per-size
+summary carries intervals and paired tests computed from the per-question records (no model runs here)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_keep import KINDS, summarize_size  # noqa: E402
+from kitchen_world import HAND, RECEPTACLES, KitchenWorld  # noqa: E402
+
+
+def test_every_question_is_answered_by_its_memory():
+    world = KitchenWorld(seed=3)
+    for step in range(60):
+        world.step()
+        q = world.question(KINDS[step % len(KINDS)])
+        texts = world.segment_texts()
+        state, where = world.objects[q.subject]
+        assert where != HAND
+        assert len(set(q.candidates)) == len(q.candidates) and 0 <= q.gold < len(q.candidates)
+        gold = q.candidates[q.gold].strip()
+        if q.kind == "where":
+            assert len(q.candidates) == world.n_choices
+            assert f"is {gold}," in texts[f"obj:{q.subject}"]
+        elif q.kind == "state":
+            assert texts[f"obj:{q.subject}"].endswith(f", {gold}.")
+        else:  # the room is in the receptacle's segment, which the answer prefix names
+            assert f"in the {gold}" in texts[f"obj:{where}"] and where.lower() in q.answer_prefix
+            assert RECEPTACLES[where][0] == gold
+
+
+def test_world_validates_choices():
+    with pytest.raises(ValueError, match="n_choices"):
+        KitchenWorld(n_choices=1)
+
+
+def _records():
+    # 20 questions; keep agrees on 18, reuse on 10 (reuse right only where keep is too), full is right on 15
+    recs = []
+    for i in range(20):
+        full = {"ttft_ms": 100.0 + i, "build_ms": 0.0, "answer": 0, "agree": 1, "correct": int(i < 15), "kl_cand": 0.0, "kl_token": 0.0, "share": 1.0, "built": 0}
+        keep = {**full, "ttft_ms": 25.0 + i / 4, "agree": int(i < 18), "share": 0.2}
+        reuse = {**full, "ttft_ms": 10.0, "agree": int(i < 10), "share": 0.0}
+        recs.append({"kind": KINDS[i % 3], "tokens": 500, "methods": {"full": full, "keep": keep, "reuse": reuse}})
+    return recs
+
+
+def test_summary_has_intervals_and_paired_tests():
+    s = summarize_size(_records(), ["full", "keep", "reuse"])
+    assert s["questions"] == 20
+    keep, reuse = s["methods"]["keep"], s["methods"]["reuse"]
+    assert keep["agreement"]["estimate"] == pytest.approx(0.9)
+    assert keep["agreement"]["low"] < 0.9 < keep["agreement"]["high"]
+    assert s["methods"]["full"]["accuracy"]["estimate"] == pytest.approx(0.75)
+    assert keep["speedup_vs_full"]["estimate"] == pytest.approx(109.5 / 27.375)
+    # reuse agrees on 8 fewer questions, never where keep does not: McNemar p = 2 / 2^8
+    assert (reuse["vs_keep"]["only_ref_agrees"], reuse["vs_keep"]["only_this_agrees"]) == (8, 0)
+    assert reuse["vs_keep"]["mcnemar_p"] == pytest.approx(2 / 256)
+    assert reuse["vs_keep"]["agreement_diff"]["estimate"] == pytest.approx(0.4)
+    assert "vs_keep" not in keep
