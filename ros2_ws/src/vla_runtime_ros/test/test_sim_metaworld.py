@@ -33,7 +33,8 @@ def test_openvla_drives_metaworld_through_a_run_that_ends(harness, tmp_path, ope
     )
     sim = NodeProcess(
         "sim_node",
-        dict(task="reach-v3", seed=3, episodes=EPISODES, max_steps=STEPS, camera="corner2", resolution=[96, 96]),
+        dict(task="reach-v3", seed=3, episodes=EPISODES, max_steps=STEPS, camera="corner2", resolution=[96, 96],
+             result_subscribers=1),  # this test's results subscription: a 2 x 4-step run ends in about a second
         tmp_path, name="vla_sim", namespace=NS, extra_args=("-r", "action:=vla_policy/action"),
     )
     try:

@@ -38,7 +38,8 @@ def test_hybridvla_drives_metaworld_with_the_simulators_state(harness, tmp_path,
     )
     sim = NodeProcess(
         "sim_node",
-        dict(task="button-press-v3", seed=1, episodes=1, max_steps=STEPS, camera="corner2", resolution=[64, 64]),
+        dict(task="button-press-v3", seed=1, episodes=1, max_steps=STEPS, camera="corner2", resolution=[64, 64],
+             result_subscribers=1),  # this test's results subscription: the run is short
         tmp_path, name="vla_sim", namespace=NS, extra_args=("-r", "action:=vla_policy/action"),
     )
     try:

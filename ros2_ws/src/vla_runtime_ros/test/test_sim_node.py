@@ -100,3 +100,20 @@ def test_bad_actions_are_rejected_and_counted_without_stepping(harness):
         wait_for(lambda: sim.steps == 1, 10, "one step")
     finally:
         harness.remove(sim)
+
+
+def test_the_first_episode_waits_for_its_result_subscribers(harness):
+    """``result_subscribers``: a short run must not end before its listener is discovered (the results would
+    leave with the node); nothing starts until that many subscribers listen on ~/episode_result."""
+    sim = SimNode(
+        LineReachEnv(), context=harness.context, namespace="/held",
+        parameter_overrides=[Parameter("task", value=TASK), Parameter("result_subscribers", value=1),
+                             Parameter("policy_reset_service", value="")],
+    )  # fmt: skip
+    harness.add(sim)
+    try:
+        assert sim.episode == -1 and not sim.running  # nobody listens yet
+        harness.subscribe(DiagnosticStatus, "/held/vla_sim/episode_result", RESULT_QOS)
+        wait_for(lambda: sim.running and sim.episode == 0, what="the first episode once a subscriber listens")
+    finally:
+        harness.remove(sim)

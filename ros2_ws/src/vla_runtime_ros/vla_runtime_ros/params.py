@@ -161,10 +161,16 @@ class SimNodeConfig:
     resolution: list[int] = _help("[height, width] of the camera image; empty = the simulator's default", default_factory=list)
     frame_id: str = _help("header.frame_id of the published images", default="camera")
     policy_reset_service: str = _help("Trigger service called when an episode starts; empty = none", default="vla_policy/reset")
+    result_subscribers: int = _help(
+        "the first episode starts once this many subscribers listen on ~/episode_result (a test or logger that must"
+        " not miss a result of a short run); 0 = at once", default=0,
+    )
 
     def __post_init__(self) -> None:
         if self.episodes < 0 or self.max_steps < 0:
             raise ValueError(f"`episodes` ({self.episodes}) and `max_steps` ({self.max_steps}) must be >= 0")
+        if self.result_subscribers < 0:
+            raise ValueError(f"parameter `result_subscribers` must be >= 0, got {self.result_subscribers}")
         if not self.camera_rate_hz > 0:
             raise ValueError(f"parameter `camera_rate_hz` must be > 0, got {self.camera_rate_hz}")
         if self.resolution and (len(self.resolution) != 2 or min(self.resolution) < 1):

@@ -50,7 +50,7 @@ from .runner import run_node  # noqa: E402
 LATCHED_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 RESULT_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 ACTION_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-RESULT_FLUSH_S = 5.0  # at exit, how long episode results may take to reach their matched subscribers
+RESULT_FLUSH_S = 30.0  # at exit, how long episode results may take to reach their matched subscribers (a loaded machine)
 
 
 def build_env(cfg: SimNodeConfig, overrides: dict) -> SimEnv:
@@ -104,6 +104,19 @@ class SimNode(Node):
         )
         self.create_timer(1.0 / self.cfg.camera_rate_hz, self._publish_observation)
         self.create_timer(1.0, self._publish_diagnostics)
+        self._start_timer = None
+        if self._result_pub.get_subscription_count() >= self.cfg.result_subscribers:
+            self._start_episode(self.episode + 1)
+        else:  # a short run could end before a late subscriber is even discovered, and its results go with the node
+            self.get_logger().info(f"waiting for {self.cfg.result_subscribers} subscriber(s) of ~/episode_result")
+            self._start_timer = self.create_timer(0.05, self._start_when_heard)
+
+    def _start_when_heard(self) -> None:
+        """The first episode, once ``result_subscribers`` subscribers listen on ``~/episode_result``."""
+        if self._result_pub.get_subscription_count() < self.cfg.result_subscribers:
+            return
+        self.destroy_timer(self._start_timer)
+        self._start_timer = None
         self._start_episode(self.episode + 1)
 
     def _env_overrides(self) -> dict:
