@@ -83,6 +83,23 @@ def test_the_frame_just_before_a_tick_is_acted_on_at_that_tick():
     assert loop.stats.steps_late == 0 and loop.stats.fallbacks == 0
 
 
+def test_a_step_that_overruns_by_two_periods_counts_the_ticks_it_could_have_left_empty():
+    loop = make(margin_ms=0.0)
+    for _ in range(5):
+        loop.timer.add(0.020)
+    loop.served = 4
+    plan = loop.plan(0.41)  # tick 5 at 0.5
+    loop.started(plan)
+    for now in (0.5, 0.6, 0.7):  # the process stalled: the step lands at 0.75, after ticks 5, 6 and 7
+        assert loop.on_tick(now).source is Source.FALLBACK
+    loop.on_result(np.array([[0.1, 0.2]]), frame_time=0.47, step_s=0.27, now=0.75)
+    assert (loop.stats.steps_late, loop.stats.ticks_overrun, loop.stats.fallbacks) == (1, 3, 3)
+    plan = loop.plan(0.76)
+    loop.started(plan)
+    loop.on_result(np.array([[0.1, 0.2]]), frame_time=0.75, step_s=0.02, now=0.78)  # on time: nothing added
+    assert (loop.stats.steps_late, loop.stats.ticks_overrun) == (1, 3)
+
+
 def test_a_chunk_skips_rows_for_ticks_already_past_and_refills_before_running_dry():
     loop = make(chunked=True, refill_threshold=1, margin_ms=0.0)
     loop.timer.add(0.3)  # a step takes 3 periods

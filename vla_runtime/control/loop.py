@@ -59,6 +59,7 @@ class ControlStats:
     fallbacks: int = 0  # ticks without an action of their own (whatever the fallback published)
     steps: int = 0
     steps_late: int = 0  # a step landed after the tick it was planned for
+    ticks_overrun: int = 0  # ticks due from a late step's planned tick until it landed (the most it can leave empty)
     actions_skipped: int = 0  # chunk rows for ticks already past when the chunk landed
     actions_blended: int = 0  # chunk rows that overlapped a queued prediction
     immediate: int = 0  # actions published at once (``PublishMode.IMMEDIATE``)
@@ -166,8 +167,10 @@ class ControlLoop:
         first_open = max(self.served + 1, self.grid.nearest(now)) if self._calibrated else self.served + 1
         planned_tick = -1
         if self._planned is not None:
-            planned_tick = self._planned[0]
-            self.stats.steps_late += self._planned[1] < now
+            planned_tick, due = self._planned
+            if due < now:
+                self.stats.steps_late += 1
+                self.stats.ticks_overrun += int((now - due) // cfg.period) + 1
         self._planned = None
         actions = np.asarray(actions, dtype=np.float64).reshape(len(actions), -1)  # [H, action_dim]
         # a step landing early (started at once, behind schedule) serves the tick it was planned for, not one

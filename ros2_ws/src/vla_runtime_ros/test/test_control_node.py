@@ -82,8 +82,12 @@ def test_slow_chunk_policy_publishes_on_every_tick_with_async_refill(harness, no
         _, last = diag.wait(lambda s, v: int(v["steps"]) >= int(first["steps"]) + 4, after=mark, what="four more chunks")
         # 3 rows skipped, 1 overlapping the next chunk: each chunk serves chunk - 4 ticks of its own
         assert int(last["ticks"]) - int(first["ticks"]) >= 4 * (chunk - 4) - 2, last
-        # each fallback is a step that overran its plan (the schedule plans for its step-time quantile)
-        assert int(last["fallbacks"]) - int(first["fallbacks"]) <= int(last["steps_late"]) - int(first["steps_late"]), last
+        # each fallback is a tick a step overran its plan by (the schedule plans for its step-time quantile; a
+        # loaded machine stalls a step past a period or more, and every tick it overran may go empty)
+        overrun = int(last["ticks_overrun"]) - int(first["ticks_overrun"])
+        assert int(last["fallbacks"]) - int(first["fallbacks"]) <= overrun, last
+        steps = int(last["steps"]) - int(first["steps"])
+        assert int(last["steps_late"]) - int(first["steps_late"]) <= steps // 2, last  # on time as a rule
         assert int(last["actions_skipped"]) >= 3 * int(last["steps"]) - 3, last  # rows for ticks past when it landed
         want = expected_actions(image, None, RosTestPolicyConfig(chunk_size=chunk))  # [chunk, 7]: row k = base + 0.01 k
         rows = {int(round((a[0] - want[0, 0]) / 0.01)) for a in action_values(actions)}
@@ -241,14 +245,15 @@ def test_no_empty_ticks_when_the_step_is_far_under_the_period(harness, node_fact
     ticks = int(last["ticks"]) - int(first["ticks"])
     empty = int(last["fallbacks"]) - int(first["fallbacks"])
     late = int(last["steps_late"]) - int(first["steps_late"])
+    overrun = int(last["ticks_overrun"]) - int(first["ticks_overrun"])
     # the harness's camera is a timer in this process: on a loaded machine it can miss a period, and each frame is
     # acted on once; a tick that came more than half a period after the last frame may have nothing new to act on
     sent = [t for t in camera.times if t0 - period <= t <= t1]
     starved = sum(math.ceil((b - a) / period) for a, b in zip(sent, sent[1:]) if b - a > period / 2)
-    # otherwise a tick is empty only when the step planned for it overran its plan (a step far above the quantile the
-    # schedule plans with: a loaded machine); on an idle machine that is none
-    detail = f"{empty} empty, {late} late steps, {starved} camera gaps in {ticks} ticks: {last}"
-    assert empty <= late + starved, detail
+    # otherwise a tick is empty only when a step overran its plan into it (a step far above the quantile the
+    # schedule plans with: a loaded machine, where one stall can overrun several ticks); on an idle machine none
+    detail = f"{empty} empty, {late} late steps overrunning {overrun} ticks, {starved} camera gaps in {ticks} ticks: {last}"
+    assert empty <= overrun + starved, detail
     assert late <= ticks // 4, detail
     published = len(actions) - start
     assert published >= ticks - empty - 2, f"{published} actions; {detail}"

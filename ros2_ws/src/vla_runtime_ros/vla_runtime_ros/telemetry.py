@@ -151,7 +151,8 @@ def control_values(loop, cfg) -> dict[str, object]:
     return {
         "schedule": cfg.schedule, "publish_mode": cfg.publish_mode, "fallback": cfg.fallback,
         "step_plan_ms": loop.lead() * 1e3, "ticks": stats.ticks, "fallbacks": stats.fallbacks,
-        "steps_late": stats.steps_late, "actions_skipped": stats.actions_skipped, "actions_blended": stats.actions_blended,
+        "steps_late": stats.steps_late, "ticks_overrun": stats.ticks_overrun,
+        "actions_skipped": stats.actions_skipped, "actions_blended": stats.actions_blended,
         "actions_immediate": stats.immediate, "phase_shifts": stats.phase_shifts,
     }
 
