@@ -288,7 +288,7 @@ class FinetuneConfig:
     @property
     def trains_gate(self) -> bool:
         """The chunked cache compresses only in history mode; single mode and ``full`` have no gate."""
-        return self.history is HistoryMode.HISTORY and self.kv.mode is KVMode.CHUNKED
+        return self.history.episodic and self.kv.mode is KVMode.CHUNKED
 
     @property
     def trains_lora(self) -> bool:

@@ -122,6 +122,7 @@ class TrainingData:
         *,
         policy,
         history: bool,
+        keep_actions: bool = True,
         window: int,
         stride: int,
         length_bucket: int,
@@ -133,6 +134,7 @@ class TrainingData:
         self.decoded = decoded
         self.processor = policy.image_processor
         self.history = history
+        self.keep_actions = keep_actions  # False: HistoryMode.OBSERVATIONS (no action token stays in the context)
         self.image_aug = image_aug
         self.whole_episodes = history and window == 0
         self.length_bucket = length_bucket
@@ -204,7 +206,8 @@ class TrainingData:
         return cls(
             decoded,
             policy=policy,
-            history=cfg.history is HistoryMode.HISTORY,
+            history=cfg.history.episodic,
+            keep_actions=cfg.history is not HistoryMode.OBSERVATIONS,
             window=cfg.data.window,
             stride=cfg.data.stride,
             length_bucket=cfg.data.length_bucket,
@@ -222,7 +225,7 @@ class TrainingData:
 
     def bucket_key(self, w: Window) -> tuple[int, int, bool]:
         """Windows with equal keys have equal token layouts."""
-        return len(self.prompts[w.episode].instruction), self.padded_steps(w), self.history and w.start > 0
+        return len(self.prompts[w.episode].instruction), self.padded_steps(w), self._continues(w)
 
     def _rows(self, w: Window) -> np.ndarray:
         """Frame indices of the window's laid-out steps, the last one repeated as padding: [padded_steps]."""
@@ -231,15 +234,20 @@ class TrainingData:
 
     def _layout(self, w: Window) -> tuple[FlatLayout, list[int]]:
         rows = self._rows(w)
-        prev = int(self.action_ids[rows[0] - 1, -1]) if self.history and w.start > 0 else None
+        prev = int(self.action_ids[rows[0] - 1, -1]) if self._continues(w) else None
         forwards = window_forwards(
             self.prompts[w.episode],
             self.action_ids[rows].tolist(),
             history=self.history,
             has_proprio=self.has_proprio,
             prev_token=prev,
+            keep_actions=self.keep_actions,
         )
-        return flatten(forwards, n_image_tokens=self.n_image_tokens, action_dim=self.action_dim)
+        return flatten(forwards, n_image_tokens=self.n_image_tokens, action_dim=self.action_dim, keep_actions=self.keep_actions)
+
+    def _continues(self, w: Window) -> bool:
+        """``w`` starts mid-episode with the previous step's action token in front of its first frame."""
+        return self.history and self.keep_actions and w.start > 0
 
     def real_tokens(self, layout: FlatLayout, w: Window) -> int:
         """Tokens of ``w``'s own steps in its (padded) layout: the prompt forward + ``action_dim`` per step."""

@@ -37,6 +37,8 @@ class FlatLayout:
     Args:
         boundaries: tokens per streaming forward (the parallel form's schedule).
         pinned: tokens of the pinned prompt (0 in single mode).
+        kept: per forward, whether the cache keeps it (``HistoryMode.OBSERVATIONS`` rolls each step's decode
+            forwards back); empty = every forward is kept.
         text_pos: [Nt] positions of text tokens (ids per window in ``WindowTokens.text_ids``).
         image_pos: [steps * n_image] positions of image tokens, step after step.
         proprio_pos: [steps] positions of proprio tokens (empty without a proprio projector).
@@ -49,27 +51,41 @@ class FlatLayout:
     image_pos: torch.Tensor
     proprio_pos: torch.Tensor
     target_pos: torch.Tensor
+    kept: tuple[bool, ...] = ()
 
     @property
     def n_tokens(self) -> int:
         return sum(self.boundaries)
 
+    @property
+    def keeps_all(self) -> bool:
+        return all(self.kept)
+
 
 def window_forwards(
-    prompt: PromptIds, action_ids: Sequence[Sequence[int]], *, history: bool, has_proprio: bool, prev_token: int | None
+    prompt: PromptIds,
+    action_ids: Sequence[Sequence[int]],
+    *,
+    history: bool,
+    has_proprio: bool,
+    prev_token: int | None,
+    keep_actions: bool = True,
 ) -> list[Forward]:
     """The forwards the runtime runs for these steps. action_ids: [steps, action_dim] token ids."""
     if history:
-        return history_sequence(prompt, action_ids, has_proprio=has_proprio, prev_token=prev_token)
+        return history_sequence(prompt, action_ids, has_proprio=has_proprio, prev_token=prev_token, keep_actions=keep_actions)
     if len(action_ids) != 1:
         raise ValueError(f"a single-mode window is one step, got {len(action_ids)}")
     decodes = [Forward((Segment(SegmentKind.TEXT, (int(t),)),)) for t in action_ids[0][:-1]]
     return [single_layout(prompt, has_proprio=has_proprio), *decodes]
 
 
-def flatten(forwards: Sequence[Forward], *, n_image_tokens: int, action_dim: int) -> tuple[FlatLayout, list[int]]:
-    """Forwards -> (the position tables, this window's text ids in ``text_pos`` order)."""
-    text_pos, text_ids, image_pos, proprio_pos, target_pos, boundaries = [], [], [], [], [], []
+def flatten(
+    forwards: Sequence[Forward], *, n_image_tokens: int, action_dim: int, keep_actions: bool = True
+) -> tuple[FlatLayout, list[int]]:
+    """Forwards -> (the position tables, this window's text ids in ``text_pos`` order). ``keep_actions``
+    ``False``: the decode forwards after each frame forward are marked not kept (``FlatLayout.kept``)."""
+    text_pos, text_ids, image_pos, proprio_pos, target_pos, boundaries, kept = [], [], [], [], [], [], []
     pinned = 0
     pos = 0
     for fwd in forwards:
@@ -87,6 +103,7 @@ def flatten(forwards: Sequence[Forward], *, n_image_tokens: int, action_dim: int
                 proprio_pos.append(pos)
             pos += n
         boundaries.append(pos - start)
+        kept.append(keep_actions or has_image or fwd.pin)
         if fwd.pin:
             pinned = pos
         if has_image:
@@ -104,6 +121,7 @@ def flatten(forwards: Sequence[Forward], *, n_image_tokens: int, action_dim: int
         as_tensor(image_pos),
         as_tensor(proprio_pos),
         as_tensor(target_pos),
+        tuple(kept),
     )
     return layout, text_ids
 
@@ -112,6 +130,7 @@ def same_positions(a: FlatLayout, b: FlatLayout) -> bool:
     return (
         a.boundaries == b.boundaries
         and a.pinned == b.pinned
+        and a.kept == b.kept
         and all(
             torch.equal(getattr(a, f), getattr(b, f)) for f in ("text_pos", "image_pos", "proprio_pos", "target_pos")
         )

@@ -4,7 +4,8 @@
 submodules, so one ``DistributedDataParallel`` wraps everything that trains. Attention runs through a
 training form (an object with the cache's ``attend``): ``ParallelChunkedAttention`` (the chunked
 cache's parallel form, soft gates) in history mode with ``KVMode.CHUNKED``, else
-``CausalForm`` (one causal forward at absolute positions, which is what ``FullCache`` streams).
+``CausalForm`` (one causal forward at absolute positions, which is what ``FullCache`` streams);
+``HistoryMode.OBSERVATIONS`` layouts use ``observation_form``'s forms.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from vla_runtime.kv.rope import RopeConfig, apply_rope, rope_cos_sin
 
 from .data import IGNORE
 from .layout import FlatLayout
+from .observation_form import chunked_form, masked_form
 
 
 class CausalForm:
@@ -153,7 +155,15 @@ class PolicyTrainModule(nn.Module):
         soft / hard gate; 1 without a gate)."""
         x = self.embed(batch, layout)
         b, n = x.shape[:2]
-        if self.gate is not None:
+        rope = self.vla.language_model.cfg.rope
+        if not layout.keeps_all:  # HistoryMode.OBSERVATIONS: each step's decodes are rolled back
+            if self.gate is None:
+                attn = masked_form(layout, rope, x.device)
+            else:
+                attn = chunked_form(
+                    layout, self.gate, self.chunked, rope, temperature=temperature, budget=self.loss.budget
+                )  # fmt: skip
+        elif self.gate is not None:
             schedule = ForwardSchedule.build(
                 layout.boundaries, layout.pinned, window=self.chunked.window, chunk=self.chunked.chunk
             )

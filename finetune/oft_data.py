@@ -23,7 +23,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from vla_runtime.config import HistoryMode
 from vla_runtime.data import LeRobotDataset
 from vla_runtime.models.openvla.processing_openvla import crop_resize
 from vla_runtime.models.openvla_oft.normalization_oft import BoundsStats
@@ -95,7 +94,7 @@ class OFTTrainingData:
         camera = check_features(ds, camera=cfg.data.camera, action_dim=policy.action_dim, proprio_dim=policy.config.proprio_dim)
         decoded = cached_dataset(ds, camera, cache_dir, build=True, progress=progress)
         mask = cfg.data.action_mask if cfg.data.action_mask is not None else default_action_mask(decoded.actions.shape[1])
-        history = cfg.history is HistoryMode.HISTORY
+        history = cfg.history.episodic
         return cls(
             decoded, policy=policy, dataset_name=cfg.data.dataset_name or Path(cfg.dataset).resolve().name, action_mask=mask,
             image_aug=cfg.data.image_aug, window=cfg.data.window if history else None, stride=cfg.data.stride,

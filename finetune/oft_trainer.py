@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from vla_runtime.api import load_policy
 from vla_runtime.checkpoints.openvla_oft import DDP_PREFIX
-from vla_runtime.config import HistoryMode, SessionConfig
+from vla_runtime.config import SessionConfig
 from vla_runtime.kv import ChunkGate, KVConfig, KVMode, save_gate
 from vla_runtime.kv.chunked_parallel import ForwardSchedule, ParallelAux
 from vla_runtime.kv.gate import check_gate
@@ -154,9 +154,9 @@ class OFTTrainModule(nn.Module):
 def check_oft_config(cfg: FinetuneConfig, world: int) -> None:
     """``ValueError`` naming each setting the OFT recipe does not support yet."""
     problems = []
-    if cfg.history is HistoryMode.HISTORY and cfg.kv.mode not in (KVMode.FULL, KVMode.CHUNKED):
+    if cfg.history.episodic and cfg.kv.mode not in (KVMode.FULL, KVMode.CHUNKED):
         problems.append(f"kv.mode {cfg.kv.mode.value!r} in history mode (kv.mode full or chunked)")
-    if cfg.history is HistoryMode.HISTORY and cfg.data.window == 0:
+    if cfg.history.episodic and cfg.data.window == 0:
         problems.append("data.window 0 (whole episodes; give a window of steps)")
     if cfg.trainable != "lora":
         problems.append(f"trainable {cfg.trainable!r} (OFT trains LoRA + the action head + the proprio projector: trainable: lora)")
@@ -198,7 +198,7 @@ class OFTTrainer:
         for module in (oft.action_head, oft.proprio_projector):
             if module is not None:
                 module.requires_grad_(True)
-        self.history = cfg.history is HistoryMode.HISTORY
+        self.history = cfg.history.episodic
         self.kv = cfg.kv.for_step(self._step_tokens(), whole_context=False) if self.history else KVConfig()
         self.gate = self._gate() if cfg.trains_gate else None
         self.module = OFTTrainModule(

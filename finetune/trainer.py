@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from vla_runtime.api import load_policy
 from vla_runtime.checkpoints.export import save_openvla_like
-from vla_runtime.config import HistoryMode, SessionConfig
+from vla_runtime.config import SessionConfig
 from vla_runtime.device import DTYPES, resolve_device
 from vla_runtime.kv import ChunkGate, KVConfig, save_gate
 from vla_runtime.kv.chunked_parallel import ForwardSchedule
@@ -84,7 +84,7 @@ class Trainer:
         self._barrier()
         if not env.is_main:
             self.data = TrainingData.prepare(cfg, self.policy, cache_dir=cache_dir, build_cache=False, progress=False)
-        self.kv = history_kv(cfg.kv, self.data) if cfg.history is HistoryMode.HISTORY else cfg.kv
+        self.kv = history_kv(cfg.kv, self.data) if cfg.history.episodic else cfg.kv
         self.gate = self._gate() if cfg.trains_gate else None
         self.peft_model = self._trainable()
         first, last = self.policy.config.action_token_range

@@ -14,11 +14,22 @@ from .kv.config import KVConfig
 
 
 class HistoryMode(str, Enum):
-    """What a session's context holds: ``SINGLE`` a fresh context each step (stock OpenVLA), ``HISTORY`` one
-    cache for the whole episode (the prompt pinned once, then each step's frame and action tokens)."""
+    """What a session's context holds: ``SINGLE`` a fresh context each step (stock OpenVLA); ``HISTORY`` one
+    cache for the whole episode (the prompt pinned once, then each step's frame and action tokens);
+    ``OBSERVATIONS`` one cache for the episode that keeps each step's frame but not its action tokens
+    (OpenVLA decodes them inside a mark and rolls them back), so a policy cannot copy its own past actions
+    instead of reading the frames (the copycat failure of behaviour cloning from histories). The diffusion
+    heads (CogACT, HybridVLA) and OpenVLA-OFT never keep their action tokens: for them both episodic modes
+    are the same."""
 
     SINGLE = "single"
     HISTORY = "history"
+    OBSERVATIONS = "observations"
+
+    @property
+    def episodic(self) -> bool:
+        """One cache for the whole episode (``HISTORY`` or ``OBSERVATIONS``)."""
+        return self is not HistoryMode.SINGLE
 
 
 HISTORY_MODES = tuple(m.value for m in HistoryMode)  # the spellings the CLI and YAML accept
@@ -45,7 +56,8 @@ class SessionConfig:
     Args:
         kv: the cache (``KVConfig``).
         history: ``single`` = fresh context each step (stock OpenVLA); ``history`` = one cache for the
-            whole episode (the prompt pinned once, then each step's frame and action tokens).
+            whole episode (the prompt pinned once, then each step's frame and action tokens); ``observations``
+            = the same without the action tokens (``HistoryMode``).
         unnorm_key: dataset key of the action statistics (needed when the checkpoint has several).
         center_crop: 0.9-area centre crop before the image transform (models trained with image_aug).
         execution_horizon: actions executed from each predicted chunk before re-planning
@@ -55,7 +67,9 @@ class SessionConfig:
 
     kv: KVConfig = field(default_factory=KVConfig, metadata={"help": "the KV cache"})
     history: HistoryMode = field(  # a string from YAML/CLI is turned into the enum
-        default=HistoryMode.SINGLE, metadata={"help": "single (fresh context per step) or history (one cache per episode)"}
+        default=HistoryMode.SINGLE,
+        metadata={"help": "single (fresh context per step), history (one cache per episode) or observations (one "
+                          "cache per episode without the decoded action tokens)"},
     )
     unnorm_key: str | None = field(
         default=None, metadata={"help": "dataset key of the action statistics; unset = the checkpoint's only one"}

@@ -86,14 +86,18 @@ def tiny_dataset(tmp_path_factory) -> Path:
 
 
 def make_config(ckpt: Path, dataset: Path, out: Path, **overrides) -> FinetuneConfig:
-    """Small, fast runs: 3-step windows, batches of 2, chunk 4 (chunks form every step)."""
+    """Small, fast runs: 3-step windows, batches of 2, chunk 4 (chunks form every step). A nested override
+    whose value is ``None`` removes that default (``kv={"mode": "full", "chunk": None}``)."""
     data = {
         "checkpoint": ckpt, "dataset": dataset, "out": out, "batch_size": 2, "max_steps": 4, "log_every": 2, "save_every": 100,
         "kv": {"chunk": 4}, "data": {"window": 3, "stride": 2, "cache_dir": out.parent / "frame-cache"},
     }  # fmt: skip
     for key, value in overrides.items():
         if isinstance(value, dict):
-            data.setdefault(key, {}).update(value)
+            nested = data.setdefault(key, {})
+            nested.update(value)
+            for k in [k for k, v in value.items() if v is None]:
+                del nested[k]
         else:
             data[key] = value
     return from_dict(FinetuneConfig, data)

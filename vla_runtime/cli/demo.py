@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import HISTORY_MODES, HistoryMode
 from ..kv.registry import CACHES, KVMode
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -33,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"memory-order); default {DEMO_TASK}, the demo policy's best task")  # fmt: skip
     p.add_argument("--seed", type=int, default=1000, help="episode seed (default 1000; the shipped policies were trained on seeds 0-49)")
     p.add_argument("--kv", choices=tuple(CACHES), default="chunked", help="KV cache (default chunked)")
-    p.add_argument("--history", choices=("history", "single"), default="history", help="history mode (default) or single frame")
+    p.add_argument("--history", choices=HISTORY_MODES, default=None,
+                   help="history, observations or single (default: the mode the checkpoint was trained in, else history)")
     p.add_argument("--max-steps", type=int, default=150, help="step limit (default 150; memory tasks end by 160)")
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the video and retention picture go (default runs/demo)")
     p.add_argument("--no-video", action="store_true", help="write no video")
@@ -56,12 +58,13 @@ def run(args: argparse.Namespace) -> int:
     size = info["vision_towers"][0]["image_size"]
     print(f"policy {args.checkpoint.name}: {info['parameters']['total']:,} parameters, {size}px images, "
           f"{info['image_tokens']} image tokens/frame, LLaMA {info['llm']['dim']}x{info['llm']['layers']}")  # fmt: skip
-    session = replace(policy.session, history=args.history, kv=_demo_cache(policy.session.kv, args, info["image_tokens"]))
+    history = args.history or (policy.session.history if policy.session.history.episodic else HistoryMode.HISTORY)
+    session = replace(policy.session, history=history, kv=_demo_cache(policy.session.kv, args, info["image_tokens"]))
     video = None if args.no_video else args.out / f"{args.task}-seed{args.seed}.mp4"
     env_config = MetaWorldConfig(cameras=("corner",), resolution=(size, size), max_steps=args.max_steps)
-    traced = KVMode.parse(args.kv) is KVMode.CHUNKED and args.history == "history"
+    traced = KVMode.parse(args.kv) is KVMode.CHUNKED and session.history.episodic
     with make_env("metaworld", env_config) as env:
-        print(f"{args.task} seed {args.seed}: {env.instruction(args.task, args.seed)!r}, kv={args.kv}, {args.history} mode ...", flush=True)
+        print(f"{args.task} seed {args.seed}: {env.instruction(args.task, args.seed)!r}, kv={args.kv}, {session.history.value} mode ...", flush=True)
         result = run_episode(env, policy, args.task, args.seed, session, video_path=video, trace_retention=traced)
     ms = np.asarray(result.inference_ms)
     verdict = "SUCCESS" if result.success else "failure"

@@ -1,4 +1,5 @@
-"""Not-kept bidirectional query blocks in the chunked cache's parallel form (OpenVLA-OFT's history mode).
+"""Not-kept query blocks in the chunked cache's parallel form (OpenVLA-OFT's history mode; OpenVLA's
+``HistoryMode.OBSERVATIONS`` with causal blocks).
 
 Streaming: after a kept forward ``f`` (an observation) a *query block* of Q tokens runs inside
 ``cache.bidirectional_block()``. It sees what the cache holds after ``f``'s ``end_forward`` — the pinned
@@ -44,10 +45,13 @@ from .segment_attention import SegmentPlan, attend_segments
 @dataclass(frozen=True)
 class QueryBlocks:
     """Where query blocks sit: ``after[i]`` is the kept forward block ``i`` follows (non-decreasing), each
-    ``length`` tokens. In the training sequence the blocks after forward ``f`` come right after its tokens."""
+    ``length`` tokens. In the training sequence the blocks after forward ``f`` come right after its tokens.
+    ``causal``: a block's tokens see their own block causally (OpenVLA's action tokens decoded one by one
+    inside a mark, ``HistoryMode.OBSERVATIONS``) instead of both ways (OpenVLA-OFT's parallel block)."""
 
     after: tuple[int, ...]
     length: int
+    causal: bool = False
 
     def __post_init__(self) -> None:
         if self.length < 1:
@@ -176,6 +180,7 @@ class ParallelQueryAttention(ParallelChunkedAttention):
         block_out = attend_blocks(
             t, self.rope, q[:, :, t.query], k_raw[:, :, t.query], v[:, :, t.query], kk, vk, k_rep, v_rep,
             visible=visible[:, n_seg:], shown=shown[:, n_seg:], bias=None if bias is None else bias[:, n_seg:],
+            causal=self.blocks.causal,
         )  # fmt: skip
         return torch.cat((kept_out, block_out.flatten(2, 3)), dim=2)[:, :, t.restore]
 
@@ -194,8 +199,9 @@ def attend_blocks(
     visible: torch.Tensor,
     shown: torch.Tensor,
     bias: torch.Tensor | None,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """Every query block in one masked attention call.
+    """Every query block in one masked attention call (``causal``: a block sees itself causally).
 
     q: [B, Hq, S, Q, D]; k_own, v_own: [B, Hkv, S, Q, D] (the blocks' own, k pre-RoPE); k, v: [B, Hkv, N_kept, D]
     the kept tokens (pre-RoPE); k_rep, v_rep: [B, Hkv, n, D]; visible, shown: [B, S, n] bool; bias: [B, S, n]
@@ -225,6 +231,9 @@ def attend_blocks(
     q_cos, q_sin = rope_cos_sin(own_pos, rope)  # [B, S, Q, D]
     queries = apply_rope(q, q_cos[:, None], q_sin[:, None])  # [B, Hq, S, Q, D]
     mask = ok[:, :, None, :].expand(-1, -1, n_q, -1)  # [B, S, Q, K]: every query sees every shown key
+    if causal:  # ... of the cache, and its own block's keys up to itself
+        own = torch.ones(n_q, n_q, dtype=torch.bool, device=k.device).tril()
+        mask = torch.cat((mask[..., : mask.shape[-1] - n_q], own.expand(b, s, n_q, n_q)), dim=-1)
     key_bias = None
     if bias is not None:
         zeros = bias.new_zeros

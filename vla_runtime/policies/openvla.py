@@ -1,12 +1,15 @@
 """``OpenVLAPolicy`` (family ``openvla``) and its ``EpisodeSession``.
 
-Two history modes (``SessionConfig.history``), both laid out by ``processing_openvla``:
+Three history modes (``SessionConfig.history``), all laid out by ``processing_openvla``:
 
 - ``single``: stock OpenVLA. Each step prefills ``[BOS] + image (+ proprio) + prompt + [29871]`` into a
   fresh cache and decodes ``action_dim`` greedy tokens.
 - ``history``: one cache for the episode. The prompt is prefilled once and pinned; each step appends
   ``[previous step's last action token] + image (+ proprio) + "\\nOut:" + [29871]`` and decodes.
   How much of the history is kept is the cache's business (``KVConfig.mode``).
+- ``observations``: as ``history``, but the action tokens are decoded inside a cache mark and rolled back:
+  each step appends ``image (+ proprio) + "\\nOut:" + [29871]`` only, so the policy reads its past frames,
+  never its past actions.
 
 Greedy decoding is restricted to the ``n_bins`` action token ids by default
 (``decoding=ActionDecoding.FULL`` decodes over the full vocabulary, as upstream does).
@@ -184,7 +187,8 @@ class OpenVLASession(EpisodeSession):
         self.actions = ActionTokenizer(cfg.n_bins, cfg.vocab_size_text, stats)
         proprio = policy.norm_stats.get(self.unnorm_key, {}).get("proprio") if self.unnorm_key else None
         self.proprio_stats = ActionStats.from_dict(proprio, what="proprio") if proprio and cfg.proprio_dim else None
-        self._history = config.history is HistoryMode.HISTORY  # no bound methods kept on self: a dropped session is freed at once
+        self._history = config.history.episodic  # no bound methods kept on self: a dropped session is freed at once
+        self._keeps_actions = config.history is not HistoryMode.OBSERVATIONS  # observations: decodes rolled back
         self.last_tokens: np.ndarray | None = None  # [1, action_dim] ids of the last step
         self._build(instruction)
 
@@ -290,11 +294,23 @@ class OpenVLASession(EpisodeSession):
         synchronize(policy.device)
         timings["prefill"] += (time.perf_counter() - start) * 1e3
         start = time.perf_counter()
+        mark = self.open_decode()
         ids = decode(lambda tok: head.logits(decoder(tok, cache=self.cache)[:, -1]), logits, head.pick,
                      max_new_tokens=self.action_dim)  # [1, action_dim]
+        self.close_decode(mark)
         synchronize(policy.device)
         timings["decode"] = (time.perf_counter() - start) * 1e3
         return ids
+
+    def open_decode(self) -> int | None:
+        """Before the step's decode forwards: ``HistoryMode.OBSERVATIONS`` marks the cache (``close_decode``
+        rolls them back, so the history holds frames only); ``None`` otherwise."""
+        return None if self._keeps_actions else self.cache.mark()
+
+    def close_decode(self, mark: int | None) -> None:
+        """After the decode forwards: roll them back to ``open_decode``'s mark (if any)."""
+        if mark is not None:
+            self.cache.rollback(mark)
 
     def finish(self, ids: torch.Tensor, timings: dict, start: float) -> StepResult:
         """The step's action ids [1, action_dim] -> ``StepResult``; history mode remembers the last token."""
@@ -324,7 +340,8 @@ class OpenVLASession(EpisodeSession):
             model.language_model.model(inputs_embeds=prompt, cache=self.cache, pin=True)
             self._pinned = True
             timings["prefill"] += (time.perf_counter() - t0) * 1e3
-        frame = history_frame(self.prompt, step=0, prev_token=self._prev_token, has_proprio=bool(proprio))
+        prev = self._prev_token if self._keeps_actions else None
+        frame = history_frame(self.prompt, step=0, prev_token=prev, has_proprio=bool(proprio))
         return model.embed_forward(frame, images=[image_tokens], proprio=proprio)
 
 

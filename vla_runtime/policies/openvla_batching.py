@@ -77,8 +77,11 @@ def step_batch(policy: "OpenVLAPolicy", sessions: list["OpenVLASession"], observ
     ids: list[torch.Tensor | None] = [None] * len(sessions)
     for dim, rows in by_dim.items():
         cache = _rows_cache(sessions, rows)
+        marks = [sessions[i].open_decode() for i in rows]
         out = decode(lambda tok: head.logits(decoder(tok, cache=cache)[:, -1]), torch.cat([first[i] for i in rows]), head.pick,
                      max_new_tokens=dim)  # [b, action_dim]
+        for i, mark in zip(rows, marks):
+            sessions[i].close_decode(mark)
         for j, i in enumerate(rows):
             ids[i] = out[j : j + 1]
     synchronize(policy.device)

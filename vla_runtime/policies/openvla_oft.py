@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..checkpoints.openvla_oft import OFTCheckpoint, apply_oft_adapter, load_openvla_oft
-from ..config import HistoryMode, SessionConfig, from_dict
+from ..config import SessionConfig, from_dict
 from ..device import resolve_device, resolve_dtype, synchronize
 from ..kv import KVConfig, has_gate, make_cache
 from ..kv.base import KVStats
@@ -153,7 +153,7 @@ class OpenVLAOFTSession(EpisodeSession):
     def __init__(self, policy: OpenVLAOFTPolicy, instruction: str, config: SessionConfig) -> None:
         super().__init__(instruction, config)
         self.policy = policy
-        self.history = config.history is HistoryMode.HISTORY
+        self.history = config.history.episodic
         cfg = policy.config
         if not policy.norm_stats:
             raise ValueError(f"{policy.checkpoint.path} has no dataset statistics (dataset_statistics.json): OFT actions cannot be un-normalised")

@@ -23,7 +23,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..config import HistoryMode, SessionConfig
+from ..config import SessionConfig
 from ..device import synchronize
 from ..kv import ChunkGate, KVConfig, make_cache
 from ..kv.geometry import CacheGeometry
@@ -136,7 +136,7 @@ class PrismaticSession(EpisodeSession):
         if "action" not in stats:
             raise KeyError(f"dataset statistics {self.unnorm_key!r} have no 'action' entry (keys: {sorted(stats)})")
         self.action_stats = ActionStats.from_dict(stats["action"], what=f"{self.unnorm_key} action")
-        self.history = config.history is HistoryMode.HISTORY
+        self.history = config.history.episodic
         self.generator = torch.Generator().manual_seed(config.seed)
         self._build(instruction)
 

@@ -282,7 +282,12 @@ def history_frame(prompt: PromptIds, *, step: int, prev_token: int | None, has_p
 
 
 def history_sequence(
-    prompt: PromptIds, action_ids: Sequence[Sequence[int]], *, has_proprio: bool, prev_token: int | None = None
+    prompt: PromptIds,
+    action_ids: Sequence[Sequence[int]],
+    *,
+    has_proprio: bool,
+    prev_token: int | None = None,
+    keep_actions: bool = True,
 ) -> list[Forward]:
     """The whole history-mode episode as the runtime runs it, for ``len(action_ids)`` steps.
 
@@ -290,10 +295,12 @@ def history_sequence(
     training parallel form's sequence; each non-pinned forward's last position predicts the next token.
     prev_token: the last action token of the step before ``action_ids[0]`` (a window that starts
     mid-episode: the runtime feeds it at the start of that step's frame); ``None`` = the episode's start.
+    keep_actions: ``False`` (``HistoryMode.OBSERVATIONS``): the decode forwards are rolled back after each
+    step, so no frame starts with the previous action token (``prev_token`` is ignored).
     """
     forwards = [history_prompt(prompt)]
     for step, ids in enumerate(action_ids):
-        prev = int(action_ids[step - 1][-1]) if step else prev_token
+        prev = (int(action_ids[step - 1][-1]) if step else prev_token) if keep_actions else None
         forwards.append(history_frame(prompt, step=step, prev_token=prev, has_proprio=has_proprio))
         forwards.extend(Forward((_text([t]),)) for t in ids[:-1])
     return forwards
