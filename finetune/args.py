@@ -68,7 +68,7 @@ FLAGS: list[tuple[str, str, dict, str]] = [
     ("--grad-accum", "grad_accum", _OPT_INT, "micro-batches per optimizer step (default 1)"),
     ("--max-steps", "max_steps", _OPT_INT, "optimizer steps (default 1000; an upper bound with --time-budget)"),
     ("--time-budget", "time_budget", {"type": float, "metavar": "MIN"},
-     "minutes of training: max_steps is fitted to the rate of the first steps (the schedule ends there)"),
+     "minutes of training: max_steps is fitted to the measured rate of steps, refitted every 20 (the schedule ends there)"),
     ("--lr", "lr", _FLOAT, "learning rate of LoRA / model weights (default 5e-4, constant)"),
     ("--lr-schedule", "lr_schedule", {"choices": LR_SCHEDULES}, "constant (default) or cosine"),
     ("--warmup-steps", "warmup_steps", _OPT_INT, "linear warm-up steps (default 0)"),

@@ -27,32 +27,35 @@ def lr_factor(step: int, *, schedule: str, warmup: int, max_steps: int) -> float
 
 
 class TimeBudget:
-    """How many optimizer steps fit in ``minutes`` of training, from the rate of steps ``skip .. skip + measure``.
+    """How many optimizer steps fit in ``minutes`` of training, from the measured rate of steps.
 
     ``after_step(done, max_steps)`` is called after every optimizer step with the steps done so far in this
-    process; it returns the fitted ``max_steps`` once (at most ``max_steps``, at least ``done``), else ``None``.
+    process. It returns the fitted ``max_steps`` (at most ``max_steps``, at least ``done``) after step
+    ``skip + measure`` (the rate of steps ``skip .. skip + measure``) and again every ``refit_every`` steps from
+    the mean rate since step ``skip`` (a shared machine's rate moves: a run fitted while other jobs ran would
+    otherwise end far early or late); ``None`` at every other step, so every rank refits at the same steps.
     """
 
     def __init__(self, minutes: float, *, skip: int = 2, measure: int = 10, margin: float = 0.97,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 refit_every: int = 20, clock: Callable[[], float] = time.perf_counter) -> None:
         if not minutes > 0:
             raise ValueError(f"the time budget must be > 0 minutes, got {minutes}")
         self.seconds, self.skip, self.measure, self.margin, self.clock = 60.0 * minutes, skip, measure, margin, clock
+        self.refit_every = refit_every
         self.started = clock()
         self._steps = 0
         self._t0: float | None = None
         self.fitted: int | None = None
 
     def after_step(self, done: int, max_steps: int) -> int | None:
-        if self.fitted is not None:
-            return None
         self._steps += 1
         now = self.clock()
         if self._steps == self.skip:
             self._t0 = now
-        if self._steps < self.skip + self.measure:
+        first = self.skip + self.measure
+        if self._steps < first or (self._steps - first) % self.refit_every:
             return None
-        rate = self.measure / max(now - self._t0, 1e-9)  # steps per second
+        rate = (self._steps - self.skip) / max(now - self._t0, 1e-9)  # steps per second
         left = self.seconds - (now - self.started)
         self.fitted = min(max_steps, max(done, done + int(rate * left * self.margin)))
         return self.fitted

@@ -349,6 +349,8 @@ class Trainer:
             agreed = torch.tensor([fitted], dtype=torch.long, device=self._reduce_device())
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
             fitted = int(agreed.item())
+        if fitted == self.cfg.max_steps:
+            return
         log.info("time budget %.1f min: %d steps fit (max_steps %d -> %d)", self.cfg.time_budget, fitted, self.cfg.max_steps, fitted)
         self.cfg.max_steps = fitted
         bar.total = fitted

@@ -20,15 +20,24 @@ class Clock:
         return self.now
 
 
-def test_steps_are_fitted_once_from_the_measured_rate():
+def test_steps_are_fitted_from_the_measured_rate_and_refitted_when_it_moves():
     clock = Clock()
-    budget = TimeBudget(1.0, skip=2, measure=10, margin=1.0, clock=clock)  # 60 s
+    budget = TimeBudget(1.0, skip=2, measure=10, margin=1.0, refit_every=20, clock=clock)  # 60 s
     fitted = []
-    for done in range(1, 40):
+    for done in range(1, 60):
         clock.now += 3.0 if done == 1 else 0.5  # a slow first step (start-up), then 2 steps/s
         fitted.append(budget.after_step(done, max_steps=10_000))
-    # timed from step 2 to step 12: 10 steps in 5 s; 8.5 s gone, 51.5 s left -> 103 more steps
-    assert fitted[:11] == [None] * 11 and fitted[11] == 12 + 103 and set(fitted[12:]) == {None}
+    # timed from step 2 to step 12: 10 steps in 5 s; 8.5 s gone, 51.5 s left -> 103 more steps. The refits at
+    # steps 32 and 52 see the same rate, so the same end
+    assert fitted[:11] == [None] * 11 and fitted[11] == 12 + 103
+    assert {i + 1: f for i, f in enumerate(fitted) if f is not None} == {12: 115, 32: 115, 52: 115}
+    slowed = TimeBudget(1.0, skip=2, measure=10, margin=1.0, refit_every=20, clock=(c := Clock()))
+    ends = []
+    for done in range(1, 33):
+        c.now += 0.5 if done <= 12 else 1.5  # other jobs start after the first fit: 3x slower
+        ends.append(slowed.after_step(done, max_steps=10_000))
+    # at step 32: 30 steps in 6.5 + 30 = 35 s (mean 0.857 steps/s), 36 s gone -> 24 s left: 20 more steps
+    assert ends[11] == 12 + 2 * 54 and ends[31] == 32 + 20
     capped = TimeBudget(1.0, clock=Clock())
     assert [capped.after_step(d, max_steps=20) for d in range(1, 13)][-1] == 20  # max_steps stays an upper bound
     late = TimeBudget(0.001, skip=1, measure=1, clock=(c := Clock()))
