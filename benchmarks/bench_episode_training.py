@@ -11,7 +11,8 @@ epoch (whole episodes: every step once; windows: every window, stride 4) / token
 
 Variants: ``window8`` (8-step windows, batch 8; the demo recipe), ``episode`` (whole episodes, batch
 ``--batch-size``, a budget of ``--max-chunks``, the default hard budget objective), ``episode-soft``
-(the relaxed top-M budget: every chunk is a key), ``episode-ckpt`` (gradient checkpointing).
+(the relaxed top-M budget: every chunk is a key), ``episode-ckpt`` (gradient checkpointing),
+``episode-observations`` (``HistoryMode.OBSERVATIONS``: each step's decodes are causal query blocks).
 
 usage: python benchmarks/bench_episode_training.py [--threads 1] [--episodes 12] [--repeats 6]
 """
@@ -37,6 +38,7 @@ VARIANTS = {
     "episode": {},
     "episode-soft": {"gate": {"budget": "soft"}},
     "episode-ckpt": {"gradient_checkpointing": True},
+    "episode-observations": {"history": "observations"},
 }
 
 
