@@ -56,7 +56,7 @@ class DistEnv:
 
 def history_kv(kv: KVConfig, data: TrainingData) -> KVConfig:
     """The cache as a history session resolves it: ``window=None`` -> one frame's tokens + the decodes
-    (``OpenVLASession._plan_history``). Written explicitly into ``kv_config.json``."""
+    (``OpenVLASession``: its first frame + the fed-back action tokens). Written explicitly into ``kv_config.json``."""
     frame = history_frame(data.prompts[0], step=0, prev_token=0, has_proprio=data.has_proprio)
     return kv.for_step(frame.length(data.n_image_tokens) + data.action_dim - 1, whole_context=False)
 
