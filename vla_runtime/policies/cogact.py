@@ -24,7 +24,7 @@ from ..models.cogact.configuration_cogact import AdaptiveEnsembleConfig, CogACTC
 from ..models.cogact.modeling_cogact import ActionModel, CogACT
 from ..models.cogact.processing_cogact import AdaptiveEnsembler, cognition_suffix
 from ..models.diffusion import DiffusionConfig, Inpaint, rtc_weights
-from ..models.openvla.prompt_openvla import PromptIds
+from ..models.prismatic.prompt_prismatic import PromptIds
 from .base import ActionPrefix, Observation, Policy, StepResult
 from .loading import plan_load
 from .prismatic_session import ActionHeadSession, PrismaticPolicy

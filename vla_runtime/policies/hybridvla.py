@@ -42,8 +42,8 @@ from ..models.hybridvla.configuration_hybridvla import (
 )
 from ..models.hybridvla.modeling_hybridvla import DiffusionHead, HybridVLA, decode_ar_actions, denoise_on_cache
 from ..models.hybridvla.processing_hybridvla import STATE_LAYOUTS, ar_action_tokenizer, collaborative_ensemble, to_proprio
-from ..models.openvla.processing_openvla import ActionStats
-from ..models.openvla.prompt_openvla import PromptIds
+from ..models.prismatic.processing_prismatic import ActionStats
+from ..models.prismatic.prompt_prismatic import PromptIds
 from .base import Observation, Policy, StepResult
 from .loading import plan_load
 from .prismatic_session import ActionHeadSession, PrismaticPolicy

@@ -12,7 +12,7 @@ import torch
 from ..config import SessionConfig, from_dict
 from ..device import resolve_device, resolve_dtype
 from ..kv import ChunkGate, KVConfig, has_gate, load_gate
-from ..models.openvla.configuration_openvla import read_json
+from ..models.prismatic.configuration_prismatic import read_json
 
 log = logging.getLogger(__name__)
 

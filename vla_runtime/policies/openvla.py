@@ -28,15 +28,9 @@ from ..config import ActionDecoding, SessionConfig
 from ..device import synchronize
 from ..kv import KVConfig, has_gate
 from ..models.generation import TokenHead, decode
-from ..models.openvla.configuration_openvla import OpenVLAConfig, read_json
-from ..models.openvla.processing_openvla import (
-    ActionStats,
-    ActionTokenizer,
-    Forward,
-    history_frame,
-    resolve_unnorm_key,
-    single_layout,
-)
+from ..models.openvla.processing_openvla import ActionTokenizer, history_frame, single_layout
+from ..models.prismatic.configuration_prismatic import OpenVLAConfig, read_json
+from ..models.prismatic.processing_prismatic import ActionStats, Forward, resolve_unnorm_key
 from .base import Observation, Policy, StepResult
 from .loading import plan_load
 from .prismatic_session import PrismaticPolicy, PrismaticSession, parameter_count

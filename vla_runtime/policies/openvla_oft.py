@@ -31,9 +31,9 @@ from ..config import HistoryMode, SessionConfig
 from ..device import synchronize
 from ..kv import KVConfig
 from ..kv.base import KVStats
-from ..models.openvla.processing_openvla import center_crop, resolve_unnorm_key
 from ..models.openvla_oft.configuration_oft import DIFFUSION_STEPS, OFTConfig, OFTPlatform
 from ..models.openvla_oft.normalization_oft import BoundsStats
+from ..models.prismatic.processing_prismatic import center_crop, resolve_unnorm_key
 from .base import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_image, validate_instruction
 from .loading import plan_load
 from .prismatic_session import PrismaticPolicy, parameter_count

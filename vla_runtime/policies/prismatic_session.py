@@ -32,7 +32,7 @@ from ..config import HistoryMode, SessionConfig
 from ..device import synchronize
 from ..kv import ChunkGate, KVCache, KVConfig, make_cache
 from ..kv.geometry import CacheGeometry
-from ..models.openvla.processing_openvla import (
+from ..models.prismatic.processing_prismatic import (
     ActionStats,
     Forward,
     Segment,
@@ -41,7 +41,7 @@ from ..models.openvla.processing_openvla import (
     history_prompt,
     resolve_unnorm_key,
 )
-from ..models.openvla.prompt_openvla import PromptIds
+from ..models.prismatic.prompt_prismatic import PromptIds
 from .base import PRIMARY_CAMERA, EpisodeSession, Observation, StepResult, validate_instruction
 
 
