@@ -32,8 +32,9 @@ from torch.utils.data import Dataset
 from vla_runtime.config import HistoryMode
 from vla_runtime.data import LeRobotDataset
 from vla_runtime.data import layout as lerobot
-from vla_runtime.models.openvla.processing_openvla import ActionStats, ActionTokenizer, crop_resize
-from vla_runtime.models.openvla.prompt_openvla import PromptIds
+from vla_runtime.models.openvla.processing_openvla import ActionTokenizer
+from vla_runtime.models.prismatic.processing_prismatic import ActionStats, crop_resize
+from vla_runtime.models.prismatic.prompt_prismatic import PromptIds
 
 from .config import FinetuneConfig
 from .frames import DecodedDataset, cached_dataset

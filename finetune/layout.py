@@ -20,14 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vla_runtime.models.openvla.processing_openvla import (
-    Forward,
-    Segment,
-    SegmentKind,
-    history_sequence,
-    single_layout,
-)
-from vla_runtime.models.openvla.prompt_openvla import PromptIds
+from vla_runtime.models.openvla.processing_openvla import history_sequence, single_layout
+from vla_runtime.models.prismatic.processing_prismatic import Forward, Segment, SegmentKind
+from vla_runtime.models.prismatic.prompt_prismatic import PromptIds
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from vla_runtime.checkpoints.export import save_openvla_like
 from vla_runtime.checkpoints.openvla import load_openvla
 from vla_runtime.device import DTYPES
 from vla_runtime.kv.gate_io import GATE_CONFIG, GATE_WEIGHTS
-from vla_runtime.models.openvla.configuration_openvla import read_json
+from vla_runtime.models.prismatic.configuration_prismatic import read_json
 
 from .outputs import SESSION_CONFIG, STATISTICS
 

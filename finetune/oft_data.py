@@ -24,8 +24,8 @@ import torch
 from torch.utils.data import Dataset
 
 from vla_runtime.data import LeRobotDataset
-from vla_runtime.models.openvla.processing_openvla import crop_resize
 from vla_runtime.models.openvla_oft.normalization_oft import BoundsStats
+from vla_runtime.models.prismatic.processing_prismatic import crop_resize
 
 from .config import FinetuneConfig
 from .data import CROP_AREA, check_features, task_segments, window_starts

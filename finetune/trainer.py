@@ -56,8 +56,9 @@ class DistEnv:
 
 def history_kv(kv: KVConfig, data: TrainingData) -> KVConfig:
     """The cache as a history session resolves it: ``window=None`` -> one frame's tokens + the decodes
-    (``OpenVLASession._plan_history``). Written explicitly into ``kv_config.json``."""
-    frame = history_frame(data.prompts[0], step=0, prev_token=0, has_proprio=data.has_proprio)
+    (``OpenVLASession``: its first frame + the fed-back action tokens). Written explicitly into ``kv_config.json``."""
+    prev = 0 if data.keep_actions else None  # HistoryMode.OBSERVATIONS: no previous action token in a frame
+    frame = history_frame(data.prompts[0], step=0, prev_token=prev, has_proprio=data.has_proprio)
     return kv.for_step(frame.length(data.n_image_tokens) + data.action_dim - 1, whole_context=False)
 
 

@@ -1,5 +1,5 @@
 """The import contracts in pyproject.toml ([tool.importlinter]): one-way layers, no ROS in the runtime,
-KV caches independent of the models. ``lint-imports`` checks them; this test runs it on the source tree."""
+KV caches independent of the models, the shared Prismatic VLM independent of its families. ``lint-imports`` checks them; this test runs it on the source tree."""
 
 import ast
 import subprocess

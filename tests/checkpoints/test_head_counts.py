@@ -13,7 +13,7 @@ import pytest
 from vla_runtime.api import load_policy
 from vla_runtime.checkpoints.tiny_openvla import TINY_TOWERS, make_tiny_openvla
 from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact
-from vla_runtime.models.openvla.configuration_openvla import backbone_spec
+from vla_runtime.models.prismatic.configuration_vision import backbone_spec
 
 
 def rewrite_heads(config_file, heads: list[int]) -> None:

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models
 
 from vla_runtime.checkpoints.llama_tokenizer import build_llama_tokenizer, save_llama_tokenizer, training_corpus
 from vla_runtime.checkpoints.tokenizer_json import legacy_tokenizer_json, merge_pairs
-from vla_runtime.models.openvla.prompt_openvla import OUT, PROMPT
+from vla_runtime.models.prismatic.prompt_prismatic import OUT, PROMPT
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 SHIPPED = sorted(ASSETS.glob("*/tokenizer.json"))

@@ -10,7 +10,7 @@ from vla_runtime.kv import FullCache, FullParams, KVConfig, KVMode
 from vla_runtime.models.action_postprocess import postprocess_actions
 from vla_runtime.models.cogact.configuration_cogact import AdaptiveEnsembleConfig
 from vla_runtime.models.cogact.processing_cogact import AdaptiveEnsembler
-from vla_runtime.models.openvla.processing_openvla import history_prompt
+from vla_runtime.models.prismatic.processing_prismatic import history_prompt
 
 INSTRUCTION = "Put the eggplant in the basket"
 

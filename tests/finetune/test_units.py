@@ -10,10 +10,11 @@ from vla_finetune.data import window_starts
 from vla_finetune.layout import flatten, window_forwards
 from vla_finetune.lora import apply_lora, resolve_targets
 from vla_finetune.model import head_rows
-from vla_finetune.statistics import dataset_statistics, default_action_mask
 from vla_finetune.schedule import lr_factor
-from vla_runtime.models.openvla.processing_openvla import center_crop, crop_resize, history_frame
-from vla_runtime.models.openvla.prompt_openvla import PromptIds
+from vla_finetune.statistics import dataset_statistics, default_action_mask
+from vla_runtime.models.openvla.processing_openvla import history_frame
+from vla_runtime.models.prismatic.processing_prismatic import center_crop, crop_resize
+from vla_runtime.models.prismatic.prompt_prismatic import PromptIds
 
 PROMPT = PromptIds(bos=1, instruction=(10, 11, 12), out=(13, 14), empty=29871)
 

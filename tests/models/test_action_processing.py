@@ -5,17 +5,17 @@ import math
 import numpy as np
 import pytest
 
+from vla_runtime.models.action_postprocess import postprocess_actions
 from vla_runtime.models.cogact.configuration_cogact import AdaptiveEnsembleConfig
 from vla_runtime.models.cogact.processing_cogact import AdaptiveEnsembler, ensemble_weights
 from vla_runtime.models.hybridvla.configuration_hybridvla import CollaborativeEnsembleConfig
-from vla_runtime.models.action_postprocess import postprocess_actions
 from vla_runtime.models.hybridvla.processing_hybridvla import (
     ar_action_tokenizer,
     ar_is_confident,
     collaborative_ensemble,
     quat_xyzw_to_euler_xyz,
 )
-from vla_runtime.models.openvla.processing_openvla import ActionStats
+from vla_runtime.models.prismatic.processing_prismatic import ActionStats
 
 BRIDGE = {  # bridge_orig action statistics (OpenVLA's dataset_statistics.json)
     "q01": [-0.028727, -0.041703, -0.026094, -0.080921, -0.092887, -0.207183, 0.0],

@@ -106,7 +106,7 @@ def test_inputs_match_the_openvla_path(libero, oft_libero, frame):
         torch.testing.assert_close(oft_pixels, ovla_pixels, rtol=0, atol=0)
         with torch.no_grad():
             torch.testing.assert_close(libero.model.embed_images([oft_pixels]), openvla.model.embed_image(ovla_pixels), rtol=0, atol=0)
-    text = [s.ids for s in ovla_session.layout.segments if s.ids]
+    text = [s.ids for s in ovla_session.frame.segments if s.ids]
     assert (*text[0], *text[1]) == oft_session.prompt.input_ids
 
 

@@ -1,7 +1,8 @@
 """OFT history mode: streaming N steps through a cache equals one forward over the flat sequence with the mask
 written here (prompt and observations causal; the last step's query block sees everything, both ways), for the
-full cache; sink-window and chunked caches that evict nothing give the same chunks; the chunked cache keeps
-its budget over a long episode; the query block never stays in the cache."""
+full cache; the query block never stays in the cache. For both variants (the L1 head and the diffusion head,
+whose exact streaming test is ``test_diffusion_history``): sink-window and chunked caches that evict nothing
+give the full cache's chunks; the chunked and sink-window caches keep their budgets over a long episode."""
 
 import numpy as np
 import pytest
@@ -20,6 +21,14 @@ STOP_ID = 2
 @pytest.fixture(scope="module")
 def libero(oft_libero):
     return load_policy(oft_libero, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module", params=["l1", "diffusion"])
+def variant(request):
+    """Each OFT variant's policy: the L1 head (``libero``), the diffusion head at 2 DDIM steps per chunk."""
+    if request.param == "l1":
+        return request.getfixturevalue("libero")
+    return load_policy(request.getfixturevalue("oft_diffusion"), device="cpu", dtype="float32", diffusion_steps=2)
 
 
 def observations(frame, n):
@@ -90,22 +99,22 @@ def test_full_cache_streaming_equals_the_flat_masked_forward(libero, oft_libero,
     np.testing.assert_allclose(again.actions, results[0].actions, atol=1e-6)
 
 
-def test_caches_that_evict_nothing_equal_the_full_cache(libero, frame):
+def test_caches_that_evict_nothing_equal_the_full_cache(variant, frame):
     obs = observations(frame, 3)
-    _, full = run(libero, obs, KVConfig.of("full"))
+    _, full = run(variant, obs, KVConfig.of("full"))
     for kv in (KVConfig.of("sink_window", window=400), KVConfig.of("chunked", window=400, chunk=8, max_chunks=4)):
-        _, other = run(libero, obs, kv)
+        _, other = run(variant, obs, kv)
         for a, b in zip(full, other):
             np.testing.assert_allclose(b.actions, a.actions, atol=1e-4, rtol=1e-4, err_msg=kv.mode.value)
         assert other[-1].kv.tokens_raw == full[-1].kv.tokens_raw
 
 
-def test_chunked_and_sink_window_keep_their_budgets(libero, frame):
+def test_chunked_and_sink_window_keep_their_budgets(variant, frame):
     """10 steps of 17 kept tokens: the caches evict, hold what their budgets allow and still give finite chunks."""
     obs = observations(frame, 10)
-    prompt_tokens = 1 + len(libero.tokenizer.prompt(INSTRUCTION).instruction)
+    prompt_tokens = 1 + len(variant.tokenizer.prompt(INSTRUCTION).instruction)
     window, chunk, max_chunks = 20, 8, 3
-    session, results = run(libero, obs, KVConfig.of("chunked", window=window, chunk=chunk, max_chunks=max_chunks))
+    session, results = run(variant, obs, KVConfig.of("chunked", window=window, chunk=chunk, max_chunks=max_chunks))
     for r in results:
         assert np.isfinite(r.actions).all() and r.actions.shape == (8, 7)
         assert r.kv.tokens_raw <= prompt_tokens + window + chunk - 1
@@ -113,6 +122,6 @@ def test_chunked_and_sink_window_keep_their_budgets(libero, frame):
     last = results[-1].kv
     assert last.tokens_seen == prompt_tokens + 10 * 17 and last.chunks_dropped > 0
     assert all(n <= max_chunks for n in session.cache.retained_per_layer())
-    _, sink = run(libero, obs, KVConfig.of("sink_window", window=window, n_sink=4))
+    _, sink = run(variant, obs, KVConfig.of("sink_window", window=window, n_sink=4))
     assert all(r.kv.tokens_raw <= prompt_tokens + 4 + window for r in sink)
     assert sink[-1].kv.tokens_seen == prompt_tokens + 10 * 17

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from vla_runtime.models.llama import LlamaConfig
-from vla_runtime.models.openvla.configuration_openvla import VISION_BACKBONES, OpenVLAConfig
-from vla_runtime.models.openvla.modeling_openvla import OpenVLA
+from vla_runtime.models.prismatic.configuration_prismatic import OpenVLAConfig
+from vla_runtime.models.prismatic.configuration_vision import VISION_BACKBONES
+from vla_runtime.models.prismatic.modeling_prismatic import PrismaticVLM
 
 # openvla-7b's config.json as upstream writes it (norm_stats shortened), incl. the tiny text_config diff
 OPENVLA_7B = {
@@ -52,7 +53,7 @@ def test_openvla_7b_config_parses_with_llama_config_defaults():
 
 def test_openvla_7b_module_tree_has_the_upstream_names_and_shapes():
     with torch.device("meta"):
-        model = OpenVLA(OpenVLAConfig.from_hf(OPENVLA_7B))
+        model = PrismaticVLM(OpenVLAConfig.from_hf(OPENVLA_7B))
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     expected = {
         "vision_backbone.featurizer.cls_token": (1, 1, 1024),

@@ -17,9 +17,9 @@ from vla_runtime.api import Observation, load_policy
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import ActionDecoding, SessionConfig
 from vla_runtime.kv import FullCache, FullParams
-from vla_runtime.models.openvla.configuration_openvla import TOWER_PREFIXES, VISION_BACKBONES
-from vla_runtime.models.openvla.modeling_openvla import tower_features
 from vla_runtime.models.openvla.processing_openvla import history_sequence
+from vla_runtime.models.prismatic.configuration_vision import TOWER_PREFIXES, VISION_BACKBONES
+from vla_runtime.models.prismatic.modeling_prismatic import tower_features
 
 ATOL = 1e-4
 

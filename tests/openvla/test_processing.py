@@ -8,20 +8,23 @@ import torch
 from PIL import Image
 
 from vla_runtime.checkpoints.tiny_openvla import BRIDGE_ACTION
-from vla_runtime.models.openvla.configuration_openvla import IMAGENET_MEAN, IMAGENET_STD, OpenVLAConfig
+from vla_runtime.models.prismatic.configuration_prismatic import OpenVLAConfig
+from vla_runtime.models.prismatic.configuration_vision import IMAGENET_MEAN, IMAGENET_STD
 from vla_runtime.models.openvla.processing_openvla import (
-    ActionStats,
     ActionTokenizer,
+    history_frame,
+    history_sequence,
+    single_layout,
+)
+from vla_runtime.models.prismatic.processing_prismatic import (
+    ActionStats,
     ImageProcessor,
     SegmentKind,
     center_crop,
-    history_frame,
     history_prompt,
-    history_sequence,
     resolve_unnorm_key,
-    single_layout,
 )
-from vla_runtime.models.openvla.prompt_openvla import PromptTokenizer
+from vla_runtime.models.prismatic.prompt_prismatic import PromptTokenizer
 
 DINO_BF16_MEAN = (0.484375, 0.455078125, 0.40625)
 DINO_BF16_STD = (0.228515625, 0.2236328125, 0.224609375)

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models
 from upstream_reference import greedy_ids
 
 from vla_runtime.api import Observation, load_policy
-from vla_runtime.models.openvla.prompt_openvla import OUT, PROMPT, PromptTokenizer
+from vla_runtime.models.prismatic.prompt_prismatic import OUT, PROMPT, PromptTokenizer
 
 INSTRUCTIONS = ("Pick up the red cube", "put the cup in the drawer", "Stack 3 blocks, then WIPE the table!")
 

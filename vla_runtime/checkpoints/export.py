@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..models.openvla.configuration_openvla import read_json
+from ..models.prismatic.configuration_prismatic import read_json
 from .safetensors_io import save_safetensors
 
 # files copied from the source checkpoint when present (tokenizer, processors, generation, remote code)

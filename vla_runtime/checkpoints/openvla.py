@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..models.openvla.configuration_openvla import OpenVLAConfig
-from ..models.openvla.modeling_openvla import OpenVLA
-from ..models.openvla.processing_openvla import ImageProcessor
-from ..models.openvla.prompt_openvla import PromptTokenizer
+from ..models.prismatic.configuration_prismatic import OpenVLAConfig
+from ..models.prismatic.modeling_prismatic import PrismaticVLM
+from ..models.prismatic.processing_prismatic import ImageProcessor
+from ..models.prismatic.prompt_prismatic import PromptTokenizer
 from .safetensors_io import iter_tensors, read_shapes, weight_files
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class OpenVLACheckpoint:
 
     path: Path
     config: OpenVLAConfig
-    model: OpenVLA
+    model: PrismaticVLM
     tokenizer: PromptTokenizer
     image_processor: ImageProcessor
 
@@ -77,7 +77,7 @@ def load_openvla(path: str | Path, *, device: torch.device | str = "cpu", dtype:
     found = {hf_name(name): (shape, file, name) for name, (shape, file) in read_shapes(weight_files(path)).items()}
     config = OpenVLAConfig.from_pretrained_dir(path, weight_shapes={k: v[0] for k, v in found.items()})
     with torch.device("meta"):
-        model = OpenVLA(config)
+        model = PrismaticVLM(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     _check_names_and_shapes(path, expected, found)
     tokenizer = PromptTokenizer.from_pretrained_dir(path, bos_id=config.bos_token_id)
@@ -112,7 +112,7 @@ def _check_names_and_shapes(path: Path, expected: dict, found: dict) -> None:
             )
 
 
-def _load_weights(model: OpenVLA, found: dict, expected: dict, *, device, dtype: torch.dtype) -> None:
+def _load_weights(model: PrismaticVLM, found: dict, expected: dict, *, device, dtype: torch.dtype) -> None:
     total = sum(torch.Size(shape).numel() for shape, _, _ in found.values()) * torch.empty((), dtype=dtype).element_size()
     by_source = {src: file for _, file, src in found.values()}
     to_hf = {src: name for name, (_, _, src) in found.items()}

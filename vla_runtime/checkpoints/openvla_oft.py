@@ -32,11 +32,11 @@ from ..models.openvla_oft.configuration_oft import (
     component_files,
     platform_for,
 )
-from ..models.openvla.configuration_openvla import read_json
 from ..models.openvla_oft.modeling_oft import OpenVLAOFT
+from ..models.prismatic.configuration_prismatic import read_json
 from .adapter import has_lora, merge_lora
-from .openvla_oft_film import check_film_state, split_film_state
 from .openvla import OpenVLACheckpoint, load_openvla
+from .openvla_oft_film import check_film_state, split_film_state
 
 log = logging.getLogger(__name__)
 

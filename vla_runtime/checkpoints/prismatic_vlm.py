@@ -1,7 +1,7 @@
 """The Prismatic VLM of a run directory (CogACT, HybridVLA): configuration, weights, tokenizer.
 
 The VLM modules (``vision_backbone``, ``projector``, ``llm_backbone``) map onto the shared Prismatic
-module tree (``models.openvla.OpenVLA``) through ``checkpoints.openvla.hf_name``. The geometry comes
+module tree (``models.prismatic.modeling_prismatic.PrismaticVLM``) through ``checkpoints.openvla.hf_name``. The geometry comes
 from ``vla.base_vlm`` (upstream's model registry), the tensor shapes, and -- for what shapes cannot
 tell in tiny runs -- our extra config.json keys ``vision_num_heads`` and ``llm_config``. Nothing is
 ever downloaded: a checkpoint without its vision tower is an error, and the LLaMA-2 tokenizer (which
@@ -20,17 +20,17 @@ import torch
 from tqdm.auto import tqdm
 
 from ..models.llama import LlamaConfig
-from ..models.openvla.configuration_openvla import (
+from ..models.prismatic.configuration_prismatic import OpenVLAConfig
+from ..models.prismatic.configuration_vision import (
+    ProjectorConfig,
     TIMM_VITS,
     TOWER_PREFIXES,
-    OpenVLAConfig,
-    ProjectorConfig,
     VisionConfig,
     backbone_spec,
 )
-from ..models.openvla.modeling_openvla import OpenVLA
-from ..models.openvla.processing_openvla import ImageProcessor
-from ..models.openvla.prompt_openvla import PromptTokenizer
+from ..models.prismatic.modeling_prismatic import PrismaticVLM
+from ..models.prismatic.processing_prismatic import ImageProcessor
+from ..models.prismatic.prompt_prismatic import PromptTokenizer
 from .openvla import PROGRESS_MIN_BYTES, UNUSED, hf_name
 from .prismatic_run import PrismaticRun
 
@@ -141,7 +141,7 @@ def load_vlm(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> OpenVLA:
+) -> PrismaticVLM:
     """Build the run's VLM and load its weights (``device="meta"``: structure only, nothing read)."""
     run.require(
         modules,
@@ -152,7 +152,7 @@ def load_vlm(
     state = vlm_state(modules)
     cfg = vlm_config(run.config, run.norm_stats, {k: tuple(v.shape) for k, v in state.items()})
     with torch.device("meta"):
-        model = OpenVLA(cfg)
+        model = PrismaticVLM(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     unexpected = sorted(set(state) - set(expected))
     missing = sorted(k for k in set(expected) - set(state) if not UNUSED.match(k))
@@ -207,7 +207,7 @@ class PrismaticCheckpoint:
     run: PrismaticRun
     modules: dict[str, dict[str, torch.Tensor]]
     config: OpenVLAConfig
-    vlm: OpenVLA
+    vlm: PrismaticVLM
     tokenizer: PromptTokenizer
     image_processor: ImageProcessor
 

@@ -17,15 +17,10 @@ from pathlib import Path
 import torch
 
 from ..models.llama import LLAMA_CONFIGS, LlamaConfig
-from ..models.openvla.configuration_openvla import (
-    TIMM_VITS,
-    OpenVLAConfig,
-    ProjectorConfig,
-    VisionConfig,
-    backbone_spec,
-)
-from ..models.openvla.modeling_openvla import OpenVLA
-from ..models.openvla.processing_openvla import ImageProcessor, TowerTransform
+from ..models.prismatic.configuration_prismatic import OpenVLAConfig
+from ..models.prismatic.configuration_vision import ProjectorConfig, TIMM_VITS, VisionConfig, backbone_spec
+from ..models.prismatic.modeling_prismatic import PrismaticVLM
+from ..models.prismatic.processing_prismatic import ImageProcessor, TowerTransform
 from .llama_tokenizer import build_llama_tokenizer, save_llama_tokenizer
 from .safetensors_io import save_safetensors
 
@@ -101,7 +96,7 @@ def tiny_openvla_config(
     )
 
 
-def randomize_(model: OpenVLA, generator: torch.Generator) -> None:
+def randomize_(model: PrismaticVLM, generator: torch.Generator) -> None:
     """Random weights with useful scales: unit-ish activations, LayerScale ~ 0.5..1, norms ~ 1."""
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -143,7 +138,7 @@ def make_tiny_openvla(
         image_size=image_size, vision_backbone_id=vision_backbone_id, llm=llm, proprio_dim=proprio_dim, norm_stats=norm_stats
     )
     generator = torch.Generator().manual_seed(seed)
-    model = OpenVLA(cfg)
+    model = PrismaticVLM(cfg)
     randomize_(model, generator)
     save_safetensors({k: v.to(dtype) for k, v in model.state_dict().items()}, out, max_shard_bytes=max_shard_bytes)
     torch_dtype = str(dtype).removeprefix("torch.")

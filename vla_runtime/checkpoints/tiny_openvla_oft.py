@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..models.llama import LLAMA_CONFIGS, LlamaConfig
-from ..models.openvla.modeling_openvla import ProprioProjector
+from ..models.prismatic.modeling_prismatic import ProprioProjector
 from ..models.openvla_oft.configuration_oft import (
     ACTION_HEAD,
     NOISY_ACTION_PROJECTOR,

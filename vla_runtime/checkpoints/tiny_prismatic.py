@@ -23,8 +23,8 @@ from ..models.cogact.modeling_cogact import ActionModel
 from ..models.hybridvla.configuration_hybridvla import DiffusionHeadConfig
 from ..models.hybridvla.modeling_hybridvla import DiffusionHead
 from ..models.llama import LlamaConfig
-from ..models.openvla.configuration_openvla import OpenVLAConfig
-from ..models.openvla.modeling_openvla import OpenVLA
+from ..models.prismatic.configuration_prismatic import OpenVLAConfig
+from ..models.prismatic.modeling_prismatic import PrismaticVLM
 from .llama_tokenizer import build_llama_tokenizer, save_llama_tokenizer
 from .prismatic_run import save_run
 from .prismatic_vlm import prismatic_modules
@@ -64,10 +64,10 @@ def _size_keys(cfg: OpenVLAConfig) -> dict:
 
 def _tiny_vlm(
     seed: int, image_size: int, norm_stats: dict, llm: LlamaConfig | None
-) -> tuple[OpenVLAConfig, OpenVLA, torch.Generator]:
+) -> tuple[OpenVLAConfig, PrismaticVLM, torch.Generator]:
     cfg = tiny_openvla_config(image_size=image_size, llm=llm, norm_stats=norm_stats)
     generator = torch.Generator().manual_seed(seed)
-    model = OpenVLA(cfg)
+    model = PrismaticVLM(cfg)
     randomize_(model, generator)
     return cfg, model, generator
 

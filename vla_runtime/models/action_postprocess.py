@@ -2,14 +2,14 @@
 
 Upstream (both families) turns a normalised action into robot units by clipping to [-1, 1],
 binarising the gripper at 0.5 and un-normalising with the dataset's q01/q99 and mask (the
-gripper's mask is False, so it stays 0/1). The statistics are ``processing_openvla.ActionStats``.
+gripper's mask is False, so it stays 0/1). The statistics are ``prismatic.processing_prismatic.ActionStats``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .openvla.processing_openvla import ActionStats
+from .prismatic.processing_prismatic import ActionStats
 
 
 def gripper_dims(action_dim: int) -> tuple[int, ...]:

@@ -17,20 +17,20 @@ import torch
 
 from ..checkpoints.prismatic_vlm import load_prismatic
 from ..config import SessionConfig
-from ..device import resolve_device, resolve_dtype, synchronize
+from ..device import synchronize
 from ..kv import KVConfig
 from ..models.action_postprocess import postprocess_actions
 from ..models.cogact.configuration_cogact import AdaptiveEnsembleConfig, CogACTConfig, CogACTSamplingConfig, dit_config_from_run
 from ..models.cogact.modeling_cogact import ActionModel, CogACT
 from ..models.cogact.processing_cogact import AdaptiveEnsembler, cognition_suffix
 from ..models.diffusion import DiffusionConfig, Inpaint, rtc_weights
-from ..models.openvla.prompt_openvla import PromptIds
+from ..models.prismatic.prompt_prismatic import PromptIds
 from .base import ActionPrefix, Observation, Policy, StepResult
-from .gates import trained_gate
-from .prismatic_session import PrismaticPolicy, PrismaticSession
+from .loading import plan_load
+from .prismatic_session import ActionHeadSession, PrismaticPolicy
 
 
-class CogACTSession(PrismaticSession):
+class CogACTSession(ActionHeadSession):
     """One episode: the cache (history mode), the noise generator and the adaptive ensemble's chunks."""
 
     def __init__(self, policy: CogACTPolicy, instruction: str, config: SessionConfig) -> None:
@@ -144,12 +144,11 @@ def load_cogact_policy(
     (1 = no guidance). ddim_steps: 10 -> t in {90, ..., 0}. ensemble_horizon: K of the adaptive ensemble
     (2 Google robot, 7 WidowX; None = return whole chunks). use_ema: sample with ``ema_diffusion`` weights.
     device ``"meta"`` builds the structure only (``vla-runtime info``). A trained ``ChunkGate`` beside the run
-    (``gates.safetensors``) is loaded and, without ``kv``, sets the default cache.
+    (``gates.safetensors``) is loaded and, without ``kv``, sets the default cache, as does a ``session_config.json``
+    there (``loading.plan_load``).
     """
-    if adapter is not None:
-        raise ValueError(f"adapter {adapter}: CogACT runs load full checkpoints only (adapter=None)")
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    plan = plan_load(path, device=device, dtype=dtype, kv=kv, unnorm_key=unnorm_key, adapter=adapter, full_only="CogACT")
+    dev, dt = plan.device, plan.dtype
     ckpt = load_prismatic(path, checkpoint=checkpoint, tokenizer=tokenizer, device=dev, dtype=dt)
     head = "ema_diffusion" if use_ema else "action_model"
     ckpt.run.require(ckpt.modules, (head,), why="CogACT samples actions with its DiT")
@@ -164,7 +163,5 @@ def load_cogact_policy(
         action_model = ActionModel(config.action_model, sampling.diffusion)
     if dev.type != "meta":
         action_model.load_state_dict({k: v.to(dev, torch.float32) for k, v in state.items()}, strict=True, assign=True)
-    gate, kv = trained_gate(path, dev, kv)
-    policy = CogACTPolicy(ckpt, config, CogACT(ckpt.vlm, action_model.eval()), device=dev, dtype=dt, kv=kv, unnorm_key=unnorm_key)
-    policy.kv_gate = gate
-    return policy
+    return CogACTPolicy(ckpt, config, CogACT(ckpt.vlm, action_model.eval()), vlm=ckpt.vlm, device=dev, dtype=dt, kv=plan.kv,
+                        unnorm_key=plan.unnorm_key, session=plan.session, kv_gate=plan.gate)  # fmt: skip

@@ -29,7 +29,7 @@ import torch
 
 from ..checkpoints.prismatic_vlm import load_prismatic
 from ..config import SessionConfig
-from ..device import resolve_device, resolve_dtype, synchronize
+from ..device import synchronize
 from ..kv import KVConfig
 from ..models.action_postprocess import postprocess_actions
 from ..models.diffusion import DiffusionConfig, GaussianDiffusion
@@ -42,16 +42,16 @@ from ..models.hybridvla.configuration_hybridvla import (
 )
 from ..models.hybridvla.modeling_hybridvla import DiffusionHead, HybridVLA, decode_ar_actions, denoise_on_cache
 from ..models.hybridvla.processing_hybridvla import STATE_LAYOUTS, ar_action_tokenizer, collaborative_ensemble, to_proprio
-from ..models.openvla.processing_openvla import ActionStats
-from ..models.openvla.prompt_openvla import PromptIds
+from ..models.prismatic.processing_prismatic import ActionStats
+from ..models.prismatic.prompt_prismatic import PromptIds
 from .base import Observation, Policy, StepResult
-from .gates import trained_gate
-from .prismatic_session import PrismaticPolicy, PrismaticSession
+from .loading import plan_load
+from .prismatic_session import ActionHeadSession, PrismaticPolicy
 
 log = logging.getLogger(__name__)
 
 
-class HybridVLASession(PrismaticSession):
+class HybridVLASession(ActionHeadSession):
     """One episode: the cache, the noise generator, and the last AR tokens / confidences."""
 
     uses_proprio = True
@@ -250,12 +250,11 @@ def load_hybridvla_policy(
     x, y, z, roll, pitch, yaw, gripper; 8 = RLBench's position + xyzw quaternion + gripper; 4 = Meta-World's
     position + gripper); ``None`` = by the state's length.
     ``future_action_window_size`` cannot be read from the weights: it comes from config.json (default 0).
-    A trained ``ChunkGate`` beside the run (``gates.safetensors``) is loaded and, without ``kv``, sets the default cache.
+    A trained ``ChunkGate`` beside the run (``gates.safetensors``) is loaded and, without ``kv``, sets the default cache,
+    as does a ``session_config.json`` there (``loading.plan_load``).
     """
-    if adapter is not None:
-        raise ValueError(f"adapter {adapter}: HybridVLA runs load full checkpoints only (adapter=None)")
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    plan = plan_load(path, device=device, dtype=dtype, kv=kv, unnorm_key=unnorm_key, adapter=adapter, full_only="HybridVLA")
+    dev, dt = plan.device, plan.dtype
     ckpt = load_prismatic(path, checkpoint=checkpoint, tokenizer=tokenizer, device=dev, dtype=dt)
     run_config = ckpt.run.config
     if need_to_sub is None:
@@ -273,10 +272,7 @@ def load_hybridvla_policy(
     if dev.type != "meta":
         head.load_module_state_dicts(ckpt.modules, device=dev, dtype=dt)
     config = HybridVLAConfig(vlm=ckpt.config, head=head.cfg, sampling=sampling)
-    gate, kv = trained_gate(path, dev, kv)
-    policy = HybridVLAPolicy(
-        ckpt, config, HybridVLA(ckpt.vlm, head.eval()), device=dev, dtype=dt, kv=kv, unnorm_key=unnorm_key,
-        state_layout=state_layout,
+    return HybridVLAPolicy(
+        ckpt, config, HybridVLA(ckpt.vlm, head.eval()), vlm=ckpt.vlm, device=dev, dtype=dt, kv=plan.kv,
+        unnorm_key=plan.unnorm_key, session=plan.session, kv_gate=plan.gate, state_layout=state_layout,
     )  # fmt: skip
-    policy.kv_gate = gate
-    return policy

@@ -21,130 +21,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..checkpoints.openvla_oft import OFTCheckpoint, apply_oft_adapter, load_openvla_oft
-from ..config import SessionConfig, from_dict
-from ..device import resolve_device, resolve_dtype, synchronize
-from ..kv import KVConfig, has_gate, make_cache
+from ..config import SessionConfig
+from ..device import synchronize
+from ..kv import KVConfig
 from ..kv.base import KVStats
-from ..kv.geometry import CacheGeometry
-from ..models.openvla.configuration_openvla import read_json
-from ..models.openvla.processing_openvla import center_crop, resolve_unnorm_key
 from ..models.openvla_oft.configuration_oft import DIFFUSION_STEPS, OFTConfig, OFTPlatform
 from ..models.openvla_oft.normalization_oft import BoundsStats
+from ..models.prismatic.processing_prismatic import center_crop, resolve_unnorm_key
 from .base import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_image, validate_instruction
-from .gates import GateOwner, trained_gate
-from .openvla import SESSION_CONFIG
-
-
-class OpenVLAOFTPolicy(GateOwner, Policy):
-    """A loaded OFT checkpoint.
-
-    Args:
-        checkpoint: what ``load_openvla_oft`` returned.
-        device, dtype: where the weights live. unnorm_key: default dataset key of the statistics.
-        cameras: ``Observation.images`` keys of the model's images in its input order (third-person first,
-            then wrist cameras); as many as the model was trained with (``num_images_in_input``).
-        kv: default cache of history-mode sessions (single mode holds none).
-        kv_gate: the trained ``ChunkGate`` for a chunked ``KVConfig`` (``None`` = untrained default).
-        session: default ``SessionConfig`` of ``new_session(instruction)`` (its ``kv``/``unnorm_key`` replaced by
-            the arguments above); a fine-tuned model brings the one it was trained for.
-    """
-
-    name = "openvla-oft"
-    config_class = OFTConfig
-
-    def __init__(
-        self,
-        checkpoint: OFTCheckpoint,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        unnorm_key: str | None = None,
-        cameras: tuple[str, ...] = (PRIMARY_CAMERA,),
-        kv: KVConfig | None = None,
-        kv_gate: torch.nn.Module | None = None,
-        session: SessionConfig | None = None,
-    ) -> None:
-        if len(set(cameras)) != len(cameras):
-            raise ValueError(f"cameras {cameras} name a camera twice; each image the model takes needs its own camera")
-        if len(cameras) != checkpoint.config.num_images:
-            raise ValueError(f"cameras {cameras} are {len(cameras)} names; the model takes {checkpoint.config.num_images} image(s)")
-        self.checkpoint = checkpoint
-        self.config: OFTConfig = checkpoint.config
-        self.model = checkpoint.model
-        self.tokenizer = checkpoint.base.tokenizer
-        self.image_processor = checkpoint.base.image_processor
-        self.device, self.dtype = device, dtype
-        self.cameras = cameras
-        self.kv = kv or KVConfig()
-        self.kv_gate = kv_gate
-        self.session = session or SessionConfig()
-        if unnorm_key is not None and self.norm_stats:
-            resolve_unnorm_key(self.norm_stats, unnorm_key)  # fail at load, not at the first step
-        self.unnorm_key = unnorm_key
-
-    @property
-    def norm_stats(self) -> dict:
-        return self.checkpoint.base.config.norm_stats
-
-    @property
-    def action_dim(self) -> int:
-        return self.config.action_dim
-
-    @property
-    def gate_geometry(self) -> CacheGeometry:
-        return self.model.vla.cfg.llm.geometry
-
-    @property
-    def chunk_size(self) -> int:
-        return self.config.chunk_size
-
-    def new_session(self, instruction: str, config: SessionConfig | None = None) -> "OpenVLAOFTSession":
-        validate_instruction(instruction)
-        config = config or replace(self.session, kv=self.kv, unnorm_key=self.unnorm_key)
-        if config.unnorm_key is None and self.unnorm_key is not None:
-            config = replace(config, unnorm_key=self.unnorm_key)
-        return OpenVLAOFTSession(self, instruction, config)
-
-    def info(self) -> dict:
-        cfg, base = self.config, self.checkpoint.base.config
-
-        def count(module: torch.nn.Module | None) -> int:
-            return sum(p.numel() for p in module.parameters()) if module is not None else 0
-
-        vla = self.model.vla
-        return {
-            "family": self.name,
-            "path": str(self.checkpoint.path),
-            "platform": self.checkpoint.platform.value,
-            "vision_backbone_id": base.vision.backbone_id,
-            "image_tokens": base.vision.num_patches * cfg.num_images,
-            "cameras": list(self.cameras),
-            "llm": {"dim": base.llm.dim, "layers": base.llm.n_layers, "heads": base.llm.n_heads, "kv_heads": base.llm.n_kv_heads},
-            "chunk_size": cfg.chunk_size,
-            "action_dim": cfg.action_dim,
-            "proprio_dim": cfg.proprio_dim,
-            "normalization": cfg.normalization.value,
-            "film": cfg.film,
-            "diffusion": {"train_steps": cfg.diffusion_train_steps, "steps": cfg.diffusion_steps} if cfg.diffusion else None,
-            "components": {k: v.name for k, v in self.checkpoint.components.items()},
-            "parameters": {
-                "total": count(self.model),
-                "vision": count(vla.vision_backbone) + count(self.model.film),
-                "projector": count(vla.projector) + count(self.model.proprio_projector) + count(self.model.noisy_action_projector),
-                "llm": count(vla.language_model),
-                "action_head": count(self.model.action_head),
-            },
-            "datasets": sorted(self.norm_stats),
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-        }
+from .loading import plan_load
+from .prismatic_session import PrismaticPolicy, parameter_count
 
 
 class OpenVLAOFTSession(EpisodeSession):
@@ -181,12 +73,8 @@ class OpenVLAOFTSession(EpisodeSession):
         self._pinned = False
         if not self.history:
             return
-        kv = self.config.kv.for_step(self.step_tokens(), whole_context=False)
-        self.kv_config = kv
-        gate = policy.chunk_gate(kv)
-        extra = {} if gate is None else {"gate": gate}
-        geometry = policy.model.vla.cfg.llm.geometry
-        self.cache = make_cache(kv, geometry, batch=1, device=policy.device, dtype=policy.dtype, **extra)
+        self.kv_config = self.config.kv.for_step(self.step_tokens(), whole_context=False)
+        self.cache = policy.new_cache(self.kv_config)
 
     def step_tokens(self) -> int:
         """History mode's tokens per step: the observation kept (images + proprio) and the query rolled back
@@ -292,6 +180,77 @@ class OpenVLAOFTSession(EpisodeSession):
         decoder(inputs_embeds=model.observation(image_tokens, proprio), cache=self.cache)
 
 
+class OpenVLAOFTPolicy(PrismaticPolicy, Policy):
+    """A loaded OFT checkpoint.
+
+    Args (besides ``PrismaticPolicy``'s ``device``, ``dtype``, ``kv``, ``unnorm_key``, ``session``, ``kv_gate``):
+        checkpoint: what ``load_openvla_oft`` returned.
+        cameras: ``Observation.images`` keys of the model's images in its input order (third-person first,
+            then wrist cameras); as many as the model was trained with (``num_images_in_input``).
+        kv: default cache of history-mode sessions (single mode holds none). unnorm_key: checked only when the
+            checkpoint has statistics (a session without them fails).
+    """
+
+    name = "openvla-oft"
+    config_class = OFTConfig
+    session_class = OpenVLAOFTSession
+    config: OFTConfig
+
+    def __init__(self, checkpoint: OFTCheckpoint, *, cameras: tuple[str, ...] = (PRIMARY_CAMERA,),
+                 unnorm_key: str | None = None, **kw) -> None:  # fmt: skip
+        if len(set(cameras)) != len(cameras):
+            raise ValueError(f"cameras {cameras} name a camera twice; each image the model takes needs its own camera")
+        if len(cameras) != checkpoint.config.num_images:
+            raise ValueError(f"cameras {cameras} are {len(cameras)} names; the model takes {checkpoint.config.num_images} image(s)")
+        stats = checkpoint.base.config.norm_stats
+        super().__init__(checkpoint, checkpoint.config, checkpoint.model, vlm=checkpoint.model.vla, base=checkpoint.base,
+                         unnorm_key=unnorm_key if stats else None, **kw)  # fmt: skip
+        self.unnorm_key = unnorm_key
+        self.cameras = cameras
+
+    @property
+    def norm_stats(self) -> dict:
+        return self.checkpoint.base.config.norm_stats
+
+    @property
+    def action_dim(self) -> int:
+        return self.config.action_dim
+
+    @property
+    def chunk_size(self) -> int:
+        return self.config.chunk_size
+
+    def info(self) -> dict:
+        cfg, base = self.config, self.checkpoint.base.config
+        count, vla = parameter_count, self.vlm
+        return {
+            "family": self.name,
+            "path": str(self.checkpoint.path),
+            "platform": self.checkpoint.platform.value,
+            "vision_backbone_id": base.vision.backbone_id,
+            "image_tokens": base.vision.num_patches * cfg.num_images,
+            "cameras": list(self.cameras),
+            "llm": {"dim": base.llm.dim, "layers": base.llm.n_layers, "heads": base.llm.n_heads, "kv_heads": base.llm.n_kv_heads},
+            "chunk_size": cfg.chunk_size,
+            "action_dim": cfg.action_dim,
+            "proprio_dim": cfg.proprio_dim,
+            "normalization": cfg.normalization.value,
+            "film": cfg.film,
+            "diffusion": {"train_steps": cfg.diffusion_train_steps, "steps": cfg.diffusion_steps} if cfg.diffusion else None,
+            "components": {k: v.name for k, v in self.checkpoint.components.items()},
+            "parameters": {
+                "total": count(self.model),
+                "vision": count(vla.vision_backbone) + count(self.model.film),
+                "projector": count(vla.projector) + count(self.model.proprio_projector) + count(self.model.noisy_action_projector),
+                "llm": count(vla.language_model),
+                "action_head": count(self.model.action_head),
+            },
+            "datasets": sorted(self.norm_stats),
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+
 def load_openvla_oft_policy(
     path: str | Path,
     *,
@@ -320,20 +279,11 @@ def load_openvla_oft_policy(
             platform = OFTPlatform(platform)
         except ValueError:
             raise ValueError(f"platform {platform!r} is not one of {', '.join(p.value for p in OFTPlatform)}") from None
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    plan = plan_load(path, device=device, dtype=dtype, kv=kv, unnorm_key=unnorm_key, adapter=adapter)
+    dev, dt = plan.device, plan.dtype
     cameras = tuple(cameras)
     checkpoint = load_openvla_oft(path, device=dev, dtype=dt, platform=platform, num_images=len(cameras), diffusion_steps=diffusion_steps)
-    places = [Path(path)]  # where session_config.json is looked for, the adapter first
     if adapter is not None:
         apply_oft_adapter(checkpoint, Path(adapter), device=dev, dtype=dt)
-        places.insert(0, Path(adapter))
-    session_file = next((d / SESSION_CONFIG for d in places if (d / SESSION_CONFIG).is_file()), None)
-    session = from_dict(SessionConfig, read_json(session_file)) if session_file is not None else None
-    if session is not None:
-        kv, unnorm_key = kv or session.kv, unnorm_key or session.unnorm_key
-    gate_dir = next((d for d in places if has_gate(d)), Path(path))  # a gate trained with the adapter first
-    gate, kv = trained_gate(gate_dir, dev, kv)
-    return OpenVLAOFTPolicy(
-        checkpoint, device=dev, dtype=dt, unnorm_key=unnorm_key, cameras=cameras, kv=kv, kv_gate=gate, session=session
-    )
+    return OpenVLAOFTPolicy(checkpoint, device=dev, dtype=dt, unnorm_key=plan.unnorm_key, cameras=cameras, kv=plan.kv,
+                            kv_gate=plan.gate, session=plan.session)  # fmt: skip

@@ -1,16 +1,21 @@
-"""Policies and episodes over the shared Prismatic VLM for the diffusion families (CogACT, HybridVLA).
+"""What every family over the Prismatic VLM shares: the policy's loaded parts and defaults
+(``PrismaticPolicy``: OpenVLA, OpenVLA-OFT, CogACT, HybridVLA) and the episode (``PrismaticSession``:
+the prompt, the cache with its chunk gate, the image input, the pinned-prompt prefill; OpenVLA, CogACT,
+HybridVLA). ``ActionHeadSession`` adds what the families with their own action head share.
 
-OpenVLA decodes action tokens; these families end the prompt with a family ``suffix`` and hand the
-LLM's output to their own action head. The token layout in both history modes (one view):
+The step's tokens in both history modes (``SessionConfig.history``), one view:
 
-- ``single``: ``[BOS] + image + ids(prompt) + ids("\\nOut:") + suffix (+ proprio)`` in one forward on a
-  fresh cache (upstream's sequence).
-- ``history``: ``[BOS] + ids(prompt)`` once per episode, pinned; then per control step
-  ``image + ids("\\nOut:") + suffix (+ proprio)``.
+- ``single``: ``[BOS] + image (+ proprio) + ids(prompt) + ids("\\nOut:") + suffix`` in one forward on a
+  fresh cache (upstream's sequence; OpenVLA's proprio token follows the image, the heads' families end
+  with it).
+- ``history``: ``[BOS] + ids(prompt)`` once per episode, pinned; then per control step a frame,
+  ``image (+ proprio) + ids("\\nOut:") + suffix`` (OpenVLA's starts with the previous step's last action
+  token).
 
-CogACT's suffix is ``[29871, 2]`` (EOS is the cognition token); HybridVLA's is ``[29871, <BOD>]`` then
-its proprio token. Whatever a head appends after the prefix (HybridVLA's diffusion and AR tokens) it
-rolls back, so the history holds observations and prompts only; the cache decides how much of it stays.
+OpenVLA's suffix is ``[29871]`` and it decodes action tokens; CogACT's is ``[29871, 2]`` (EOS is the
+cognition token); HybridVLA's is ``[29871, <BOD>]`` then its proprio token. Whatever a head appends after
+the prefix (HybridVLA's diffusion and AR tokens) it rolls back, so the history holds observations and
+prompts only; the cache decides how much of it stays.
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ import torch
 
 from ..config import SessionConfig
 from ..device import synchronize
-from ..kv import ChunkGate, KVConfig, make_cache
+from ..kv import ChunkGate, KVCache, KVConfig, make_cache
 from ..kv.geometry import CacheGeometry
-from ..models.openvla.processing_openvla import (
+from ..models.prismatic.processing_prismatic import (
     ActionStats,
     Forward,
     Segment,
@@ -36,46 +41,48 @@ from ..models.openvla.processing_openvla import (
     history_prompt,
     resolve_unnorm_key,
 )
-from ..models.openvla.prompt_openvla import PromptIds
+from ..models.prismatic.prompt_prismatic import PromptIds
 from .base import PRIMARY_CAMERA, EpisodeSession, Observation, StepResult, validate_instruction
-from .gates import GateOwner
 
 
-def frame_layout(prompt: PromptIds, *, history: bool, suffix: tuple[int, ...], proprio: bool) -> Forward:
-    """A control step's forward: the whole single-mode sequence, or the history-mode frame (see module doc)."""
-    tail = (Segment(SegmentKind.PROPRIO),) if proprio else ()
-    out = Segment(SegmentKind.TEXT, (*prompt.out, *suffix))
-    if history:
-        return Forward((Segment(SegmentKind.IMAGE), out, *tail))
-    head = (Segment(SegmentKind.TEXT, (prompt.bos,)), Segment(SegmentKind.IMAGE))
-    return Forward((*head, Segment(SegmentKind.TEXT, (*prompt.instruction, *prompt.out, *suffix)), *tail))
+def parameter_count(module: torch.nn.Module | None) -> int:
+    """Parameters of ``module`` (0 for ``None``: a part the checkpoint lacks), for ``Policy.info``."""
+    return sum(p.numel() for p in module.parameters()) if module is not None else 0
 
 
-class PrismaticPolicy(GateOwner):
-    """What the CogACT and HybridVLA policies share (a mixin before ``Policy``: ``class X(PrismaticPolicy,
-    Policy)``): the loaded run, the default session settings and the ``ChunkGate`` (contract 3: owned by
+class PrismaticPolicy:
+    """What the policies over the Prismatic VLM share (a mixin before ``Policy``: ``class X(PrismaticPolicy,
+    Policy)``): the loaded parts, the default session settings and the ``ChunkGate`` (contract 3: owned by
     the policy, handed to chunked caches, trained by ``finetune/``).
 
     Args:
-        checkpoint: the run with its VLM loaded (``checkpoints.prismatic_vlm.load_prismatic``).
-        config: the family's config (``norm_stats`` property). model: the weights (``vlm`` + the head).
-        device, dtype: where the VLM lives. kv: default cache for sessions. unnorm_key: default dataset key.
+        checkpoint: the loaded checkpoint. config: the family's config (``norm_stats``). model: the weights.
+        vlm: the Prismatic VLM inside ``model`` (vision towers, projector, LLaMA decoder).
+        device, dtype: where the weights live (fixed at construction). kv: default cache for sessions.
+        unnorm_key: default dataset key of the statistics (checked here: a wrong one fails at load).
+        session: default ``SessionConfig`` of ``new_session(instruction)`` (its ``kv``/``unnorm_key`` are
+            replaced by the two arguments above); a fine-tuned model brings the one it was trained for.
+        kv_gate: the trained ``ChunkGate`` for a chunked ``KVConfig`` (``None`` = untrained default).
+        base: what holds the tokenizer and image processor (default ``checkpoint``; OFT: its OpenVLA base).
     """
 
     name: ClassVar[str]
-    session_class: ClassVar[type["PrismaticSession"]]
+    session_class: ClassVar[type[EpisodeSession]]
 
-    def __init__(self, checkpoint, config, model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
-                 kv: KVConfig | None = None, unnorm_key: str | None = None) -> None:  # fmt: skip
+    def __init__(self, checkpoint, config, model: torch.nn.Module, *, vlm: torch.nn.Module, device: torch.device,
+                 dtype: torch.dtype, kv: KVConfig | None = None, unnorm_key: str | None = None,
+                 session: SessionConfig | None = None, kv_gate: ChunkGate | None = None, base=None) -> None:  # fmt: skip
         self.checkpoint = checkpoint
         self.config = config
         self.model = model
-        self.vlm = model.vlm
-        self.tokenizer = checkpoint.tokenizer
-        self.image_processor = checkpoint.image_processor
+        self.vlm = vlm
+        base = checkpoint if base is None else base
+        self.tokenizer = base.tokenizer
+        self.image_processor = base.image_processor
         self.device, self.dtype = device, dtype
         self.kv = kv or KVConfig()
-        self.kv_gate: ChunkGate | None = None  # a trained gate (see `with_trained_gate`), else built on first use
+        self.kv_gate = kv_gate
+        self.session = session or SessionConfig()
         if unnorm_key is not None:
             resolve_unnorm_key(self.norm_stats, unnorm_key)  # fail at load, not at the first step
         self.unnorm_key = unnorm_key
@@ -88,19 +95,34 @@ class PrismaticPolicy(GateOwner):
     def gate_geometry(self) -> CacheGeometry:
         return self.vlm.cfg.llm.geometry
 
-    def new_session(self, instruction: str, config: SessionConfig | None = None) -> "PrismaticSession":
+    def chunk_gate(self, kv: KVConfig) -> ChunkGate | None:
+        """The ``ChunkGate`` the cache of ``kv`` uses, ``None`` when it needs none (``KVConfig.gate_config``): the
+        loaded one, else an untrained default (mean-pooling aggregator, keeps every chunk) built once for ``kv``'s
+        chunk size and kept on the policy."""
+        gate_cfg = kv.gate_config(self.gate_geometry)
+        if gate_cfg is None:
+            return None
+        if self.kv_gate is None:
+            self.kv_gate = ChunkGate(gate_cfg).to(self.device)
+        return self.kv_gate
+
+    def new_cache(self, kv: KVConfig) -> KVCache:
+        """One episode's cache (batch 1) of ``kv`` for the VLM's decoder, with the policy's ``ChunkGate`` when
+        ``kv`` needs one."""
+        gate = self.chunk_gate(kv)
+        extra = {} if gate is None else {"gate": gate}
+        return make_cache(kv, self.gate_geometry, batch=1, device=self.device, dtype=self.dtype, **extra)
+
+    def new_session(self, instruction: str, config: SessionConfig | None = None) -> EpisodeSession:
         validate_instruction(instruction)
-        config = config or SessionConfig(kv=self.kv, unnorm_key=self.unnorm_key)
+        config = config or replace(self.session, kv=self.kv, unnorm_key=self.unnorm_key)
         if config.unnorm_key is None and self.unnorm_key is not None:
             config = replace(config, unnorm_key=self.unnorm_key)
         return self.session_class(self, instruction, config)
 
     def _info(self, head_name: str, head: torch.nn.Module, details: dict) -> dict:
-        """``info()`` of a Prismatic family: the run and VLM, the family's ``details``, parameter counts (the whole
-        model, the VLM and the action ``head`` as ``head_name``), datasets, device and dtype."""
-        def count(module: torch.nn.Module) -> int:
-            return sum(p.numel() for p in module.parameters())
-
+        """``info()`` of a Prismatic run (CogACT, HybridVLA): the run and VLM, the family's ``details``, parameter
+        counts (the whole model, the VLM and the action ``head`` as ``head_name``), datasets, device and dtype."""
         vlm = self.config.vlm
         run = self.checkpoint.run
         return {
@@ -112,7 +134,7 @@ class PrismaticPolicy(GateOwner):
             "image_tokens": vlm.vision.num_patches,
             "llm": {"dim": vlm.llm.dim, "layers": vlm.llm.n_layers, "heads": vlm.llm.n_heads, "vocab_size": vlm.llm.vocab_size},
             **details,
-            "parameters": {"total": count(self.model), "vlm": count(self.vlm), head_name: count(head)},
+            "parameters": {"total": parameter_count(self.model), "vlm": parameter_count(self.vlm), head_name: parameter_count(head)},
             "datasets": sorted(self.norm_stats),
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -120,39 +142,127 @@ class PrismaticPolicy(GateOwner):
 
 
 class PrismaticSession(EpisodeSession):
-    """One episode of a diffusion-family policy: prompt, cache, noise generator, head state.
+    """One episode over the Prismatic VLM: the prompt, the cache, the step's layout (see the module doc).
+
+    Subclasses give the step's layout (``_layout``) and ``head_tokens``, and set what those read before
+    calling ``__init__``, which builds the episode.
+    """
+
+    def __init__(self, policy: PrismaticPolicy, instruction: str, config: SessionConfig) -> None:
+        super().__init__(instruction, config)
+        self.policy = policy
+        self.history = config.history.episodic
+        self._build(instruction)
+
+    @abc.abstractmethod
+    def _layout(self) -> Forward:
+        """The step's forward for ``self.prompt``: the whole single-mode sequence, or the history-mode frame."""
+
+    @property
+    @abc.abstractmethod
+    def head_tokens(self) -> int:
+        """Most tokens a step feeds after its prefix (decoded tokens, head tokens rolled back), for cache sizing."""
+
+    def _step_frame(self) -> Forward:
+        """This step's forward (the episode's ``frame`` unless a subclass varies it per step)."""
+        return self.frame
+
+    def _reset_head(self) -> None:
+        """Forget per-episode head state (last tokens, ensembles)."""
+
+    # ---- episode state ---------------------------------------------------------------------------
+
+    def _build(self, instruction: str) -> None:
+        """Tokenise the prompt, lay out the step and size the cache for it (single mode: the step is the whole
+        context; history mode: the default raw window is one step)."""
+        policy = self.policy
+        self.instruction = instruction
+        self.prompt = policy.tokenizer.prompt(instruction)
+        self.frame = self._layout()
+        step_tokens = self.frame.length(policy.vlm.cfg.vision.num_patches) + self.head_tokens
+        self.kv_config = self.config.kv.for_step(step_tokens, whole_context=not self.history)
+        self.cache = policy.new_cache(self.kv_config)
+        self._pinned = False
+
+    @torch.inference_mode()  # the cache holds inference tensors from the steps; clear them in the same mode
+    def reset(self, instruction: str | None = None) -> None:
+        if instruction is not None and instruction != self.instruction:
+            self._build(instruction)
+        else:
+            self.cache.reset()
+            self._pinned = False
+        self._reset_head()
+
+    # ---- the phases of a step --------------------------------------------------------------------
+
+    def pixels(self, obs: Observation) -> torch.Tensor:
+        """The primary camera's pixel values [1, 3 * towers, S, S] (``ValueError`` for a missing or bad image;
+        nothing of the episode changes)."""
+        policy = self.policy
+        if PRIMARY_CAMERA not in obs.images:
+            raise ValueError(f"observation has no {PRIMARY_CAMERA!r} image; cameras given: {sorted(obs.images)}")
+        image = obs.images[PRIMARY_CAMERA]
+        if self.config.center_crop:
+            image = center_crop(image, size=policy.image_processor.size)
+        return policy.image_processor(image)[None].to(policy.device, policy.dtype)
+
+    def context(self, image_tokens: torch.Tensor, proprio: list[torch.Tensor], timings: dict) -> torch.Tensor:
+        """The step's prefix embeddings [1, T, dim], not yet in the cache, from its image tokens [1, N, dim] and
+        proprio tokens ([1, 1, dim] each): history mode pins the prompt at the episode's first step (one forward
+        of its own, counted in ``timings["prefill"]``), single mode starts from an empty cache."""
+        vlm = self.policy.vlm
+        if self.history and not self._pinned:
+            t0 = time.perf_counter()
+            prompt = vlm.embed_forward(history_prompt(self.prompt), images=[])
+            vlm.language_model.model(inputs_embeds=prompt, cache=self.cache, pin=True)
+            self._pinned = True
+            timings["prefill"] = timings.get("prefill", 0.0) + (time.perf_counter() - t0) * 1e3
+        elif not self.history:
+            self.cache.reset()
+        return vlm.embed_forward(self._step_frame(), images=[image_tokens], proprio=proprio)
+
+
+def frame_layout(prompt: PromptIds, *, history: bool, suffix: tuple[int, ...], proprio: bool) -> Forward:
+    """An action-head family's step forward: the whole single-mode sequence, or the history-mode frame (see the
+    module doc; the proprio token comes last)."""
+    tail = (Segment(SegmentKind.PROPRIO),) if proprio else ()
+    out = Segment(SegmentKind.TEXT, (*prompt.out, *suffix))
+    if history:
+        return Forward((Segment(SegmentKind.IMAGE), out, *tail))
+    head = (Segment(SegmentKind.TEXT, (prompt.bos,)), Segment(SegmentKind.IMAGE))
+    return Forward((*head, Segment(SegmentKind.TEXT, (*prompt.instruction, *prompt.out, *suffix)), *tail))
+
+
+class ActionHeadSession(PrismaticSession):
+    """One episode of a family that hands the LLM's output to its own action head (CogACT, HybridVLA): the
+    dataset statistics, the noise generator (seeded with ``SessionConfig.seed``, re-seeded on ``reset``).
 
     Subclasses give the prompt ``_suffix`` and ``uses_proprio``, say how many tokens their head appends after
-    the prefix (``head_tokens``, for cache sizing), and implement ``_act`` (the step's prefix -> actions).
+    the prefix (``head_tokens``), and implement ``_act`` (the step's prefix -> actions).
     """
 
     uses_proprio: bool = False
 
     def __init__(self, policy: PrismaticPolicy, instruction: str, config: SessionConfig) -> None:
-        super().__init__(instruction, config)
-        self.policy = policy
         self.unnorm_key = resolve_unnorm_key(policy.norm_stats, config.unnorm_key)
         stats = policy.norm_stats[self.unnorm_key]
         if "action" not in stats:
             raise KeyError(f"dataset statistics {self.unnorm_key!r} have no 'action' entry (keys: {sorted(stats)})")
         self.action_stats = ActionStats.from_dict(stats["action"], what=f"{self.unnorm_key} action")
-        self.history = config.history.episodic
         self.generator = torch.Generator().manual_seed(config.seed)
-        self._build(instruction)
+        super().__init__(policy, instruction, config)
 
     @abc.abstractmethod
     def _suffix(self, prompt: PromptIds) -> tuple[int, ...]:
         """Ids appended after ``\nOut:``."""
 
-    @property
-    @abc.abstractmethod
-    def head_tokens(self) -> int:
-        """Most tokens the head appends after a step's prefix (rolled back before the next step)."""
-
     @abc.abstractmethod
     def _act(self, embeds: torch.Tensor, obs: Observation, timings: dict) -> np.ndarray:
         """embeds: [1, T, dim] the step's prefix, not yet in the cache -> actions [horizon, action_dim].
         ``_prefill`` runs it as one forward; a head may instead fuse it with its first forward."""
+
+    def _layout(self) -> Forward:
+        return frame_layout(self.prompt, history=self.history, suffix=self._suffix(self.prompt), proprio=self.uses_proprio)
 
     def _prefill(self, embeds: torch.Tensor, timings: dict) -> torch.Tensor:
         """One forward of the step's prefix into the cache -> final (post-norm) hidden states [1, T, dim]."""
@@ -162,65 +272,14 @@ class PrismaticSession(EpisodeSession):
         timings["prefill"] = timings.get("prefill", 0.0) + (time.perf_counter() - start) * 1e3
         return hidden
 
-    def _reset_head(self) -> None:
-        """Forget per-episode head state (ensembles)."""
-
-    # ---- episode state ---------------------------------------------------------------------------
-
-    def _build(self, instruction: str) -> None:
-        policy = self.policy
-        self.instruction = instruction
-        self.prompt = policy.tokenizer.prompt(instruction)
-        self.frame = frame_layout(self.prompt, history=self.history, suffix=self._suffix(self.prompt), proprio=self.uses_proprio)
-        step_tokens = self.frame.length(policy.vlm.cfg.vision.num_patches) + self.head_tokens
-        kv: KVConfig = self.config.kv
-        kv = kv.for_step(step_tokens, whole_context=not self.history)
-        self.kv_config = kv
-        gate = policy.chunk_gate(kv)
-        extra = {} if gate is None else {"gate": gate}
-        self.cache = make_cache(kv, policy.vlm.cfg.llm.geometry, batch=1, device=policy.device, dtype=policy.dtype, **extra)
-        self._pinned = False
-
-    @torch.inference_mode()  # caches may hold inference tensors from the steps; clear them in the same mode
-    def reset(self, instruction: str | None = None) -> None:
-        if instruction is not None and instruction != self.instruction:
-            self._build(instruction)
-        else:
-            self.cache.reset()
-            self._pinned = False
-        self.generator.manual_seed(self.config.seed)
-        self._reset_head()
-
-    # ---- one control step ------------------------------------------------------------------------
-
-    def pixels(self, obs: Observation) -> torch.Tensor:
-        """The primary camera's pixel values [1, C, S, S] (``ValueError`` for a missing or bad image; nothing of
-        the episode changes)."""
-        policy = self.policy
-        if PRIMARY_CAMERA not in obs.images:
-            raise ValueError(f"observation has no {PRIMARY_CAMERA!r} image; cameras given: {sorted(obs.images)}")
-        image = obs.images[PRIMARY_CAMERA]
-        if self.config.center_crop:
-            image = center_crop(image, size=policy.image_processor.size)
-        return policy.image_processor(image)[None].to(policy.device, policy.dtype)
-
     def _proprio_tokens(self, obs: Observation) -> list[torch.Tensor]:
         """[1, 1, dim] per proprio segment (none by default)."""
         return []
 
-    def context(self, image_tokens: torch.Tensor, proprio: list[torch.Tensor], timings: dict) -> torch.Tensor:
-        """The step's prefix embeddings [1, T, dim], not yet in the cache: history mode pins the prompt at the
-        episode's first step (one forward of its own), single mode starts from an empty cache."""
-        policy = self.policy
-        if self.history and not self._pinned:
-            t0 = time.perf_counter()
-            prompt = policy.vlm.embed_forward(history_prompt(self.prompt), images=[])
-            policy.vlm.language_model.model(inputs_embeds=prompt, cache=self.cache, pin=True)
-            self._pinned = True
-            timings["prefill"] = (time.perf_counter() - t0) * 1e3
-        elif not self.history:
-            self.cache.reset()
-        return policy.vlm.embed_forward(self.frame, images=[image_tokens], proprio=proprio)
+    @torch.inference_mode()
+    def reset(self, instruction: str | None = None) -> None:
+        super().reset(instruction)
+        self.generator.manual_seed(self.config.seed)
 
     @torch.inference_mode()
     def step(self, obs: Observation) -> StepResult:

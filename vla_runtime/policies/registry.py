@@ -41,7 +41,7 @@ FAMILIES: dict[str, tuple[Detector, Loader]] = {
     "openvla-oft": _builtin(
         "models.openvla_oft.configuration_oft:detect_openvla_oft", "openvla_oft:load_openvla_oft_policy"
     ),
-    "openvla": _builtin("models.openvla.configuration_openvla:detect_openvla", "openvla:load_openvla_policy"),
+    "openvla": _builtin("models.prismatic.configuration_prismatic:detect_openvla", "openvla:load_openvla_policy"),
     "cogact": _builtin("checkpoints.prismatic_run:detect_cogact", "cogact:load_cogact_policy"),
     "hybridvla": _builtin("checkpoints.prismatic_run:detect_hybridvla", "hybridvla:load_hybridvla_policy"),
 }

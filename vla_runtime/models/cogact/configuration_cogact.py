@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..diffusion import DiffusionConfig
-from ..openvla.configuration_openvla import OpenVLAConfig
+from ..prismatic.configuration_prismatic import OpenVLAConfig
 
 # name -> (depth, hidden, heads), as upstream's DiT_S / DiT_B / DiT_L
 DIT_SIZES: dict[str, tuple[int, int, int]] = {"DiT-S": (6, 384, 4), "DiT-B": (12, 768, 12), "DiT-L": (24, 1024, 16)}

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..diffusion import DiffusionConfig, GaussianDiffusion, Inpaint, Mlp, TimestepEmbedder
-from ..openvla.modeling_openvla import OpenVLA
+from ..prismatic.modeling_prismatic import PrismaticVLM
 from .configuration_cogact import DiTConfig
 
 
@@ -209,7 +209,7 @@ class CogACT(nn.Module):
     the appended EOS; it is the DiT's condition. One prefill, no decoding, no ``lm_head``.
     """
 
-    def __init__(self, vlm: OpenVLA, action_model: ActionModel) -> None:
+    def __init__(self, vlm: PrismaticVLM, action_model: ActionModel) -> None:
         super().__init__()
         self.vlm = vlm
         self.action_model = action_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..diffusion import DiffusionConfig
-from ..openvla.configuration_openvla import OpenVLAConfig
+from ..prismatic.configuration_prismatic import OpenVLAConfig
 
 BOD_TOKEN_ID = 32001  # <BOD>: diffusion tokens follow
 EOD_TOKEN_ID = 32002  # <EOD>: the autoregressive action tokens follow

@@ -21,7 +21,7 @@ from ...kv.base import KVCache
 from ..diffusion import GaussianDiffusion, Mlp, TimestepEmbedder
 from ..generation import TokenHead, decode
 from ..llama import LlamaForCausalLM, RMSNorm
-from ..openvla.modeling_openvla import OpenVLA
+from ..prismatic.modeling_prismatic import PrismaticVLM
 from .configuration_hybridvla import DiffusionHeadConfig
 
 DIFFUSION_MODULES = ("proprio_embedder", "x_embedder", "t_embedder", "final_layer")
@@ -214,7 +214,7 @@ class HybridVLA(nn.Module):
     """The whole model: ``vlm`` (the shared Prismatic VLM; its ``lm_head`` decodes the AR tokens) and
     ``head`` (the four diffusion modules)."""
 
-    def __init__(self, vlm: OpenVLA, head: DiffusionHead) -> None:
+    def __init__(self, vlm: PrismaticVLM, head: DiffusionHead) -> None:
         super().__init__()
         self.vlm = vlm
         self.head = head

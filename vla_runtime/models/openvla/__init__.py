@@ -1,5 +1,4 @@
-"""OpenVLA (Prismatic VLM + action-token head), LeRobot-style split:
-``configuration_openvla`` (config.json), ``modeling_openvla`` (weights and forward),
-``processing_openvla`` (image, prompt, token layout, actions), ``prompt_openvla`` (the prompt's ids); the
-runtime API's policy is ``vla_runtime.policies.openvla``. Nothing is imported here.
+"""OpenVLA: the Prismatic VLM (``vla_runtime.models.prismatic``) decoding action tokens. What is OpenVLA's own
+is ``processing_openvla`` (its step layouts and ``ActionTokenizer``); the runtime API's policy is
+``vla_runtime.policies.openvla``. Nothing is imported here.
 """

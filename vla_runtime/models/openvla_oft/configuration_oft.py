@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from ..openvla.configuration_openvla import detect_openvla
+from ..prismatic.configuration_prismatic import detect_openvla
 
 
 class NormalizationType(str, Enum):

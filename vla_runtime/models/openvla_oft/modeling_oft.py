@@ -35,8 +35,8 @@ import torch.nn as nn
 
 from ...kv.bidirectional import BidirectionalPass
 from ...kv.slot_cache import SlotCache
-from ..openvla.modeling_openvla import OpenVLA, ProprioProjector
-from ..openvla.prompt_openvla import PromptIds
+from ..prismatic.modeling_prismatic import PrismaticVLM, ProprioProjector
+from ..prismatic.prompt_prismatic import PromptIds
 from .configuration_oft import HEAD_BLOCKS, STOP_TOKEN_ID, OFTConfig
 from .diffusion_oft import OFTDDIM, DiffusionActionHead, NoisyActionProjector, sinusoidal_time
 from .film import VisionFiLM, average_language_embedding
@@ -64,7 +64,7 @@ class OpenVLAOFT(nn.Module):
     Weights only; one ``predict`` is one stand-alone forward (no cache, no episode state).
     """
 
-    def __init__(self, vla: OpenVLA, cfg: OFTConfig) -> None:
+    def __init__(self, vla: PrismaticVLM, cfg: OFTConfig) -> None:
         super().__init__()
         if cfg.llm_dim != vla.cfg.llm.dim:
             raise ValueError(f"OFTConfig.llm_dim {cfg.llm_dim} != the OpenVLA backbone's LLM width {vla.cfg.llm.dim}")

@@ -1,4 +1,5 @@
-"""Prismatic VLM with the OpenVLA head, native PyTorch under the upstream parameter names.
+"""The Prismatic VLM (OpenVLA's whole model; the VLM under CogACT, HybridVLA and OpenVLA-OFT), native PyTorch
+under the upstream parameter names.
 
 ``vision_backbone.featurizer`` (and ``.fused_featurizer``) are timm ``VisionTransformer``s with timm's
 real module tree; LayerScale's ``gamma`` is named ``scale_factor`` as in the HF checkpoints. A tower's
@@ -19,8 +20,9 @@ from timm.models.vision_transformer import VisionTransformer
 
 from ...kv.base import KVCache
 from ..llama import LlamaForCausalLM
-from .configuration_openvla import OpenVLAConfig, ProjectorConfig, ViTConfig, VisionConfig
-from .processing_openvla import Forward, SegmentKind
+from .configuration_prismatic import OpenVLAConfig
+from .configuration_vision import ProjectorConfig, ViTConfig, VisionConfig
+from .processing_prismatic import Forward, SegmentKind
 
 
 class LayerScale(nn.Module):
@@ -113,8 +115,9 @@ class ProprioProjector(nn.Module):
         return self.fc2(self.act_fn1(self.fc1(state)))[:, None]
 
 
-class OpenVLA(nn.Module):
-    """``vision_backbone`` + ``projector`` (+ ``proprio_projector``) + ``language_model``."""
+class PrismaticVLM(nn.Module):
+    """``vision_backbone`` + ``projector`` (+ ``proprio_projector``) + ``language_model``. OpenVLA decodes its
+    action tokens with the LM head; CogACT, HybridVLA and OpenVLA-OFT put their own heads on it."""
 
     def __init__(self, cfg: OpenVLAConfig) -> None:
         super().__init__()
@@ -151,7 +154,7 @@ class OpenVLA(nn.Module):
     def embed_forward(
         self, forward: Forward, *, images: Sequence[torch.Tensor], proprio: Sequence[torch.Tensor] = ()
     ) -> torch.Tensor:
-        """Embeddings of one layout ``Forward`` (see ``processing_openvla``).
+        """Embeddings of one layout ``Forward`` (see ``processing_prismatic``).
 
         images[s]: image tokens [B, N, dim] of control step s; proprio[s]: [B, 1, dim]. Returns [B, T, dim].
         """

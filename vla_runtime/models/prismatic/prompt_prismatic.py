@@ -1,8 +1,9 @@
-"""OpenVLA's prompt as token ids: ``In: What action should the robot take to {instruction}?\\nOut:`` + ``▁`` (29871).
+"""The Prismatic VLAs' prompt as token ids (OpenVLA's; CogACT and HybridVLA reuse it):
+``In: What action should the robot take to {instruction}?\\nOut:`` + ``▁`` (29871).
 
 ``PromptTokenizer`` encodes it with the checkpoint's own ``tokenizer.json`` (the ``tokenizers`` library);
 ``PromptIds`` keeps the pieces apart, because history mode feeds them at different times (see the token
-layout in ``processing_openvla``). No ``nn.Module`` here.
+layout in ``processing_prismatic`` and ``models.openvla.processing_openvla``). No ``nn.Module`` here.
 
 The "empty token" before the action tokens is the tokenizer's ``▁`` entry. Upstream's ``predict_action``
 does not look it up: it appends the literal id 29871 when the prompt's last id is not 29871. So a
