@@ -20,7 +20,10 @@ def step(f, prompt=None, state=None):
     return Request(RequestKind.STEP, prompt=prompt, observation=Observation(images={"primary": f}, state=state))
 
 
-@pytest.mark.parametrize(("history", "kv"), [("history", "full"), ("history", "chunked"), ("history", "sink_window"), ("single", "full")])
+@pytest.mark.parametrize(
+    ("history", "kv"),
+    [("history", "full"), ("history", "chunked"), ("history", "sink_window"), ("observations", "chunked"), ("single", "full")],
+)
 def test_step_batch_equals_steps_alone(tiny_policy, frame, history, kv):
     config = SessionConfig(history=history, kv=KVConfig(mode=kv))
     alone = [tiny_policy.new_session(p, config) for p in PROMPTS]
