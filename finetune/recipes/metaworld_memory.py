@@ -44,11 +44,11 @@ def eval_flags(condition: str, args: argparse.Namespace, window: int) -> list[st
     if condition == "single":
         return ["--history", "single", "--kv", "full"]
     if condition == "history-full":
-        return ["--history", "history", "--kv", "full", "--kv-capacity", str(capacity)]
+        return ["--history", args.context, "--kv", "full", "--kv-capacity", str(capacity)]
     budget = [str(window), "--kv-match-chunks" if condition == "history-window" else "--kv-max-chunks", str(args.max_chunks)]
     if condition == "history-window":  # the same KV bytes as the chunked cache at its budget
-        return ["--history", "history", "--kv", "sink_window", "--kv-window", *budget]
-    return ["--history", "history", "--kv", "chunked", "--kv-window", *budget, "--retention-plots"]
+        return ["--history", args.context, "--kv", "sink_window", "--kv-window", *budget]
+    return ["--history", args.context, "--kv", "chunked", "--kv-window", *budget, "--retention-plots"]
 
 
 def tune_rounds(text: str) -> list[tuple[int, float]]:
@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m vla_finetune.recipes.metaworld_memory", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_common_args(p, tasks=None)
+    p.add_argument("--context", choices=("history", "observations"), default="history",
+                   help="the history model's context: history (frames and action tokens; the shipped policy) or "
+                        "observations (frames only, no past actions to copy; try with --tune '')")
     p.add_argument("--max-chunks", type=int, default=32, help="retained chunks per layer, training and eval (default 32)")
     p.add_argument("--max-steps", type=int, default=300, help="optimizer steps of each first training (default 300)")
     p.add_argument("--tune", type=tune_rounds, default=tune_rounds("300:5e-4,400:3e-4"), metavar="STEPS:LR,...",
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.time_budget is not None:
         common += ["--time-budget", str(args.time_budget)]
     flags = {
-        "history": ["--history", "history", "--kv", "chunked", "--window", "0", "--chunk", str(CHUNK),
+        "history": ["--history", args.context, "--kv", "chunked", "--window", "0", "--chunk", str(CHUNK),
                     "--max-chunks", str(args.max_chunks), "--gate-budget", "hard", "--retention-weight", "0",
                     "--batch-size", str(args.batch_size)],
         "single": ["--history", "single", "--kv", "full", "--batch-size", str(args.single_batch_size)],

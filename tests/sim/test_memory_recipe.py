@@ -10,10 +10,12 @@ pytestmark = pytest.mark.sim
 
 
 def test_memory_recipe_trains_both_policies_and_evaluates_every_condition(tmp_path):
+    """With ``--context observations`` (the history model's context without action tokens; ``history`` differs
+    only in the ``--history`` value it passes on)."""
     argv = [sys.executable, "-m", "vla_finetune.recipes.metaworld_memory", "--out", str(tmp_path), "--tasks", "reach-v3",
             "--episodes", "1", "--resolution", "28", "--llm-dim", "64", "--llm-layers", "1", "--max-steps", "2",
             "--batch-size", "1", "--single-batch-size", "4", "--threads", "1", "--max-chunks", "2",
-            "--tune", "1:5e-4", "--eval-episodes", "1", "--eval-max-steps", "3", "--eval-workers", "1"]  # fmt: skip
+            "--tune", "1:5e-4", "--context", "observations", "--eval-episodes", "1", "--eval-max-steps", "3", "--eval-workers", "1"]  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     stages = [s["stage"] for s in json.loads((tmp_path / "recipe.json").read_text())["stages"]]
@@ -21,6 +23,7 @@ def test_memory_recipe_trains_both_policies_and_evaluates_every_condition(tmp_pa
                       "eval-history-window", "eval-history-chunked"]  # fmt: skip
     config = (tmp_path / "model-history" / "finetune_config.yaml").read_text()
     assert "window: 0" in config and "budget: hard" in config and "max_chunks: 2" in config
+    assert "history: observations" in config
     tuned = (tmp_path / "model-history-tune1" / "finetune_config.yaml").read_text()
     assert "change_weight: 5.0" in tuned and "window: 0" in tuned and "max_chunks: 2" in tuned
     assert "history: single" in (tmp_path / "model-single" / "finetune_config.yaml").read_text()
@@ -28,6 +31,7 @@ def test_memory_recipe_trains_both_policies_and_evaluates_every_condition(tmp_pa
                 for c in ("single", "history-full", "history-window", "history-chunked")}  # fmt: skip
     assert "history=<HistoryMode.SINGLE" in sessions["single"] and "KVMode.FULL" in sessions["history-full"]
     assert "KVMode.SINK_WINDOW" in sessions["history-window"] and "max_chunks=2" in sessions["history-chunked"]
+    assert all("HistoryMode.OBSERVATIONS" in sessions[c] for c in ("history-full", "history-window", "history-chunked"))
     assert list((tmp_path / "eval-history-chunked" / "retention").glob("reach-v3-seed1000.png"))
     table = (tmp_path / "results.md").read_text()
     assert table.count("| reach-v3 |") == 4 and "history-chunked" in table
