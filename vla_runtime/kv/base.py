@@ -94,6 +94,49 @@ class EpisodeCache(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """One batch row's side of a layer's forward (``RowSeam.row_plan``): the row's keys in attention order sit
+    at positions ``0 .. n_keys-1``, its ``T`` new tokens at the last ``T`` of them.
+
+    Args:
+        n_keys: keys the last new query sees (held + T) in this layer.
+        cos, sin: [T, D] float32 RoPE tables of the new tokens' positions ``n_keys-T .. n_keys-1``.
+        causal: the new tokens see each other causally (``False``: both ways, a ``bidirectional_block``).
+        version: the cache's layout version; held keys ``0 .. n_keys-T-1`` keep their positions and values
+            as long as it does not change (a compression, trim, pin or reset changes it).
+    """
+
+    n_keys: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    causal: bool
+    version: int
+
+
+@runtime_checkable
+class RowSeam(Protocol):
+    """What a batch-1 cache offers ``RowsCache`` so that several sessions' caches attend in one batched call:
+    the cache plans and stores, the ``RowsCache`` rotates and attends. Per layer of a forward the ``RowsCache``
+    calls ``row_plan``, then ``row_store`` with the new keys rotated by the plan's tables, and ``row_held``
+    when its copy of the row's held keys is stale; then ``end_forward`` as usual."""
+
+    row_batching: bool  # False: this cache attends on its own (e.g. a Triton kernel reads its store)
+
+    def row_plan(self, layer: int, t: int) -> RowPlan:
+        """Plan (at the forward's first layer) and describe ``layer``'s forward of ``t`` new tokens."""
+        ...
+
+    def row_store(self, layer: int, k_raw: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``layer``'s new tokens: k_raw (pre-RoPE), k_rot (rotated by the plan's tables), v: [1, Hkv, T, D]."""
+        ...
+
+    def row_held(self, layer: int, held: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``held`` keys before this forward's new tokens, rotated, and their values: [1, Hkv, held, D] each
+        (views; valid until the next forward)."""
+        ...
+
+
 @runtime_checkable
 class KVCache(AttendSeam, EpisodeCache, Protocol):
     """A cache ``make_cache`` builds: the decoder's seam and the session's handle in one object."""

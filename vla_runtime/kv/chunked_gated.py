@@ -36,11 +36,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from .backend import select_backend
-from .base import DecoupledParams, KVStats
+from .base import DecoupledParams, KVStats, RowPlan
 from .gate import ChunkGate, ChunkGateConfig, check_gate
 from .geometry import CacheGeometry
 from .slot_cache import SlotCache
-from .store import RotatedView, SlotStore, attend_slots
+from .store import RotatedView, SlotStore, attend_slots, row_plan_of
 
 _NEVER = torch.iinfo(torch.int64).max
 RAW_AREA_WINDOWS = 3  # max_chunks=None: raw area = 3 * (window + chunk) slots
@@ -245,6 +245,23 @@ class ChunkedGatedCache(SlotCache):
             self.store, self.backend, self.view, layer, q, k_raw, v, self._slots[layer], self._n_keys[layer],
             causal=not self.bidirectional,
         )
+
+    # ---- RowSeam: several sessions' caches attend in one batched call (``RowsCache``) ------------------
+    @property
+    def row_batching(self) -> bool:
+        return self.view is not None  # the Triton kernel reads the store itself: no rotated view to hand over
+
+    def row_plan(self, layer: int, t: int) -> RowPlan:
+        if self._plan is None:
+            self._begin_forward(t)
+        return row_plan_of(self.store, self._n_keys[layer], t, causal=not self.bidirectional)
+
+    def row_store(self, layer: int, k_raw: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
+        self.store.write(layer, self._plan, k_raw, v)
+        self.view.update(self.store, layer, k_rot, v, self._slots[layer], self._n_keys[layer])
+
+    def row_held(self, layer: int, held: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.view.held(layer, held)
 
     # ---- commit / compress ---------------------------------------------------------------------------
     def end_forward(self, *, pin: bool = False) -> None:

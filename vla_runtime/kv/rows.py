@@ -1,10 +1,17 @@
 """RowsCache: one forward over several sessions' caches, row ``i`` of the batch going to ``caches[i]``.
 
-The model runs its projections, MLPs and head on the whole batch ``[B, T, dim]``; attention, which is the
-only place the rows' histories differ (lengths, retained chunks, positions), is routed row by row to each
-session's own cache. So sessions whose caches hold different lengths or layouts step together, and each
-cache sees exactly the calls it would see alone (``attend`` per layer, then ``end_forward``). All rows of one
-forward carry the same number ``T`` of new tokens.
+The model runs its projections, MLPs and head on the whole batch ``[B, T, dim]``; the rows' histories differ
+(lengths, retained chunks, positions), and each cache keeps its own: it plans the forward, stores the new
+tokens and compresses as it would alone (``attend`` per layer, then ``end_forward``). All rows of one forward
+carry the same number ``T`` of new tokens.
+
+Attention itself runs batched when every cache offers the ``RowSeam`` (``row_batching``): each cache lays its
+keys out in attention order at positions ``0 .. n-1``, so the ``RowsCache`` keeps, per layer, one padded copy
+``[B, Hkv, Lmax, D]`` of every row's rotated keys and values (``PaddedRows``), appends the new tokens to it
+and runs one attention call per group of rows holding the same number of keys. The copy of a row is taken once (from the cache's own
+rotated keys) and again only when that row's layout changes (a compression); a ``RowsCache`` lives for one
+batched step, and its caches must not run forwards of their own meanwhile. Otherwise (a Triton-backed
+cache) attention is routed row by row to each cache's ``attend``.
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import KVCache, KVStats
+from .attention import block_attention, causal_attention
+from .base import KVCache, KVStats, RowPlan
+from .rope import apply_rope
 
 
 class RowsCache:
@@ -30,13 +39,28 @@ class RowsCache:
             raise ValueError("RowsCache rows must be distinct caches (one session per row)")
         self.caches = list(caches)
         self._marks: list[list[int]] = []
+        self.batched = all(getattr(c, "row_batching", False) for c in self.caches)
+        self._padded: dict[int, PaddedRows] = {}  # per layer
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] with ``B == len(caches)``. Returns [B, Hq, T, D]."""
         if q.shape[0] != len(self.caches):
             raise ValueError(f"batch of {q.shape[0]} rows for {len(self.caches)} caches")
-        rows = [c.attend(layer, q[i : i + 1], k_raw[i : i + 1], v[i : i + 1]) for i, c in enumerate(self.caches)]
-        return torch.cat(rows, dim=0)  # [B, Hq, T, D]
+        if not self.batched:
+            rows = [c.attend(layer, q[i : i + 1], k_raw[i : i + 1], v[i : i + 1]) for i, c in enumerate(self.caches)]
+            return torch.cat(rows, dim=0)  # [B, Hq, T, D]
+        t = q.shape[2]
+        plans = [c.row_plan(layer, t) for c in self.caches]
+        cos = torch.stack([p.cos for p in plans]).unsqueeze(1)  # [B, 1, T, D]
+        sin = torch.stack([p.sin for p in plans]).unsqueeze(1)
+        k_rot = apply_rope(k_raw, cos, sin)  # [B, Hkv, T, D]
+        for i, c in enumerate(self.caches):
+            c.row_store(layer, k_raw[i : i + 1], k_rot[i : i + 1], v[i : i + 1])
+        if layer not in self._padded:
+            self._padded[layer] = PaddedRows(len(self.caches), k_raw)
+        padded = self._padded[layer]
+        padded.update(self.caches, layer, plans, k_rot, v)
+        return padded.attend(apply_rope(q, cos, sin), plans)
 
     def end_forward(self, *, pin: bool = False) -> None:
         for cache in self.caches:
@@ -71,3 +95,79 @@ class RowsCache:
     def reset(self) -> None:
         for cache in self.caches:
             cache.reset()
+
+
+class PaddedRows:
+    """One layer's rotated keys and values of every row, padded to the longest: ``k, v: [B, Hkv, cap, D]``,
+    row ``i`` valid in ``[0, n[i])``; the rest is zeros or stale (masked out, always finite).
+
+    Args:
+        rows: B. like: a [B, Hkv, T, D] tensor giving heads, head dim, dtype and device.
+    """
+
+    def __init__(self, rows: int, like: torch.Tensor) -> None:
+        self.k = like.new_zeros(rows, like.shape[1], 0, like.shape[3])
+        self.v = torch.zeros_like(self.k)
+        self.n = [0] * rows
+        self.version = [-1] * rows  # the layout version each row's copy was taken at; -1: none yet
+
+    def _reserve(self, length: int) -> None:
+        """Room for ``length`` keys per row (grown in steps of 64, the held copies kept)."""
+        cap = self.k.shape[2]
+        if length <= cap:
+            return
+        shape = (*self.k.shape[:2], -(-length // 64) * 64, self.k.shape[3])
+        k, v = self.k.new_zeros(shape), self.v.new_zeros(shape)
+        k[:, :, :cap], v[:, :, :cap] = self.k, self.v
+        self.k, self.v = k, v
+
+    def update(self, caches: Sequence[KVCache], layer: int, plans: list[RowPlan], k_rot: torch.Tensor, v: torch.Tensor) -> None:
+        """Bring every row to its plan: copy a row's held keys again when its layout changed (or it is new), then
+        write the new tokens. k_rot (rotated by the plans' tables), v: [B, Hkv, T, D]."""
+        t = k_rot.shape[2]
+        self._reserve(max(p.n_keys for p in plans))
+        held = [p.n_keys - t for p in plans]
+        for i, (cache, plan) in enumerate(zip(caches, plans)):
+            if self.version[i] != plan.version or self.n[i] < held[i]:
+                k_held, v_held = cache.row_held(layer, held[i])  # [1, Hkv, held, D]
+                self.k[i, :, : held[i]], self.v[i, :, : held[i]] = k_held[0], v_held[0]
+                self.version[i] = plan.version
+            self.n[i] = plan.n_keys
+        if len(set(held)) == 1:  # the common case: one slice for every row
+            self.k[:, :, held[0] : held[0] + t], self.v[:, :, held[0] : held[0] + t] = k_rot, v
+            return
+        rows = torch.arange(len(plans), device=v.device)[:, None]  # [B, 1]
+        pos = torch.tensor(held, device=v.device)[:, None] + torch.arange(t, device=v.device)  # [B, T]
+        self.k[rows, :, pos] = k_rot.transpose(1, 2)  # advanced indices first: [B, T, Hkv, D]
+        self.v[rows, :, pos] = v.transpose(1, 2)
+
+    def attend(self, q: torch.Tensor, plans: list[RowPlan]) -> torch.Tensor:
+        """q: [B, Hq, T, D] rotated by the plans' tables -> [B, Hq, T, D].
+
+        Rows that see the same number of keys (and attend the same way) share one attention call over the padded
+        copy, exactly as each of their caches alone computes it: a call over keys padded behind a mask would
+        change the rounding of the softmax's blocks (by an ulp), and costs about what per-length calls do.
+        """
+        t = q.shape[2]
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i, p in enumerate(plans):
+            groups.setdefault((p.n_keys, p.causal), []).append(i)
+        if len(groups) == 1:
+            return self._attend_group(q, slice(None), *next(iter(groups)), t)
+        out = torch.empty_like(q)
+        for (n, causal), rows in groups.items():
+            if rows[-1] - rows[0] == len(rows) - 1:  # consecutive rows: views, no copy
+                sel = slice(rows[0], rows[-1] + 1)
+                out[sel] = self._attend_group(q, sel, n, causal, t)
+            else:
+                idx = torch.tensor(rows, device=q.device)
+                out.index_copy_(0, idx, self._attend_group(q, idx, n, causal, t))
+        return out
+
+    def _attend_group(self, q: torch.Tensor, rows: slice | torch.Tensor, n: int, causal: bool, t: int) -> torch.Tensor:
+        """The rows ``rows`` (a slice or [G] long), all with ``n`` keys -> [G, Hq, T, D]."""
+        if isinstance(rows, slice):
+            q, k, v = q[rows], self.k[rows, :, :n], self.v[rows, :, :n]
+        else:
+            q, k, v = q.index_select(0, rows), self.k[:, :, :n].index_select(0, rows), self.v[:, :, :n].index_select(0, rows)
+        return causal_attention(q, k, v, past=n - t) if causal else block_attention(q, k, v)

@@ -21,6 +21,7 @@ import torch
 
 from .attention import block_attention, causal_attention
 from .backend import CacheBackend
+from .base import RowPlan
 from .geometry import CacheGeometry
 from .rope import RopeConfig, apply_rope, inv_freq, rope_cos_sin
 
@@ -190,25 +191,43 @@ class RotatedView:
         self.n = [0] * store.k.shape[0]
         self.version = [-1] * store.k.shape[0]
 
-    def attend(self, store: SlotStore, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True) -> torch.Tensor:  # fmt: skip
-        """See ``attend_slots``; ``k_new, v_new``: [B, Hkv, T, D] the new tokens (k pre-RoPE)."""
-        t = q.shape[2]
-        held = n_keys - t
-        cos, sin = store.rope.get(n_keys)
+    def update(self, store: SlotStore, layer: int, k_rot: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor | slice,
+               n_keys: int) -> None:  # fmt: skip
+        """Bring ``layer``'s view to ``n_keys`` keys: rebuild the held ``n_keys - T`` from the store if the layout
+        changed since, then append the new tokens. k_rot (rotated at ``n_keys-T .. n_keys-1``), v_new: [B, Hkv, T, D]."""
+        held = n_keys - k_rot.shape[2]
         vk, vv = self.k[layer], self.v[layer]  # [B, Hkv, S, D]
         if self.version[layer] != store.layout_version or self.n[layer] < held:
-            idx = slots[:held] if isinstance(slots, torch.Tensor) else torch.arange(held, device=q.device)
+            cos, sin = store.rope.get(n_keys)  # the forward's table (``dynamic`` scaling depends on n_keys)
+            idx = slots[:held] if isinstance(slots, torch.Tensor) else torch.arange(held, device=k_rot.device)
             vk[:, :, :held] = apply_rope(store.k[layer].index_select(2, idx), cos[:held], sin[:held])
             vv[:, :, :held] = store.v[layer].index_select(2, idx)
             self.version[layer] = store.layout_version
-        vk[:, :, held:n_keys] = apply_rope(k_new, cos[held:], sin[held:])
+        vk[:, :, held:n_keys] = k_rot
         vv[:, :, held:n_keys] = v_new
         self.n[layer] = n_keys
+
+    def held(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` rotated keys and values of ``layer`` (views): [B, Hkv, n, D] each."""
+        return self.k[layer][:, :, :n], self.v[layer][:, :, :n]
+
+    def attend(self, store: SlotStore, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True) -> torch.Tensor:  # fmt: skip
+        """See ``attend_slots``; ``k_new, v_new``: [B, Hkv, T, D] the new tokens (k pre-RoPE)."""
+        held = n_keys - q.shape[2]
+        cos, sin = store.rope.get(n_keys)
+        self.update(store, layer, apply_rope(k_new, cos[held:], sin[held:]), v_new, slots, n_keys)
         q = apply_rope(q, cos[held:], sin[held:])
+        k, v = self.held(layer, n_keys)
         if not causal:
-            return block_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys])
-        return causal_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], past=held)
+            return block_attention(q, k, v)
+        return causal_attention(q, k, v, past=held)
+
+
+def row_plan_of(store: SlotStore, n_keys: int, t: int, *, causal: bool) -> RowPlan:
+    """A decoupled cache's ``RowPlan``: its compacted positions ``0 .. n_keys-1``, the new tokens the last ``t``."""
+    cos, sin = store.rope.get(n_keys)
+    return RowPlan(n_keys=n_keys, cos=cos[n_keys - t :], sin=sin[n_keys - t :], causal=causal, version=store.layout_version)
 
 
 def attend_slots(

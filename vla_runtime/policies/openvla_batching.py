@@ -28,9 +28,15 @@ if TYPE_CHECKING:
     from .openvla import OpenVLAPolicy, OpenVLASession
 
 
-def _rows_cache(sessions: list["OpenVLASession"], rows: list[int]):
-    """The cache a forward over ``rows`` uses (a single session's own cache when there is one row)."""
-    return sessions[rows[0]].cache if len(rows) == 1 else RowsCache([sessions[i].cache for i in rows])
+def _rows_cache(sessions: list["OpenVLASession"], rows: list[int], made: dict[tuple[int, ...], RowsCache]):
+    """The cache a forward over ``rows`` uses (a single session's own cache when there is one row); ``made``
+    keeps the step's ``RowsCache`` per set of rows, so the prefill and decode of the same rows share one (its
+    padded copy of the rows' keys is taken once)."""
+    if len(rows) == 1:
+        return sessions[rows[0]].cache
+    if tuple(rows) not in made:
+        made[tuple(rows)] = RowsCache([sessions[i].cache for i in rows])
+    return made[tuple(rows)]
 
 
 @torch.inference_mode()
@@ -62,8 +68,9 @@ def step_batch(policy: "OpenVLAPolicy", sessions: list["OpenVLASession"], observ
     decoder = policy.model.language_model.model
     head = sessions[0].token_head()  # one policy: the same action ids for every session
     first: list[torch.Tensor | None] = [None] * len(sessions)  # the logits after each prompt, [1, V']
+    made: dict[tuple[int, ...], RowsCache] = {}
     for rows in by_length.values():
-        hidden = decoder(inputs_embeds=torch.cat([embeds[i] for i in rows]), cache=_rows_cache(sessions, rows))  # [b, T, dim]
+        hidden = decoder(inputs_embeds=torch.cat([embeds[i] for i in rows]), cache=_rows_cache(sessions, rows, made))  # [b, T, dim]
         logits = head.logits(hidden[:, -1])  # [b, V']
         for j, i in enumerate(rows):
             first[i] = logits[j : j + 1]
@@ -76,7 +83,7 @@ def step_batch(policy: "OpenVLAPolicy", sessions: list["OpenVLASession"], observ
         by_dim[s.action_dim].append(i)
     ids: list[torch.Tensor | None] = [None] * len(sessions)
     for dim, rows in by_dim.items():
-        cache = _rows_cache(sessions, rows)
+        cache = _rows_cache(sessions, rows, made)
         out = decode(lambda tok: head.logits(decoder(tok, cache=cache)[:, -1]), torch.cat([first[i] for i in rows]), head.pick,
                      max_new_tokens=dim)  # [b, action_dim]
         for j, i in enumerate(rows):
