@@ -118,8 +118,8 @@ class RowPlan:
 class RowSeam(Protocol):
     """What a batch-1 cache offers ``RowsCache`` so that several sessions' caches attend in one batched call:
     the cache plans and stores, the ``RowsCache`` rotates and attends. Per layer of a forward the ``RowsCache``
-    calls ``row_plan``, then ``row_store`` with the new keys rotated by the plan's tables, and ``row_held``
-    when its copy of the row's held keys is stale; then ``end_forward`` as usual."""
+    calls ``row_plan``, and ``row_held`` when its copy of the row's held keys is stale; after the last layer
+    ``row_commit`` with every layer's new tokens, then ``end_forward`` as usual."""
 
     row_batching: bool  # False: this cache attends on its own (e.g. a Triton kernel reads its store)
 
@@ -127,13 +127,14 @@ class RowSeam(Protocol):
         """Plan (at the forward's first layer) and describe ``layer``'s forward of ``t`` new tokens."""
         ...
 
-    def row_store(self, layer: int, k_raw: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``layer``'s new tokens: k_raw (pre-RoPE), k_rot (rotated by the plan's tables), v: [1, Hkv, T, D]."""
-        ...
-
     def row_held(self, layer: int, held: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``held`` keys before this forward's new tokens, rotated, and their values: [1, Hkv, held, D] each
         (views; valid until the next forward)."""
+        ...
+
+    def row_commit(self, k_raw: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the forward's new tokens of every layer: k_raw (pre-RoPE), k_rot (rotated by the plans' tables),
+        v: [L, 1, Hkv, T, D]."""
         ...
 
 

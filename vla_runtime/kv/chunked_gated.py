@@ -256,12 +256,13 @@ class ChunkedGatedCache(SlotCache):
             self._begin_forward(t)
         return row_plan_of(self.store, self._n_keys[layer], t, causal=not self.bidirectional)
 
-    def row_store(self, layer: int, k_raw: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
-        self.store.write(layer, self._plan, k_raw, v)
-        self.view.update(self.store, layer, k_rot, v, self._slots[layer], self._n_keys[layer])
-
     def row_held(self, layer: int, held: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.view.sync(self.store, layer, self._slots[layer], self._n_keys[layer], held)
         return self.view.held(layer, held)
+
+    def row_commit(self, k_raw: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
+        self.store.write_layers(self._plan, k_raw, v)
+        self.view.append_layers(self.store, k_rot, v, self._n_keys)
 
     # ---- commit / compress ---------------------------------------------------------------------------
     def end_forward(self, *, pin: bool = False) -> None:

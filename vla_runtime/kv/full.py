@@ -84,13 +84,14 @@ class FullCache(SlotCache):
         return RowPlan(n_keys=self.length + t, cos=self._cos, sin=self._sin, causal=not self.bidirectional,
                        version=self.store.layout_version)  # fmt: skip
 
-    def row_store(self, layer: int, k_raw: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
-        start = self.length
-        self.store.k[layer][:, :, start : start + k_rot.shape[2]] = k_rot
-        self.store.v[layer][:, :, start : start + v.shape[2]] = v
-
     def row_held(self, layer: int, held: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store.k[layer][:, :, :held], self.store.v[layer][:, :, :held]
+
+    def row_commit(self, k_raw: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
+        """Rotated keys are what this cache stores."""
+        start = self.length
+        self.store.k[:, :, :, start : start + k_rot.shape[3]] = k_rot
+        self.store.v[:, :, :, start : start + v.shape[3]] = v
 
     def end_forward(self, *, pin: bool = False) -> None:
         """Commit the forward's tokens (``pin`` changes nothing: every token is kept anyway)."""

@@ -41,6 +41,7 @@ class RowsCache:
         self._marks: list[list[int]] = []
         self.batched = all(getattr(c, "row_batching", False) for c in self.caches)
         self._padded: dict[int, PaddedRows] = {}  # per layer
+        self._new: list[tuple[torch.Tensor, ...]] = []  # this forward's (k_raw, k_rot, v) per layer, [B, Hkv, T, D]
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] with ``B == len(caches)``. Returns [B, Hq, T, D]."""
@@ -54,8 +55,7 @@ class RowsCache:
         cos = torch.stack([p.cos for p in plans]).unsqueeze(1)  # [B, 1, T, D]
         sin = torch.stack([p.sin for p in plans]).unsqueeze(1)
         k_rot = apply_rope(k_raw, cos, sin)  # [B, Hkv, T, D]
-        for i, c in enumerate(self.caches):
-            c.row_store(layer, k_raw[i : i + 1], k_rot[i : i + 1], v[i : i + 1])
+        self._new.append((k_raw, k_rot, v))
         if layer not in self._padded:
             self._padded[layer] = PaddedRows(len(self.caches), k_raw)
         padded = self._padded[layer]
@@ -63,6 +63,12 @@ class RowsCache:
         return padded.attend(apply_rope(q, cos, sin), plans)
 
     def end_forward(self, *, pin: bool = False) -> None:
+        """Each row's cache stores its new tokens of every layer, then ends the forward as alone."""
+        if self._new:
+            k_raw, k_rot, v = (torch.stack(x) for x in zip(*self._new))  # [L, B, Hkv, T, D]
+            self._new.clear()
+            for i, cache in enumerate(self.caches):
+                cache.row_commit(k_raw[:, i : i + 1], k_rot[:, i : i + 1], v[:, i : i + 1])
         for cache in self.caches:
             cache.end_forward(pin=pin)
 
@@ -99,25 +105,25 @@ class RowsCache:
 
 class PaddedRows:
     """One layer's rotated keys and values of every row, padded to the longest: ``k, v: [B, Hkv, cap, D]``,
-    row ``i`` valid in ``[0, n[i])``; the rest is zeros or stale (masked out, always finite).
+    row ``i`` valid in ``[0, n[i])`` (attention reads no further).
 
     Args:
         rows: B. like: a [B, Hkv, T, D] tensor giving heads, head dim, dtype and device.
     """
 
     def __init__(self, rows: int, like: torch.Tensor) -> None:
-        self.k = like.new_zeros(rows, like.shape[1], 0, like.shape[3])
-        self.v = torch.zeros_like(self.k)
+        self.k = like.new_empty(rows, like.shape[1], 0, like.shape[3])
+        self.v = torch.empty_like(self.k)
         self.n = [0] * rows
         self.version = [-1] * rows  # the layout version each row's copy was taken at; -1: none yet
 
     def _reserve(self, length: int) -> None:
-        """Room for ``length`` keys per row (grown in steps of 64, the held copies kept)."""
+        """Room for ``length`` keys per row and a few decoded tokens beyond (the copies kept)."""
         cap = self.k.shape[2]
         if length <= cap:
             return
-        shape = (*self.k.shape[:2], -(-length // 64) * 64, self.k.shape[3])
-        k, v = self.k.new_zeros(shape), self.v.new_zeros(shape)
+        shape = (*self.k.shape[:2], length + 16, self.k.shape[3])
+        k, v = self.k.new_empty(shape), self.v.new_empty(shape)
         k[:, :, :cap], v[:, :, :cap] = self.k, self.v
         self.k, self.v = k, v
 
@@ -133,20 +139,18 @@ class PaddedRows:
                 self.k[i, :, : held[i]], self.v[i, :, : held[i]] = k_held[0], v_held[0]
                 self.version[i] = plan.version
             self.n[i] = plan.n_keys
-        if len(set(held)) == 1:  # the common case: one slice for every row
+        if len(set(held)) == 1:  # one slice for every row
             self.k[:, :, held[0] : held[0] + t], self.v[:, :, held[0] : held[0] + t] = k_rot, v
             return
-        rows = torch.arange(len(plans), device=v.device)[:, None]  # [B, 1]
-        pos = torch.tensor(held, device=v.device)[:, None] + torch.arange(t, device=v.device)  # [B, T]
-        self.k[rows, :, pos] = k_rot.transpose(1, 2)  # advanced indices first: [B, T, Hkv, D]
-        self.v[rows, :, pos] = v.transpose(1, 2)
+        for i, h in enumerate(held):  # cheaper than an advanced-index write for a handful of rows
+            self.k[i, :, h : h + t], self.v[i, :, h : h + t] = k_rot[i], v[i]
 
     def attend(self, q: torch.Tensor, plans: list[RowPlan]) -> torch.Tensor:
         """q: [B, Hq, T, D] rotated by the plans' tables -> [B, Hq, T, D].
 
         Rows that see the same number of keys (and attend the same way) share one attention call over the padded
-        copy, exactly as each of their caches alone computes it: a call over keys padded behind a mask would
-        change the rounding of the softmax's blocks (by an ulp), and costs about what per-length calls do.
+        copy, computed exactly as each of their caches alone computes it. (One call over all rows behind a
+        key-padding mask rounds the softmax's blocks differently, by about an ulp, and was no faster on CPU.)
         """
         t = q.shape[2]
         groups: dict[tuple[int, bool], list[int]] = {}

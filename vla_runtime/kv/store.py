@@ -132,6 +132,15 @@ class SlotStore:
             self.k[layer].index_copy_(2, plan.write, k)
             self.v[layer].index_copy_(2, plan.write, v)
 
+    def write_layers(self, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens of every layer at once; k, v: [L, B, Hkv, T, D] (k pre-RoPE)."""
+        if isinstance(plan.write, slice):
+            self.k[:, :, :, plan.write] = k
+            self.v[:, :, :, plan.write] = v
+        else:
+            self.k.index_copy_(3, plan.write, k)
+            self.v.index_copy_(3, plan.write, v)
+
     def commit(self, new: int) -> None:
         self.length += new
 
@@ -191,21 +200,43 @@ class RotatedView:
         self.n = [0] * store.k.shape[0]
         self.version = [-1] * store.k.shape[0]
 
+    def sync(self, store: SlotStore, layer: int, slots: torch.Tensor | slice, n_keys: int, held: int) -> None:
+        """Make the first ``held`` keys of ``layer`` current: rebuild them from the store (gather + rotate at the
+        forward's table of ``n_keys`` positions) if the layout changed since or the view is shorter."""
+        if self.version[layer] == store.layout_version and self.n[layer] >= held:
+            return
+        cos, sin = store.rope.get(n_keys)  # the forward's table (``dynamic`` scaling depends on n_keys)
+        idx = slots[:held] if isinstance(slots, torch.Tensor) else torch.arange(held, device=store.device)
+        self.k[layer][:, :, :held] = apply_rope(store.k[layer].index_select(2, idx), cos[:held], sin[:held])
+        self.v[layer][:, :, :held] = store.v[layer].index_select(2, idx)
+        self.version[layer], self.n[layer] = store.layout_version, held
+
     def update(self, store: SlotStore, layer: int, k_rot: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor | slice,
                n_keys: int) -> None:  # fmt: skip
-        """Bring ``layer``'s view to ``n_keys`` keys: rebuild the held ``n_keys - T`` from the store if the layout
-        changed since, then append the new tokens. k_rot (rotated at ``n_keys-T .. n_keys-1``), v_new: [B, Hkv, T, D]."""
+        """Bring ``layer``'s view to ``n_keys`` keys: ``sync`` the held ``n_keys - T``, then append the new tokens.
+        k_rot (rotated at ``n_keys-T .. n_keys-1``), v_new: [B, Hkv, T, D]."""
         held = n_keys - k_rot.shape[2]
-        vk, vv = self.k[layer], self.v[layer]  # [B, Hkv, S, D]
-        if self.version[layer] != store.layout_version or self.n[layer] < held:
-            cos, sin = store.rope.get(n_keys)  # the forward's table (``dynamic`` scaling depends on n_keys)
-            idx = slots[:held] if isinstance(slots, torch.Tensor) else torch.arange(held, device=k_rot.device)
-            vk[:, :, :held] = apply_rope(store.k[layer].index_select(2, idx), cos[:held], sin[:held])
-            vv[:, :, :held] = store.v[layer].index_select(2, idx)
-            self.version[layer] = store.layout_version
-        vk[:, :, held:n_keys] = k_rot
-        vv[:, :, held:n_keys] = v_new
+        self.sync(store, layer, slots, n_keys, held)
+        self.k[layer][:, :, held:n_keys] = k_rot
+        self.v[layer][:, :, held:n_keys] = v_new
         self.n[layer] = n_keys
+
+    def append_layers(self, store: SlotStore, k_rot: torch.Tensor, v_new: torch.Tensor, n_keys: list[int]) -> None:
+        """A forward's new tokens of every layer at once (``RowsCache``): k_rot, v_new: [L, B, Hkv, T, D], layer
+        ``l`` holding ``n_keys[l]`` keys with them. A layer whose held keys are not current stays as it is (the
+        next ``sync`` rebuilds it)."""
+        t = k_rot.shape[3]
+        held = [n - t for n in n_keys]
+        current = [self.version[i] == store.layout_version and self.n[i] >= h for i, h in enumerate(held)]
+        if all(current) and len(set(held)) == 1:
+            self.k[:, :, :, held[0] : n_keys[0]] = k_rot
+            self.v[:, :, :, held[0] : n_keys[0]] = v_new
+            self.n = list(n_keys)
+            return
+        for layer, (h, n) in enumerate(zip(held, n_keys)):
+            if current[layer]:
+                self.k[layer][:, :, h:n], self.v[layer][:, :, h:n] = k_rot[layer], v_new[layer]
+                self.n[layer] = n
 
     def held(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``n`` rotated keys and values of ``layer`` (views): [B, Hkv, n, D] each."""
