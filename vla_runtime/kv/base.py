@@ -103,23 +103,20 @@ class RowPlan:
         n_keys: keys the last new query sees (held + T) in this layer.
         cos, sin: [T, D] float32 RoPE tables of the new tokens' positions ``n_keys-T .. n_keys-1``.
         causal: the new tokens see each other causally (``False``: both ways, a ``bidirectional_block``).
-        version: the cache's layout version; held keys ``0 .. n_keys-T-1`` keep their positions and values
-            as long as it does not change (a compression, trim, pin or reset changes it).
     """
 
     n_keys: int
     cos: torch.Tensor
     sin: torch.Tensor
     causal: bool
-    version: int
 
 
 @runtime_checkable
 class RowSeam(Protocol):
-    """What a batch-1 cache offers ``RowsCache`` so that several sessions' caches attend in one batched call:
-    the cache plans and stores, the ``RowsCache`` rotates and attends. Per layer of a forward the ``RowsCache``
-    calls ``row_plan``, and ``row_held`` when its copy of the row's held keys is stale; after the last layer
-    ``row_commit`` with every layer's new tokens, then ``end_forward`` as usual."""
+    """What a batch-1 cache offers ``RowsCache`` so that a batched forward over several sessions' caches plans and
+    rotates once for all rows: per layer the ``RowsCache`` calls ``row_plan``, rotates the new queries and keys of
+    every row with the plans' tables and calls ``row_attend``; after the last layer ``row_commit`` with every
+    layer's new tokens, then ``end_forward`` as usual."""
 
     row_batching: bool  # False: this cache attends on its own (e.g. a Triton kernel reads its store)
 
@@ -127,14 +124,13 @@ class RowSeam(Protocol):
         """Plan (at the forward's first layer) and describe ``layer``'s forward of ``t`` new tokens."""
         ...
 
-    def row_held(self, layer: int, held: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``held`` keys before this forward's new tokens, rotated, and their values: [1, Hkv, held, D] each
-        (views; valid until the next forward)."""
+    def row_attend(self, layer: int, q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of ``layer``'s new queries over the held keys and the new ones, everything rotated by the
+        plan's tables: q_rot [1, Hq, T, D]; k_rot, v [1, Hkv, T, D]. Returns [1, Hq, T, D]."""
         ...
 
-    def row_commit(self, k_raw: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the forward's new tokens of every layer: k_raw (pre-RoPE), k_rot (rotated by the plans' tables),
-        v: [L, 1, Hkv, T, D]."""
+    def row_commit(self, k_raw: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the forward's new tokens of every layer: k_raw (pre-RoPE), v: [L, 1, Hkv, T, D]."""
         ...
 
 

@@ -209,6 +209,7 @@ class ChunkedGatedCache(SlotCache):
         self._slots: list[torch.Tensor | slice] = []
         self._n_keys: list[int] = []
         self._pinned_slots = torch.arange(0, device=self.chunk_valid.device)
+        self._row_plans: dict[int, RowPlan] = {}  # this forward's, by key count (``row_plan``)
 
     # ---- attention ---------------------------------------------------------------------------------
     def _retained_slots(self) -> list[torch.Tensor]:
@@ -246,23 +247,27 @@ class ChunkedGatedCache(SlotCache):
             causal=not self.bidirectional,
         )
 
-    # ---- RowSeam: several sessions' caches attend in one batched call (``RowsCache``) ------------------
+    # ---- RowSeam: a forward over several sessions' caches rotates once for all rows (``RowsCache``) -----
     @property
     def row_batching(self) -> bool:
         return self.view is not None  # the Triton kernel reads the store itself: no rotated view to hand over
 
     def row_plan(self, layer: int, t: int) -> RowPlan:
+        """The same object for the layers that hold the same number of keys (usually all)."""
         if self._plan is None:
             self._begin_forward(t)
-        return row_plan_of(self.store, self._n_keys[layer], t, causal=not self.bidirectional)
+            self._row_plans.clear()
+        n = self._n_keys[layer]
+        if n not in self._row_plans:
+            self._row_plans[n] = row_plan_of(self.store, n, t, causal=not self.bidirectional)
+        return self._row_plans[n]
 
-    def row_held(self, layer: int, held: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.view.sync(self.store, layer, self._slots[layer], self._n_keys[layer], held)
-        return self.view.held(layer, held)
+    def row_attend(self, layer: int, q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.view.attend_rotated(self.store, layer, q_rot, k_rot, v, self._slots[layer], self._n_keys[layer],
+                                        causal=not self.bidirectional)  # fmt: skip
 
-    def row_commit(self, k_raw: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
+    def row_commit(self, k_raw: torch.Tensor, v: torch.Tensor) -> None:
         self.store.write_layers(self._plan, k_raw, v)
-        self.view.append_layers(self.store, k_rot, v, self._n_keys)
 
     # ---- commit / compress ---------------------------------------------------------------------------
     def end_forward(self, *, pin: bool = False) -> None:

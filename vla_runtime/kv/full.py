@@ -48,6 +48,7 @@ class FullCache(SlotCache):
         super().reset()
         self._pending = 0
         self._cos = self._sin = None
+        self._row_plan: RowPlan | None = None  # this forward's (``row_plan``)
 
     def _begin_forward(self, t: int, device: torch.device) -> None:
         """First layer of a forward of ``t`` tokens: positions once for all layers."""
@@ -74,24 +75,29 @@ class FullCache(SlotCache):
             return block_attention(q, k[:, :, :end], v_all[:, :, :end])
         return causal_attention(q, k[:, :, :end], v_all[:, :, :end], past=start)
 
-    # ---- RowSeam: several sessions' caches attend in one batched call (``RowsCache``) ------------------
+    # ---- RowSeam: a forward over several sessions' caches rotates once for all rows (``RowsCache``) -----
     row_batching = True
 
     def row_plan(self, layer: int, t: int) -> RowPlan:
-        """Absolute positions: the held tokens are ``0 .. length-1``, the new ones follow."""
+        """Absolute positions: the held tokens are ``0 .. length-1``, the new ones follow. One object for every
+        layer of a forward."""
         if self._cos is None:
             self._begin_forward(t, self.store.device)
-        return RowPlan(n_keys=self.length + t, cos=self._cos, sin=self._sin, causal=not self.bidirectional,
-                       version=self.store.layout_version)  # fmt: skip
+            self._row_plan = RowPlan(n_keys=self.length + t, cos=self._cos, sin=self._sin, causal=not self.bidirectional)
+        return self._row_plan
 
-    def row_held(self, layer: int, held: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.store.k[layer][:, :, :held], self.store.v[layer][:, :, :held]
-
-    def row_commit(self, k_raw: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
-        """Rotated keys are what this cache stores."""
+    def row_attend(self, layer: int, q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Rotated keys are what this cache stores: they go to the store at once."""
         start = self.length
-        self.store.k[:, :, :, start : start + k_rot.shape[3]] = k_rot
-        self.store.v[:, :, :, start : start + v.shape[3]] = v
+        end = start + q_rot.shape[2]
+        k_all, v_all = self.store.k[layer], self.store.v[layer]  # [1, Hkv, capacity, D]
+        k_all[:, :, start:end], v_all[:, :, start:end] = k_rot, v
+        if self.bidirectional:
+            return block_attention(q_rot, k_all[:, :, :end], v_all[:, :, :end])
+        return causal_attention(q_rot, k_all[:, :, :end], v_all[:, :, :end], past=start)
+
+    def row_commit(self, k_raw: torch.Tensor, v: torch.Tensor) -> None:
+        """Nothing left to store (``row_attend`` stored the rotated keys)."""
 
     def end_forward(self, *, pin: bool = False) -> None:
         """Commit the forward's tokens (``pin`` changes nothing: every token is kept anyway)."""

@@ -65,6 +65,7 @@ class SinkWindowCache(SlotCache):
         self._slots: torch.Tensor | slice | None = None
         self._n_keys = 0
         self._sinks = 0
+        self._row_plan: RowPlan | None = None  # this forward's (``row_plan``)
 
     def _begin_forward(self, t: int) -> None:
         """First layer of a forward of ``t`` tokens: slots and positions once for all layers."""
@@ -85,23 +86,24 @@ class SinkWindowCache(SlotCache):
         s.write(layer, self._plan, k_raw, v)
         return attend_slots(s, self.backend, self.view, layer, q, k_raw, v, self._slots, self._n_keys, causal=not self.bidirectional)
 
-    # ---- RowSeam: several sessions' caches attend in one batched call (``RowsCache``) ------------------
+    # ---- RowSeam: a forward over several sessions' caches rotates once for all rows (``RowsCache``) -----
     @property
     def row_batching(self) -> bool:
         return self.view is not None  # the Triton kernel reads the store itself: no rotated view to hand over
 
     def row_plan(self, layer: int, t: int) -> RowPlan:
+        """One object for every layer of a forward."""
         if self._plan is None:
             self._begin_forward(t)
-        return row_plan_of(self.store, self._n_keys, t, causal=not self.bidirectional)
+            self._row_plan = row_plan_of(self.store, self._n_keys, t, causal=not self.bidirectional)
+        return self._row_plan
 
-    def row_held(self, layer: int, held: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.view.sync(self.store, layer, self._slots, self._n_keys, held)
-        return self.view.held(layer, held)
+    def row_attend(self, layer: int, q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.view.attend_rotated(self.store, layer, q_rot, k_rot, v, self._slots, self._n_keys,
+                                        causal=not self.bidirectional)  # fmt: skip
 
-    def row_commit(self, k_raw: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> None:
+    def row_commit(self, k_raw: torch.Tensor, v: torch.Tensor) -> None:
         self.store.write_layers(self._plan, k_raw, v)
-        self.view.append_layers(self.store, k_rot, v, [self._n_keys] * self.geometry.n_layers)
 
     def end_forward(self, *, pin: bool = False) -> None:
         if self._plan is None:

@@ -221,23 +221,6 @@ class RotatedView:
         self.v[layer][:, :, held:n_keys] = v_new
         self.n[layer] = n_keys
 
-    def append_layers(self, store: SlotStore, k_rot: torch.Tensor, v_new: torch.Tensor, n_keys: list[int]) -> None:
-        """A forward's new tokens of every layer at once (``RowsCache``): k_rot, v_new: [L, B, Hkv, T, D], layer
-        ``l`` holding ``n_keys[l]`` keys with them. A layer whose held keys are not current stays as it is (the
-        next ``sync`` rebuilds it)."""
-        t = k_rot.shape[3]
-        held = [n - t for n in n_keys]
-        current = [self.version[i] == store.layout_version and self.n[i] >= h for i, h in enumerate(held)]
-        if all(current) and len(set(held)) == 1:
-            self.k[:, :, :, held[0] : n_keys[0]] = k_rot
-            self.v[:, :, :, held[0] : n_keys[0]] = v_new
-            self.n = list(n_keys)
-            return
-        for layer, (h, n) in enumerate(zip(held, n_keys)):
-            if current[layer]:
-                self.k[layer][:, :, h:n], self.v[layer][:, :, h:n] = k_rot[layer], v_new[layer]
-                self.n[layer] = n
-
     def held(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``n`` rotated keys and values of ``layer`` (views): [B, Hkv, n, D] each."""
         return self.k[layer][:, :, :n], self.v[layer][:, :, :n]
@@ -247,18 +230,24 @@ class RotatedView:
         """See ``attend_slots``; ``k_new, v_new``: [B, Hkv, T, D] the new tokens (k pre-RoPE)."""
         held = n_keys - q.shape[2]
         cos, sin = store.rope.get(n_keys)
-        self.update(store, layer, apply_rope(k_new, cos[held:], sin[held:]), v_new, slots, n_keys)
-        q = apply_rope(q, cos[held:], sin[held:])
+        q, k_rot = apply_rope(q, cos[held:], sin[held:]), apply_rope(k_new, cos[held:], sin[held:])
+        return self.attend_rotated(store, layer, q, k_rot, v_new, slots, n_keys, causal=causal)
+
+    def attend_rotated(self, store: SlotStore, layer: int, q: torch.Tensor, k_rot: torch.Tensor, v_new: torch.Tensor,
+                       slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True) -> torch.Tensor:  # fmt: skip
+        """``attend`` with the new queries and keys already rotated at ``n_keys-T .. n_keys-1`` (``RowsCache``
+        rotates every row's at once): q [B, Hq, T, D]; k_rot, v_new [B, Hkv, T, D]. Returns [B, Hq, T, D]."""
+        self.update(store, layer, k_rot, v_new, slots, n_keys)
         k, v = self.held(layer, n_keys)
         if not causal:
             return block_attention(q, k, v)
-        return causal_attention(q, k, v, past=held)
+        return causal_attention(q, k, v, past=n_keys - q.shape[2])
 
 
 def row_plan_of(store: SlotStore, n_keys: int, t: int, *, causal: bool) -> RowPlan:
     """A decoupled cache's ``RowPlan``: its compacted positions ``0 .. n_keys-1``, the new tokens the last ``t``."""
     cos, sin = store.rope.get(n_keys)
-    return RowPlan(n_keys=n_keys, cos=cos[n_keys - t :], sin=sin[n_keys - t :], causal=causal, version=store.layout_version)
+    return RowPlan(n_keys=n_keys, cos=cos[n_keys - t :], sin=sin[n_keys - t :], causal=causal)
 
 
 def attend_slots(

@@ -1,8 +1,9 @@
 """``HybridVLAPolicy.step_batch``: one step of several HybridVLA sessions as one batch.
 
 ``prismatic_batching.prefill_batch`` runs vision (and the proprio embedder) over every row in one pass and the
-step prefixes of equal length in one forward through a ``RowsCache``; then both branches over every row at once on the cached prefixes: the DDIM
-loop inside the LLM (each step's ``[t, x]`` appended and rolled back on every row's cache) and the AR decode.
+step prefixes of equal length in one forward through a ``RowsCache``; then both branches over every row at once
+on the cached prefixes: the DDIM loop inside the LLM (each step's ``[t, x]`` appended and rolled back on every
+row's cache) and the AR decode.
 Each row takes its random draws (diffusion noise, AR t and noise) from its own session's generator in the
 order a step alone takes them, so it gets the actions it gets alone (up to float rounding of the batched
 products). Alone, single mode runs the prefix together with the first DDIM step; here it is prefilled first
