@@ -54,7 +54,7 @@ class RowsCache:
             return torch.cat(rows, dim=0)  # [B, Hq, T, D]
         t = q.shape[2]
         plans = [c.row_plan(layer, t) for c in self.caches]
-        if self._tables is None or any(p is not q for p, q in zip(plans, self._tables[0])):  # else: as the last layer
+        if self._tables is None or any(a is not b for a, b in zip(plans, self._tables[0])):  # else: as the last layer
             cos = torch.stack([p.cos for p in plans]).unsqueeze(1)  # [B, 1, T, D]
             self._tables = plans, cos, torch.stack([p.sin for p in plans]).unsqueeze(1)
         _, cos, sin = self._tables

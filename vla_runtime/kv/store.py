@@ -211,20 +211,6 @@ class RotatedView:
         self.v[layer][:, :, :held] = store.v[layer].index_select(2, idx)
         self.version[layer], self.n[layer] = store.layout_version, held
 
-    def update(self, store: SlotStore, layer: int, k_rot: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor | slice,
-               n_keys: int) -> None:  # fmt: skip
-        """Bring ``layer``'s view to ``n_keys`` keys: ``sync`` the held ``n_keys - T``, then append the new tokens.
-        k_rot (rotated at ``n_keys-T .. n_keys-1``), v_new: [B, Hkv, T, D]."""
-        held = n_keys - k_rot.shape[2]
-        self.sync(store, layer, slots, n_keys, held)
-        self.k[layer][:, :, held:n_keys] = k_rot
-        self.v[layer][:, :, held:n_keys] = v_new
-        self.n[layer] = n_keys
-
-    def held(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``n`` rotated keys and values of ``layer`` (views): [B, Hkv, n, D] each."""
-        return self.k[layer][:, :, :n], self.v[layer][:, :, :n]
-
     def attend(self, store: SlotStore, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True) -> torch.Tensor:  # fmt: skip
         """See ``attend_slots``; ``k_new, v_new``: [B, Hkv, T, D] the new tokens (k pre-RoPE)."""
@@ -236,12 +222,17 @@ class RotatedView:
     def attend_rotated(self, store: SlotStore, layer: int, q: torch.Tensor, k_rot: torch.Tensor, v_new: torch.Tensor,
                        slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True) -> torch.Tensor:  # fmt: skip
         """``attend`` with the new queries and keys already rotated at ``n_keys-T .. n_keys-1`` (``RowsCache``
-        rotates every row's at once): q [B, Hq, T, D]; k_rot, v_new [B, Hkv, T, D]. Returns [B, Hq, T, D]."""
-        self.update(store, layer, k_rot, v_new, slots, n_keys)
-        k, v = self.held(layer, n_keys)
+        rotates every row's at once): q [B, Hq, T, D]; k_rot, v_new [B, Hkv, T, D]. Returns [B, Hq, T, D]. The view
+        is ``sync``-ed, then gets the new tokens appended."""
+        held = n_keys - q.shape[2]
+        self.sync(store, layer, slots, n_keys, held)
+        vk, vv = self.k[layer], self.v[layer]  # [B, Hkv, S, D]
+        vk[:, :, held:n_keys] = k_rot
+        vv[:, :, held:n_keys] = v_new
+        self.n[layer] = n_keys
         if not causal:
-            return block_attention(q, k, v)
-        return causal_attention(q, k, v, past=n_keys - q.shape[2])
+            return block_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys])
+        return causal_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], past=held)
 
 
 def row_plan_of(store: SlotStore, n_keys: int, t: int, *, causal: bool) -> RowPlan:
