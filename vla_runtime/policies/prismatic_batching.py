@@ -5,7 +5,7 @@ the caches a forward over a set of rows uses, and (CogACT, HybridVLA) the step's
 - ``row_inputs``: each row's inputs read before anything changes; a refused input raises ``BatchInputError``
   naming its row, and no episode has changed.
 - ``RowCaches``: a row's own cache when a forward has one row, else one ``RowsCache`` per set of rows, shared by
-  the step's forwards over the same rows (its padded copy of the rows' keys is taken once).
+  the step's forwards over the same rows (OpenVLA's prefill and decode, HybridVLA's prefill and branches).
 - ``prefill_batch``: every row's image (and proprio) in one pass of the vision towers, then the step prefixes of
   equal length in one forward each (a history episode's first step pins its prompt alone first).
 """
