@@ -213,9 +213,11 @@ class ChunkedGatedCache(SlotCache):
 
     # ---- attention ---------------------------------------------------------------------------------
     def _retained_slots(self) -> list[torch.Tensor]:
-        """Per layer: store slots of the retained chunks in chronological order (one host sync)."""
+        """Per layer: store slots of the retained chunks in chronological order (one host sync). A chunk takes the
+        lowest free slot, so only the first ``chunks_formed`` slots can be taken: the sort looks at those only."""
         if self._chunk_slots is None:
-            order = torch.argsort(self.chunk_age.masked_fill(~self.chunk_valid, _NEVER), dim=-1)  # [L, M]
+            used = slice(0, min(self.chunks_formed, self.params.max_chunks))
+            order = torch.argsort(self.chunk_age[:, used].masked_fill(~self.chunk_valid[:, used], _NEVER), dim=-1)  # [L, m]
             counts = self.chunk_valid.sum(-1).tolist()
             self._chunk_slots = [self.store.raw_end + order[i, :c] for i, c in enumerate(counts)]
         return self._chunk_slots
