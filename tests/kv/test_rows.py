@@ -4,10 +4,10 @@ for every cache of the matrix, while the rows hold different histories."""
 import pytest
 import torch
 
-from vla_runtime.kv import KVMode
+from vla_runtime.kv import ChunkedGatedCache, FullCache, KVMode
 from vla_runtime.kv.rows import RowsCache
 
-from .cases import REGISTERED, build, episode, tiny_model
+from .cases import COMPRESSING, REGISTERED, build, episode, tiny_model
 
 
 @pytest.mark.parametrize("level", ["easy", "hard"])
@@ -54,3 +54,90 @@ def test_mark_and_rollback_reach_every_row():
         together.rollback(mark)
     with pytest.raises(ValueError, match="batch of 1 rows for 2 caches"):
         model(inputs_embeds=x[:1, :3], cache=together)
+
+
+def held_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the K/V a cache holds in attention order (the store's slots, not its scratch space)."""
+    s = cache.store
+    if isinstance(cache, FullCache):
+        return [(s.k[layer, :, :, : s.length], s.v[layer, :, :, : s.length]) for layer in range(s.k.shape[0])]
+    raw = s.token_slots(s.raw_head, s.length)
+    chunks = cache._retained_slots() if isinstance(cache, ChunkedGatedCache) else [raw[:0]] * s.k.shape[0]
+    slots = [torch.cat((torch.arange(s.n_pinned), c, raw)) for c in chunks]
+    return [(s.k[layer].index_select(2, idx), s.v[layer].index_select(2, idx)) for layer, idx in enumerate(slots)]
+
+
+@pytest.mark.parametrize("level", ["easy", "hard"])
+@pytest.mark.parametrize("mode", REGISTERED, ids=lambda m: m.value)
+@torch.no_grad()
+def test_ragged_rows_attend_batched_as_row_by_row(mode, level):
+    """Four rows of three lengths (prompts of 5, 2, 9 and 5 tokens, row 1 a step ahead): prefills, decodes,
+    rolled-back forwards and bidirectional blocks through a RowsCache on the RowSeam (queries and keys rotated
+    for all rows at once, stores written once per forward) give bit for bit the outputs and held K/V of the same
+    RowsCache routing every row through its cache's own ``attend``, and each cache's alone up to the rounding of
+    batched projections."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(3)
+    streams = {name: [build(mode, level, model) for _ in range(4)] for name in ("alone", "batched", "row_by_row")}
+    if mode is KVMode.CHUNKED:  # layer 1 drops every chunk: its rows hold fewer keys than the other layer's
+        for caches in streams.values():
+            for c in caches:
+                c.gate.tau[1] = 1e3
+    for i, prompt in enumerate([5, 2, 9, 5]):
+        x = torch.randn(1, prompt, 64, generator=gen)
+        for caches in streams.values():
+            model(inputs_embeds=x, cache=caches[i], pin=True)
+    ahead = torch.randn(1, 12, 64, generator=gen)
+    for caches in streams.values():
+        model(inputs_embeds=ahead, cache=caches[1])
+    batched, row_by_row = RowsCache(streams["batched"]), RowsCache(streams["row_by_row"])
+    row_by_row.batched = False
+    assert batched.batched
+
+    def forward(x: torch.Tensor) -> None:
+        out = model(inputs_embeds=x, cache=batched)
+        assert torch.equal(out, model(inputs_embeds=x, cache=row_by_row))
+        alone = torch.cat([model(inputs_embeds=x[i : i + 1], cache=c) for i, c in enumerate(streams["alone"])])
+        torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
+
+    def rolled_back(x: torch.Tensor, *, block: bool = False) -> None:
+        marks = {name: [c.mark() for c in caches] for name, caches in streams.items()}
+        mark = batched.mark(), row_by_row.mark()
+        for caches in streams.values():
+            for c in caches:
+                c.bidirectional = block  # what ``bidirectional_block`` sets inside its mark
+        forward(x)
+        for name, caches in streams.items():
+            for c, m in zip(caches, marks[name]):
+                c.bidirectional = False
+                c.rollback(m)
+        batched._marks.pop(), row_by_row._marks.pop()
+        assert mark == (0, 0)
+
+    for _ in range(4):  # a control step: a prefill, single-token decodes, forwards that leave no trace
+        forward(torch.randn(4, 12, 64, generator=gen))
+        for _ in range(3):
+            forward(torch.randn(4, 1, 64, generator=gen))
+        rolled_back(torch.randn(4, 2, 64, generator=gen))
+        rolled_back(torch.randn(4, 3, 64, generator=gen), block=True)
+    forward(torch.randn(4, 1, 64, generator=gen))  # lands on the slots the rolled-back tokens took
+    for a, b, r in zip(*streams.values()):
+        assert a.stats() == b.stats() == r.stats()
+        for (ka, va), (kb, vb), (kr, vr) in zip(held_kv(a), held_kv(b), held_kv(r)):
+            assert torch.equal(kb, kr) and torch.equal(vb, vr)
+            torch.testing.assert_close(kb, ka, rtol=1e-5, atol=1e-5)
+    lengths = [c.stats().tokens_seen for c in streams["batched"]]
+    assert lengths[0] == lengths[3] and len(set(lengths)) == 3  # the rows really are ragged
+    if level == "hard" and mode in COMPRESSING:
+        assert all(c.store.raw_head > c.store.n_pinned for c in streams["batched"])  # and compressed on the way
+    if level == "hard" and mode is KVMode.CHUNKED:
+        assert all(c.retained_per_layer()[0] > c.retained_per_layer()[1] == 0 for c in streams["batched"])
+
+
+def test_rows_attend_on_their_own_without_the_row_seam():
+    """A cache without ``row_batching`` (e.g. a Triton-backed one) makes the RowsCache route row by row."""
+    model = tiny_model()
+    rows = [build(KVMode.FULL, "easy", model) for _ in range(2)]
+    assert RowsCache(rows).batched
+    rows[1].row_batching = False
+    assert not RowsCache(rows).batched

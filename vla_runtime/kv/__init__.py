@@ -6,7 +6,9 @@ Recipe: adding a cache is one file, one registry line and one test row.
    (``DecoupledParams`` for a pre-RoPE store with a raw window) that validates its fields in
    ``__post_init__``, and the cache, a ``SlotCache`` subclass with ``params_class`` set, the constructor
    ``(geometry, params=None, *, batch, device, dtype)``, ``attend``, ``end_forward``, ``held_slots`` and
-   ``stats`` (``mark``/``rollback``/``reset``/bytes come from ``SlotCache``).
+   ``stats`` (``mark``/``rollback``/``reset``/bytes come from ``SlotCache``). Optionally the ``RowSeam``
+   (``row_batching``, ``row_plan``, ``row_attend``, ``row_commit``; ``base.py``): then a ``RowsCache`` over
+   several sessions' caches plans and rotates once for all rows instead of row by row.
 2. One line in ``registry.CACHES``: ``"<name>": <Cache>``. ``KVMode``, ``KVConfig``'s YAML/CLI keys,
    ``make_cache`` and the CLI ``--kv`` choices follow from it.
 3. One row in ``tests/kv/cases.py`` (``CASES``): the contract tests in ``tests/kv/test_contract.py`` run

@@ -94,6 +94,46 @@ class EpisodeCache(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """One batch row's side of a layer's forward (``RowSeam.row_plan``): the row's keys in attention order sit
+    at positions ``0 .. n_keys-1``, its ``T`` new tokens at the last ``T`` of them.
+
+    Args:
+        n_keys: keys the last new query sees (held + T) in this layer.
+        cos, sin: [T, D] float32 RoPE tables of the new tokens' positions ``n_keys-T .. n_keys-1``.
+        causal: the new tokens see each other causally (``False``: both ways, a ``bidirectional_block``).
+    """
+
+    n_keys: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    causal: bool
+
+
+@runtime_checkable
+class RowSeam(Protocol):
+    """What a batch-1 cache offers ``RowsCache`` so that a batched forward over several sessions' caches plans and
+    rotates once for all rows: per layer the ``RowsCache`` calls ``row_plan``, rotates the new queries and keys of
+    every row with the plans' tables and calls ``row_attend``; after the last layer ``row_commit`` with every
+    layer's new tokens, then ``end_forward`` as usual."""
+
+    row_batching: bool  # False: this cache attends on its own (e.g. a Triton kernel reads its store)
+
+    def row_plan(self, layer: int, t: int) -> RowPlan:
+        """Plan (at the forward's first layer) and describe ``layer``'s forward of ``t`` new tokens."""
+        ...
+
+    def row_attend(self, layer: int, q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of ``layer``'s new queries over the held keys and the new ones, everything rotated by the
+        plan's tables: q_rot [1, Hq, T, D]; k_rot, v [1, Hkv, T, D]. Returns [1, Hq, T, D]."""
+        ...
+
+    def row_commit(self, k_raw: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the forward's new tokens of every layer: k_raw (pre-RoPE), v: [L, 1, Hkv, T, D]."""
+        ...
+
+
 @runtime_checkable
 class KVCache(AttendSeam, EpisodeCache, Protocol):
     """A cache ``make_cache`` builds: the decoder's seam and the session's handle in one object."""

@@ -36,11 +36,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from .backend import select_backend
-from .base import DecoupledParams, KVStats
+from .base import DecoupledParams, KVStats, RowPlan
 from .gate import ChunkGate, ChunkGateConfig, check_gate
 from .geometry import CacheGeometry
 from .slot_cache import SlotCache
-from .store import RotatedView, SlotStore, attend_slots
+from .store import RotatedView, SlotStore, attend_slots, row_plan_of
 
 _NEVER = torch.iinfo(torch.int64).max
 RAW_AREA_WINDOWS = 3  # max_chunks=None: raw area = 3 * (window + chunk) slots
@@ -209,12 +209,15 @@ class ChunkedGatedCache(SlotCache):
         self._slots: list[torch.Tensor | slice] = []
         self._n_keys: list[int] = []
         self._pinned_slots = torch.arange(0, device=self.chunk_valid.device)
+        self._row_plans: dict[int, RowPlan] = {}  # this forward's, by key count (``row_plan``)
 
     # ---- attention ---------------------------------------------------------------------------------
     def _retained_slots(self) -> list[torch.Tensor]:
-        """Per layer: store slots of the retained chunks in chronological order (one host sync)."""
+        """Per layer: store slots of the retained chunks in chronological order (one host sync). A chunk takes the
+        lowest free slot, so only the first ``chunks_formed`` slots can be taken: the sort looks at those only."""
         if self._chunk_slots is None:
-            order = torch.argsort(self.chunk_age.masked_fill(~self.chunk_valid, _NEVER), dim=-1)  # [L, M]
+            used = slice(0, min(self.chunks_formed, self.params.max_chunks))
+            order = torch.argsort(self.chunk_age[:, used].masked_fill(~self.chunk_valid[:, used], _NEVER), dim=-1)  # [L, m]
             counts = self.chunk_valid.sum(-1).tolist()
             self._chunk_slots = [self.store.raw_end + order[i, :c] for i, c in enumerate(counts)]
         return self._chunk_slots
@@ -245,6 +248,28 @@ class ChunkedGatedCache(SlotCache):
             self.store, self.backend, self.view, layer, q, k_raw, v, self._slots[layer], self._n_keys[layer],
             causal=not self.bidirectional,
         )
+
+    # ---- RowSeam: a forward over several sessions' caches rotates once for all rows (``RowsCache``) -----
+    @property
+    def row_batching(self) -> bool:
+        return self.view is not None  # the Triton kernel reads the store itself: no rotated view to hand over
+
+    def row_plan(self, layer: int, t: int) -> RowPlan:
+        """The same object for the layers that hold the same number of keys (usually all)."""
+        if self._plan is None:
+            self._begin_forward(t)
+            self._row_plans.clear()
+        n = self._n_keys[layer]
+        if n not in self._row_plans:
+            self._row_plans[n] = row_plan_of(self.store, n, t, causal=not self.bidirectional)
+        return self._row_plans[n]
+
+    def row_attend(self, layer: int, q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.view.attend_rotated(self.store, layer, q_rot, k_rot, v, self._slots[layer], self._n_keys[layer],
+                                        causal=not self.bidirectional)  # fmt: skip
+
+    def row_commit(self, k_raw: torch.Tensor, v: torch.Tensor) -> None:
+        self.store.write_layers(self._plan, k_raw, v)
 
     # ---- commit / compress ---------------------------------------------------------------------------
     def end_forward(self, *, pin: bool = False) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import block_attention, causal_attention
-from .base import CacheParams, KVStats
+from .base import CacheParams, KVStats, RowPlan
 from .geometry import CacheGeometry
 from .rope import apply_rope, rope_cos_sin
 from .slot_cache import SlotCache
@@ -48,19 +48,24 @@ class FullCache(SlotCache):
         super().reset()
         self._pending = 0
         self._cos = self._sin = None
+        self._row_plan: RowPlan | None = None  # this forward's (``row_plan``)
+
+    def _begin_forward(self, t: int, device: torch.device) -> None:
+        """First layer of a forward of ``t`` tokens: positions once for all layers."""
+        start = self.length
+        if start + t > self.capacity:
+            raise ValueError(
+                f"FullCache is full: {start} tokens held + {t} new > capacity {self.capacity}; "
+                "raise KVConfig.capacity or use mode='chunked'"
+            )
+        self._cos, self._sin = rope_cos_sin(torch.arange(start, start + t, device=device), self.geometry.rope)
+        self._pending = t
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] (k pre-RoPE) -> [B, Hq, T, D]."""
         t, start = q.shape[2], self.length
-        if self._cos is None:  # first layer of this forward: positions once for all layers
-            if start + t > self.capacity:
-                raise ValueError(
-                    f"FullCache is full: {start} tokens held + {t} new > capacity {self.capacity}; "
-                    "raise KVConfig.capacity or use mode='chunked'"
-                )
-            pos = torch.arange(start, start + t, device=q.device)
-            self._cos, self._sin = rope_cos_sin(pos, self.geometry.rope)
-            self._pending = t
+        if self._cos is None:
+            self._begin_forward(t, q.device)
         end = start + t
         k, v_all = self.store.k[layer], self.store.v[layer]  # [B, Hkv, capacity, D]
         k[:, :, start:end] = apply_rope(k_raw, self._cos, self._sin)
@@ -69,6 +74,30 @@ class FullCache(SlotCache):
         if self.bidirectional:
             return block_attention(q, k[:, :, :end], v_all[:, :, :end])
         return causal_attention(q, k[:, :, :end], v_all[:, :, :end], past=start)
+
+    # ---- RowSeam: a forward over several sessions' caches rotates once for all rows (``RowsCache``) -----
+    row_batching = True
+
+    def row_plan(self, layer: int, t: int) -> RowPlan:
+        """Absolute positions: the held tokens are ``0 .. length-1``, the new ones follow. One object for every
+        layer of a forward."""
+        if self._cos is None:
+            self._begin_forward(t, self.store.device)
+            self._row_plan = RowPlan(n_keys=self.length + t, cos=self._cos, sin=self._sin, causal=not self.bidirectional)
+        return self._row_plan
+
+    def row_attend(self, layer: int, q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Rotated keys are what this cache stores: they go to the store at once."""
+        start = self.length
+        end = start + q_rot.shape[2]
+        k_all, v_all = self.store.k[layer], self.store.v[layer]  # [1, Hkv, capacity, D]
+        k_all[:, :, start:end], v_all[:, :, start:end] = k_rot, v
+        if self.bidirectional:
+            return block_attention(q_rot, k_all[:, :, :end], v_all[:, :, :end])
+        return causal_attention(q_rot, k_all[:, :, :end], v_all[:, :, :end], past=start)
+
+    def row_commit(self, k_raw: torch.Tensor, v: torch.Tensor) -> None:
+        """Nothing left to store (``row_attend`` stored the rotated keys)."""
 
     def end_forward(self, *, pin: bool = False) -> None:
         """Commit the forward's tokens (``pin`` changes nothing: every token is kept anyway)."""

@@ -1,10 +1,20 @@
 """RowsCache: one forward over several sessions' caches, row ``i`` of the batch going to ``caches[i]``.
 
-The model runs its projections, MLPs and head on the whole batch ``[B, T, dim]``; attention, which is the
-only place the rows' histories differ (lengths, retained chunks, positions), is routed row by row to each
-session's own cache. So sessions whose caches hold different lengths or layouts step together, and each
-cache sees exactly the calls it would see alone (``attend`` per layer, then ``end_forward``). All rows of one
-forward carry the same number ``T`` of new tokens.
+The model runs its projections, MLPs and head on the whole batch ``[B, T, dim]``; the rows' histories differ
+(lengths, retained chunks, positions), and each cache keeps its own: it plans the forward, stores the new
+tokens and compresses as it would alone (``attend`` per layer, then ``end_forward``). All rows of one forward
+carry the same number ``T`` of new tokens.
+
+Every cache that offers the ``RowSeam`` (``row_batching``) leaves the rest to the ``RowsCache`` too: each lays
+its keys out in attention order at positions ``0 .. n-1`` and says where the forward's new tokens sit
+(``row_plan``), the ``RowsCache`` rotates every row's new queries and keys in one pass, each cache appends its
+row's rotated keys to its own rotated view and attends over it (``row_attend``: one small attention call per
+row on keys it holds contiguously, bit for bit what it computes alone), and after the last layer stores the
+forward's pre-RoPE keys and values of every layer at once (``row_commit``). So per row and layer only the
+append and the attention call are left. (A padded ``[B, Hkv, Lmax, D]`` copy of the rows' keys attended in one
+call was measured too: the copy and its upkeep cost on CPU what the single call saved, and a call behind a
+key-padding mask rounds the softmax differently from the per-row call.) A cache without the seam (a
+Triton-backed one) makes every row attend through its own ``attend``.
 """
 
 from __future__ import annotations
@@ -13,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import KVCache, KVStats
+from .base import KVCache, KVStats, RowPlan
+from .rope import apply_rope
 
 
 class RowsCache:
@@ -30,15 +41,36 @@ class RowsCache:
             raise ValueError("RowsCache rows must be distinct caches (one session per row)")
         self.caches = list(caches)
         self._marks: list[list[int]] = []
+        self.batched = all(getattr(c, "row_batching", False) for c in self.caches)
+        self._new: list[tuple[torch.Tensor, torch.Tensor]] = []  # this forward's (k_raw, v) per layer, [B, Hkv, T, D]
+        self._tables: tuple[list[RowPlan], torch.Tensor, torch.Tensor] | None = None  # plans, cos, sin of the last layer
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] with ``B == len(caches)``. Returns [B, Hq, T, D]."""
         if q.shape[0] != len(self.caches):
             raise ValueError(f"batch of {q.shape[0]} rows for {len(self.caches)} caches")
-        rows = [c.attend(layer, q[i : i + 1], k_raw[i : i + 1], v[i : i + 1]) for i, c in enumerate(self.caches)]
+        if not self.batched:
+            rows = [c.attend(layer, q[i : i + 1], k_raw[i : i + 1], v[i : i + 1]) for i, c in enumerate(self.caches)]
+            return torch.cat(rows, dim=0)  # [B, Hq, T, D]
+        t = q.shape[2]
+        plans = [c.row_plan(layer, t) for c in self.caches]
+        if self._tables is None or any(a is not b for a, b in zip(plans, self._tables[0])):  # else: as the last layer
+            cos = torch.stack([p.cos for p in plans]).unsqueeze(1)  # [B, 1, T, D]
+            self._tables = plans, cos, torch.stack([p.sin for p in plans]).unsqueeze(1)
+        _, cos, sin = self._tables
+        k_rot, q_rot = apply_rope(k_raw, cos, sin), apply_rope(q, cos, sin)  # [B, Hkv, T, D], [B, Hq, T, D]
+        self._new.append((k_raw, v))
+        rows = [c.row_attend(layer, q_rot[i : i + 1], k_rot[i : i + 1], v[i : i + 1]) for i, c in enumerate(self.caches)]
         return torch.cat(rows, dim=0)  # [B, Hq, T, D]
 
     def end_forward(self, *, pin: bool = False) -> None:
+        """Each row's cache stores its new tokens of every layer, then ends the forward as alone."""
+        self._tables = None
+        if self._new:
+            k_raw, v = (torch.stack(x) for x in zip(*self._new))  # [L, B, Hkv, T, D]
+            self._new.clear()
+            for i, cache in enumerate(self.caches):
+                cache.row_commit(k_raw[:, i : i + 1], v[:, i : i + 1])
         for cache in self.caches:
             cache.end_forward(pin=pin)
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from .backend import select_backend
-from .base import DecoupledParams, KVStats
+from .base import DecoupledParams, KVStats, RowPlan
 from .geometry import CacheGeometry
 from .slot_cache import SlotCache
-from .store import RotatedView, SlotStore, attend_slots
+from .store import RotatedView, SlotStore, attend_slots, row_plan_of
 
 
 @dataclass(frozen=True)
@@ -65,21 +65,45 @@ class SinkWindowCache(SlotCache):
         self._slots: torch.Tensor | slice | None = None
         self._n_keys = 0
         self._sinks = 0
+        self._row_plan: RowPlan | None = None  # this forward's (``row_plan``)
+
+    def _begin_forward(self, t: int) -> None:
+        """First layer of a forward of ``t`` tokens: slots and positions once for all layers."""
+        s = self.store
+        contiguous = s.contiguous_prefix(t)
+        self._plan = s.plan(t)
+        self._n_keys = s.n_pinned + s.n_raw + t
+        if contiguous:
+            self._slots = slice(0, self._n_keys)
+        else:
+            self._slots = torch.cat((torch.arange(s.n_pinned, device=s.device), self._plan.raw))
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] (k pre-RoPE) -> [B, Hq, T, D]."""
         s = self.store
-        if self._plan is None:  # first layer of this forward: slots and positions once for all layers
-            t = q.shape[2]
-            contiguous = s.contiguous_prefix(t)
-            self._plan = s.plan(t)
-            self._n_keys = s.n_pinned + s.n_raw + t
-            if contiguous:
-                self._slots = slice(0, self._n_keys)
-            else:
-                self._slots = torch.cat((torch.arange(s.n_pinned, device=s.device), self._plan.raw))
+        if self._plan is None:
+            self._begin_forward(q.shape[2])
         s.write(layer, self._plan, k_raw, v)
         return attend_slots(s, self.backend, self.view, layer, q, k_raw, v, self._slots, self._n_keys, causal=not self.bidirectional)
+
+    # ---- RowSeam: a forward over several sessions' caches rotates once for all rows (``RowsCache``) -----
+    @property
+    def row_batching(self) -> bool:
+        return self.view is not None  # the Triton kernel reads the store itself: no rotated view to hand over
+
+    def row_plan(self, layer: int, t: int) -> RowPlan:
+        """One object for every layer of a forward."""
+        if self._plan is None:
+            self._begin_forward(t)
+            self._row_plan = row_plan_of(self.store, self._n_keys, t, causal=not self.bidirectional)
+        return self._row_plan
+
+    def row_attend(self, layer: int, q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.view.attend_rotated(self.store, layer, q_rot, k_rot, v, self._slots, self._n_keys,
+                                        causal=not self.bidirectional)  # fmt: skip
+
+    def row_commit(self, k_raw: torch.Tensor, v: torch.Tensor) -> None:
+        self.store.write_layers(self._plan, k_raw, v)
 
     def end_forward(self, *, pin: bool = False) -> None:
         if self._plan is None:

@@ -21,6 +21,7 @@ import torch
 
 from .attention import block_attention, causal_attention
 from .backend import CacheBackend
+from .base import RowPlan
 from .geometry import CacheGeometry
 from .rope import RopeConfig, apply_rope, inv_freq, rope_cos_sin
 
@@ -131,6 +132,15 @@ class SlotStore:
             self.k[layer].index_copy_(2, plan.write, k)
             self.v[layer].index_copy_(2, plan.write, v)
 
+    def write_layers(self, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens of every layer at once; k, v: [L, B, Hkv, T, D] (k pre-RoPE)."""
+        if isinstance(plan.write, slice):
+            self.k[:, :, :, plan.write] = k
+            self.v[:, :, :, plan.write] = v
+        else:
+            self.k.index_copy_(3, plan.write, k)
+            self.v.index_copy_(3, plan.write, v)
+
     def commit(self, new: int) -> None:
         self.length += new
 
@@ -190,25 +200,45 @@ class RotatedView:
         self.n = [0] * store.k.shape[0]
         self.version = [-1] * store.k.shape[0]
 
+    def sync(self, store: SlotStore, layer: int, slots: torch.Tensor | slice, n_keys: int, held: int) -> None:
+        """Make the first ``held`` keys of ``layer`` current: rebuild them from the store (gather + rotate at the
+        forward's table of ``n_keys`` positions) if the layout changed since or the view is shorter."""
+        if self.version[layer] == store.layout_version and self.n[layer] >= held:
+            return
+        cos, sin = store.rope.get(n_keys)  # the forward's table (``dynamic`` scaling depends on n_keys)
+        idx = slots[:held] if isinstance(slots, torch.Tensor) else torch.arange(held, device=store.device)
+        self.k[layer][:, :, :held] = apply_rope(store.k[layer].index_select(2, idx), cos[:held], sin[:held])
+        self.v[layer][:, :, :held] = store.v[layer].index_select(2, idx)
+        self.version[layer], self.n[layer] = store.layout_version, held
+
     def attend(self, store: SlotStore, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True) -> torch.Tensor:  # fmt: skip
         """See ``attend_slots``; ``k_new, v_new``: [B, Hkv, T, D] the new tokens (k pre-RoPE)."""
-        t = q.shape[2]
-        held = n_keys - t
+        held = n_keys - q.shape[2]
         cos, sin = store.rope.get(n_keys)
+        q, k_rot = apply_rope(q, cos[held:], sin[held:]), apply_rope(k_new, cos[held:], sin[held:])
+        return self.attend_rotated(store, layer, q, k_rot, v_new, slots, n_keys, causal=causal)
+
+    def attend_rotated(self, store: SlotStore, layer: int, q: torch.Tensor, k_rot: torch.Tensor, v_new: torch.Tensor,
+                       slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True) -> torch.Tensor:  # fmt: skip
+        """``attend`` with the new queries and keys already rotated at ``n_keys-T .. n_keys-1`` (``RowsCache``
+        rotates every row's at once): q [B, Hq, T, D]; k_rot, v_new [B, Hkv, T, D]. Returns [B, Hq, T, D]. The view
+        is ``sync``-ed, then gets the new tokens appended."""
+        held = n_keys - q.shape[2]
+        self.sync(store, layer, slots, n_keys, held)
         vk, vv = self.k[layer], self.v[layer]  # [B, Hkv, S, D]
-        if self.version[layer] != store.layout_version or self.n[layer] < held:
-            idx = slots[:held] if isinstance(slots, torch.Tensor) else torch.arange(held, device=q.device)
-            vk[:, :, :held] = apply_rope(store.k[layer].index_select(2, idx), cos[:held], sin[:held])
-            vv[:, :, :held] = store.v[layer].index_select(2, idx)
-            self.version[layer] = store.layout_version
-        vk[:, :, held:n_keys] = apply_rope(k_new, cos[held:], sin[held:])
+        vk[:, :, held:n_keys] = k_rot
         vv[:, :, held:n_keys] = v_new
         self.n[layer] = n_keys
-        q = apply_rope(q, cos[held:], sin[held:])
         if not causal:
             return block_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys])
         return causal_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], past=held)
+
+
+def row_plan_of(store: SlotStore, n_keys: int, t: int, *, causal: bool) -> RowPlan:
+    """A decoupled cache's ``RowPlan``: its compacted positions ``0 .. n_keys-1``, the new tokens the last ``t``."""
+    cos, sin = store.rope.get(n_keys)
+    return RowPlan(n_keys=n_keys, cos=cos[n_keys - t :], sin=sin[n_keys - t :], causal=causal)
 
 
 def attend_slots(

@@ -20,33 +20,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..device import synchronize
-from ..kv.rows import RowsCache
 from ..models.generation import decode
-from .base import BatchInputError, Observation, StepResult
+from .base import Observation, StepResult
+from .prismatic_batching import RowCaches, check_batch, row_inputs
 
 if TYPE_CHECKING:
     from .openvla import OpenVLAPolicy, OpenVLASession
 
 
-def _rows_cache(sessions: list["OpenVLASession"], rows: list[int]):
-    """The cache a forward over ``rows`` uses (a single session's own cache when there is one row)."""
-    return sessions[rows[0]].cache if len(rows) == 1 else RowsCache([sessions[i].cache for i in rows])
-
-
 @torch.inference_mode()
 def step_batch(policy: "OpenVLAPolicy", sessions: list["OpenVLASession"], observations: list[Observation]) -> list[StepResult]:
     """See ``Policy.step_batch``. Timings of each result are the batch's (vision, prefill, decode, total)."""
-    if len(sessions) != len(observations):
-        raise ValueError(f"{len(sessions)} sessions but {len(observations)} observations")
-    if len({id(s) for s in sessions}) != len(sessions) or any(s.policy is not policy for s in sessions):
-        raise ValueError("step_batch takes distinct sessions of this policy")
+    check_batch(policy, sessions, observations)
     start = time.perf_counter()
-    inputs = []
-    for i, (session, obs) in enumerate(zip(sessions, observations)):
-        try:
-            inputs.append(session.inputs(obs))  # nothing of any episode has changed yet
-        except ValueError as e:
-            raise BatchInputError(i, e) from e
+    inputs = row_inputs(sessions, observations, lambda s, o: s.inputs(o))  # nothing of any episode has changed yet
     pixels = torch.cat([p for p, _ in inputs])  # [B, C, S, S]
     states = None if inputs[0][1] is None else torch.cat([s for _, s in inputs])  # [B, P]
     image_tokens, proprio = sessions[0]._embed_observation(pixels, states)  # [B, N, dim], [[B, 1, dim]] or []
@@ -62,8 +49,9 @@ def step_batch(policy: "OpenVLAPolicy", sessions: list["OpenVLASession"], observ
     decoder = policy.model.language_model.model
     head = sessions[0].token_head()  # one policy: the same action ids for every session
     first: list[torch.Tensor | None] = [None] * len(sessions)  # the logits after each prompt, [1, V']
+    caches = RowCaches([s.cache for s in sessions])
     for rows in by_length.values():
-        hidden = decoder(inputs_embeds=torch.cat([embeds[i] for i in rows]), cache=_rows_cache(sessions, rows))  # [b, T, dim]
+        hidden = decoder(inputs_embeds=torch.cat([embeds[i] for i in rows]), cache=caches(rows))  # [b, T, dim]
         logits = head.logits(hidden[:, -1])  # [b, V']
         for j, i in enumerate(rows):
             first[i] = logits[j : j + 1]
@@ -76,7 +64,7 @@ def step_batch(policy: "OpenVLAPolicy", sessions: list["OpenVLASession"], observ
         by_dim[s.action_dim].append(i)
     ids: list[torch.Tensor | None] = [None] * len(sessions)
     for dim, rows in by_dim.items():
-        cache = _rows_cache(sessions, rows)
+        cache = caches(rows)
         marks = [sessions[i].open_decode() for i in rows]
         out = decode(lambda tok: head.logits(decoder(tok, cache=cache)[:, -1]), torch.cat([first[i] for i in rows]), head.pick,
                      max_new_tokens=dim)  # [b, action_dim]
