@@ -1,6 +1,7 @@
 """A tiny OpenVLA checkpoint (float32, 28 px, 4-D proprio) and a tiny LeRobot v3 dataset written with the
 project's own writer, made once per session; ``finetune_config`` builds fast run configs."""
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -131,3 +132,20 @@ def training_and_streaming_hidden(trainer, index: int):
         for f in forwards
     ]
     return parallel, torch.cat(hidden, dim=1)[:, real], cache, schedule
+
+
+@contextmanager
+def gate_that_drops(gate):
+    """``gate`` (a ``ChunkGate`` or ``None``) with random readout weights, so it drops chunks; restored on exit."""
+    if gate is None:
+        yield
+        return
+    saved = {k: v.clone() for k, v in gate.state_dict().items()}
+    torch.manual_seed(1)
+    with torch.no_grad():
+        gate.readout_weight.normal_(0.0, 3.0)
+        gate.readout_bias.zero_()
+    try:
+        yield
+    finally:
+        gate.load_state_dict(saved)

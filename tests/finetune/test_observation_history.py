@@ -13,7 +13,7 @@ from vla_runtime.api import Observation, load_policy
 from vla_runtime.config import HistoryMode, SessionConfig
 from vla_runtime.kv import KVConfig, make_cache
 
-from .conftest import make_config
+from .conftest import gate_that_drops, make_config
 
 # lengths (10, 10, 9, 10); chunk 4 and a budget of 2 chunks per layer: the budget binds within 3 steps
 WHOLE = {"history": "observations", "data": {"window": 0, "length_bucket": 4}}
@@ -67,17 +67,8 @@ def streamed_and_parallel(trainer, index: int):
 def test_the_training_form_equals_the_cache_streamed_with_each_steps_decodes_rolled_back(trained):
     trainer, _ = trained
     gate = trainer.module.gate
-    if gate is not None:  # a gate that drops chunks, and a budget that evicts
-        saved = {k: v.clone() for k, v in gate.state_dict().items()}
-        torch.manual_seed(1)
-        with torch.no_grad():
-            gate.readout_weight.normal_(0.0, 3.0)
-            gate.readout_bias.zero_()
-    try:
+    with gate_that_drops(gate):  # a gate that drops chunks, and a budget that evicts
         parallel, streamed, layout, cache = streamed_and_parallel(trainer, 2)
-    finally:
-        if gate is not None:
-            gate.load_state_dict(saved)
     assert not layout.keeps_all and sum(not k for k in layout.kept) == 12 * (trainer.data.action_dim - 1)
     if gate is not None:
         assert int(cache.gate_dropped.sum()) > 0 and int(cache.budget_dropped.sum()) > 0

@@ -11,7 +11,7 @@ from vla_finetune.data import IGNORE, TrainingData
 from vla_finetune.trainer import Trainer
 from vla_runtime.kv.budget import BudgetMode
 
-from .conftest import make_config, training_and_streaming_hidden
+from .conftest import gate_that_drops, make_config, training_and_streaming_hidden
 
 # lengths (10, 10, 9, 10); chunk 4 and a budget of 2 chunks per layer: the budget binds within 3 steps
 WHOLE = {"data": {"window": 0, "length_bucket": 4}, "kv": {"chunk": 4, "max_chunks": 2}}
@@ -63,16 +63,8 @@ def test_full_episode_training_form_equals_streaming_under_the_budget(trained):
     """The whole (padded) episode through the training form at a near-zero temperature equals the runtime's
     cache fed the real forwards one by one, with a gate that drops chunks and a budget that evicts."""
     trainer, _ = trained
-    gate = trainer.gate
-    saved = {k: v.clone() for k, v in gate.state_dict().items()}
-    torch.manual_seed(1)
-    with torch.no_grad():
-        gate.readout_weight.normal_(0.0, 3.0)
-        gate.readout_bias.zero_()
-    try:
+    with gate_that_drops(trainer.gate):
         parallel, streamed, cache, schedule = training_and_streaming_hidden(trainer, 2)
-    finally:
-        gate.load_state_dict(saved)
     assert schedule.n_chunks >= 10
     assert int(cache.gate_dropped.sum()) > 0 and int(cache.budget_dropped.sum()) > 0
     torch.testing.assert_close(parallel, streamed, atol=1e-4, rtol=1e-4)
