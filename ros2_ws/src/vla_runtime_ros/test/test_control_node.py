@@ -86,8 +86,6 @@ def test_slow_chunk_policy_publishes_on_every_tick_with_async_refill(harness, no
         # loaded machine stalls a step past a period or more, and every tick it overran may go empty)
         overrun = int(last["ticks_overrun"]) - int(first["ticks_overrun"])
         assert int(last["fallbacks"]) - int(first["fallbacks"]) <= overrun, last
-        steps = int(last["steps"]) - int(first["steps"])
-        assert int(last["steps_late"]) - int(first["steps_late"]) <= steps // 2, last  # on time as a rule
         assert int(last["actions_skipped"]) >= 3 * int(last["steps"]) - 3, last  # rows for ticks past when it landed
         want = expected_actions(image, None, RosTestPolicyConfig(chunk_size=chunk))  # [chunk, 7]: row k = base + 0.01 k
         rows = {int(round((a[0] - want[0, 0]) / 0.01)) for a in action_values(actions)}
