@@ -5,17 +5,19 @@ import pytest
 
 from vla_runtime.cli import build_parser
 from vla_runtime.cli.policy_args import session_from_args
-from vla_runtime.config import HistoryMode
+from vla_runtime.config import CompileMode, HistoryMode
 from vla_runtime.kv import KVMode
 
 COMMON = ["--kv", "chunked", "--kv-capacity", "4096", "--kv-window", "48", "--kv-max-chunks", "3",
-          "--history", "history", "--device", "cpu", "--dtype", "float32", "--unnorm-key", "bridge_orig", "--center-crop"]
+          "--history", "history", "--device", "cpu", "--dtype", "float32", "--unnorm-key", "bridge_orig", "--center-crop",
+          "--compile", "default"]
 REQUIRED = {
     "predict": ["--checkpoint", "ckpt", "--image", "frame.png", "--instruction", "open the drawer"],
     "serve": ["--checkpoint", "ckpt"],
     "eval": ["--checkpoint", "ckpt", "--tasks", "reach-v3"],
 }
-POLICY_OPTIONS = ("device", "dtype", "unnorm_key", "center_crop", "history", "kv", "kv_capacity", "kv_window", "kv_max_chunks")
+POLICY_OPTIONS = ("device", "dtype", "unnorm_key", "center_crop", "history", "kv", "kv_capacity", "kv_window", "kv_max_chunks",
+                  "compile")
 
 
 def parse(command: str, *extra: str):
@@ -34,6 +36,7 @@ def test_the_options_become_the_same_session(command):
     assert session.history is HistoryMode.HISTORY and session.kv.mode is KVMode.CHUNKED
     assert (session.kv.params.capacity, session.kv.params.window, session.kv.params.max_chunks) == (4096, 48, 3)
     assert session.unnorm_key == "bridge_orig" and session.center_crop
+    assert session.compile is CompileMode.DEFAULT
 
 
 def test_an_option_of_another_cache_is_refused_with_its_owner():

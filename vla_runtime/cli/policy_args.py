@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import HISTORY_MODES, SessionConfig
+from ..config import COMPILE_MODES, HISTORY_MODES, SessionConfig
 from ..device import DTYPES
 from ..kv import CACHES, KVConfig
 
@@ -25,6 +25,10 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-window", type=int, default=None,
                    help="raw recent window in tokens, sink_window and chunked (default: one control step of the policy)")
     p.add_argument("--kv-max-chunks", type=int, default=None, help="chunked: retained chunks per layer (default: as many as fit)")
+    p.add_argument("--compile", choices=COMPILE_MODES, default="off",
+                   help="off = eager; default = torch.compile the vision towers and the decoder (compiled when the "
+                        "session starts, about a minute on CPU); reduce-overhead = the same with CUDA graphs, CUDA "
+                        "only (OpenVLA; default: %(default)s)")
 
 
 def kv_from_args(args: argparse.Namespace) -> KVConfig:
@@ -36,4 +40,4 @@ def kv_from_args(args: argparse.Namespace) -> KVConfig:
 def session_from_args(args: argparse.Namespace, kv: KVConfig | None = None, **fields) -> SessionConfig:
     """The session the options describe (``kv``: a cache built otherwise, e.g. sized to match another)."""
     return SessionConfig(kv=kv or kv_from_args(args), history=args.history, unnorm_key=args.unnorm_key,
-                         center_crop=args.center_crop, **fields)
+                         center_crop=args.center_crop, compile=args.compile, **fields)

@@ -61,6 +61,10 @@ class FullCache(SlotCache):
         self._cos, self._sin = rope_cos_sin(torch.arange(start, start + t, device=device), self.geometry.rope)
         self._pending = t
 
+    def plan_forward(self, t: int) -> None:
+        if self._cos is None:
+            self._begin_forward(t, self.store.device)
+
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] (k pre-RoPE) -> [B, Hq, T, D]."""
         t, start = q.shape[2], self.length

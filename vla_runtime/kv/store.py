@@ -56,12 +56,13 @@ class ForwardPlan:
 
     Args:
         new: number of new tokens T.
-        write: slots of the new tokens, a ``slice`` when contiguous else a [T] long tensor.
+        write: [T] long, slots of the new tokens (an index even where they are contiguous: one code path whether
+            or not the ring wraps, so a compiled forward has one graph for both).
         raw: [n_raw + T] long, raw slots in token order (held raw tokens, then the new ones).
     """
 
     new: int
-    write: slice | torch.Tensor
+    write: torch.Tensor
     raw: torch.Tensor
 
 
@@ -119,27 +120,18 @@ class SlotStore:
                 f"the raw ring holds {self.ring_cap} tokens ({self.n_raw} held + {new} new do not fit): raise "
                 "KVConfig.capacity, lower `window`/`max_chunks`, or split the forward (an open mark defers compression)"
             )
-        a = self.n_pinned + (self.length - self.n_pinned) % self.ring_cap
-        write = slice(a, a + new) if a + new <= self.raw_end else self.token_slots(self.length, self.length + new)
-        return ForwardPlan(new=new, write=write, raw=self.token_slots(self.raw_head, self.length + new))
+        raw = self.token_slots(self.raw_head, self.length + new)
+        return ForwardPlan(new=new, write=raw[raw.shape[0] - new :], raw=raw)
 
     def write(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens of ``layer``; k, v: [B, Hkv, T, D] (k pre-RoPE)."""
-        if isinstance(plan.write, slice):
-            self.k[layer, :, :, plan.write] = k
-            self.v[layer, :, :, plan.write] = v
-        else:
-            self.k[layer].index_copy_(2, plan.write, k)
-            self.v[layer].index_copy_(2, plan.write, v)
+        self.k[layer].index_copy_(2, plan.write, k)
+        self.v[layer].index_copy_(2, plan.write, v)
 
     def write_layers(self, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens of every layer at once; k, v: [L, B, Hkv, T, D] (k pre-RoPE)."""
-        if isinstance(plan.write, slice):
-            self.k[:, :, :, plan.write] = k
-            self.v[:, :, :, plan.write] = v
-        else:
-            self.k.index_copy_(3, plan.write, k)
-            self.v.index_copy_(3, plan.write, v)
+        self.k.index_copy_(3, plan.write, k)
+        self.v.index_copy_(3, plan.write, v)
 
     def commit(self, new: int) -> None:
         self.length += new
@@ -211,6 +203,20 @@ class RotatedView:
         self.v[layer][:, :, :held] = store.v[layer].index_select(2, idx)
         self.version[layer], self.n[layer] = store.layout_version, held
 
+    def sync_layers(self, store: SlotStore, slots: list[torch.Tensor | slice], n_keys: list[int], t: int) -> None:
+        """``sync`` every layer before a forward of ``t`` new tokens (layer ``i`` reads ``slots[i]``, ``n_keys[i]``
+        keys): the rebuild after a layout change happens here, eagerly, and the forward's ``attend`` calls find
+        every layer current (a compiled forward then has one graph whether or not the layout changed)."""
+        for layer, (layer_slots, n) in enumerate(zip(slots, n_keys)):
+            self.sync(store, layer, layer_slots, n, n - t)
+
+    def commit(self, store: SlotStore, n_keys: list[int]) -> None:
+        """After a forward in which every layer attended through the view (before the layout changes): layer ``i``
+        holds ``n_keys[i]`` current keys. Kept out of ``attend`` so that a planned forward (``sync_layers``) stores no
+        Python state that depends on the token counts (``torch.compile`` would specialise on them)."""
+        self.version = [store.layout_version] * len(n_keys)
+        self.n = list(n_keys)
+
     def attend(self, store: SlotStore, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True) -> torch.Tensor:  # fmt: skip
         """See ``attend_slots``; ``k_new, v_new``: [B, Hkv, T, D] the new tokens (k pre-RoPE)."""
@@ -229,7 +235,6 @@ class RotatedView:
         vk, vv = self.k[layer], self.v[layer]  # [B, Hkv, S, D]
         vk[:, :, held:n_keys] = k_rot
         vv[:, :, held:n_keys] = v_new
-        self.n[layer] = n_keys
         if not causal:
             return block_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys])
         return causal_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], past=held)

@@ -1,0 +1,80 @@
+"""``SessionConfig.compile``: a compiled OpenVLA session decodes the same action tokens as an eager one (actions
+equal up to float rounding), with every graph compiled while the session is created (its warm-up), none in
+its control steps; misuse fails with a message naming what to use instead."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from vla_runtime.api import Observation, load_policy
+from vla_runtime.config import CompileMode, SessionConfig
+from vla_runtime.kv import KVConfig
+
+INSTRUCTION = "put the red cube in the blue bowl"
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_openvla):
+    return load_policy(tiny_openvla, device="cpu")
+
+
+def graphs_compiled() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize(("kv", "history"), [
+    pytest.param("full", "single", marks=pytest.mark.slow),
+    pytest.param("full", "history", marks=pytest.mark.slow),
+    pytest.param("chunked", "single", marks=pytest.mark.slow),
+    ("chunked", "history"),  # the most stateful case (pinned prompt, compressions, ring wraps) in the default run
+])  # fmt: skip
+def test_compiled_session_decodes_the_eager_tokens_and_compiles_nothing_after_creation(policy, frame, kv, history):
+    config = SessionConfig(kv=KVConfig(mode=kv), history=history)
+    eager = policy.new_session(INSTRUCTION, config)
+    compiled = policy.new_session(INSTRUCTION, replace(config, compile=CompileMode.DEFAULT))
+    assert compiled.cache.stats().tokens_seen == 0  # the warm-up's steps were reset away
+    before = graphs_compiled()
+    for i in range(6):  # history mode: past the chunked cache's first compressions
+        obs = Observation(images={"primary": frame(i)})
+        want, got = eager.step(obs), compiled.step(obs)
+        np.testing.assert_array_equal(compiled.last_tokens, eager.last_tokens)
+        np.testing.assert_allclose(got.actions, want.actions, rtol=0, atol=1e-6)
+        assert got.kv == want.kv
+    assert graphs_compiled() == before, "a control step compiled: the warm-up at session creation missed a graph"
+
+
+def test_reduce_overhead_off_cuda_names_the_mode_to_use(policy):
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device.*use 'default'"):
+        policy.new_session(INSTRUCTION, SessionConfig(compile="reduce-overhead"))
+
+
+def test_an_unknown_compile_mode_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="`compile` is 'max'; expected one of off, default, reduce-overhead"):
+        SessionConfig(compile="max")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_compiled_cuda_step_never_waits_for_the_host(tiny_openvla, frame):
+    """CUDA graphs, full cache: after the warm-up, the vision towers, a prefill and decode forwards run without a
+    host synchronisation (``set_sync_debug_mode("error")`` raises on one)."""
+    gpu = load_policy(tiny_openvla, device="cuda")
+    session = gpu.new_session(INSTRUCTION, SessionConfig(compile=CompileMode.REDUCE_OVERHEAD))
+    session.step(Observation(images={"primary": frame(0)}))
+    pixels, _ = session.inputs(Observation(images={"primary": frame(1)}))
+    token = torch.tensor([[31800]], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            image_tokens = session.modules.embed_image(pixels)
+            session.cache.reset()
+            session.modules.decoder(inputs_embeds=session.context(image_tokens, [], {}), cache=session.cache)
+            for _ in range(3):
+                session.modules.decoder(token, cache=session.cache)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert session.cache.stats().tokens_seen > 3
