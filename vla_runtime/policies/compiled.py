@@ -68,6 +68,16 @@ def step_modules(vlm: PrismaticVLM, mode: CompileMode, device: torch.device) -> 
     need a CUDA device). Compiling is lazy: the first calls (the session's warm-up) compile."""
     if mode is CompileMode.OFF:
         return StepModules(mode, vlm.embed_image, vlm.language_model.model)
+    options = compile_options(mode, device)
+    vision = torch.compile(vlm.embed_image, **{**options, "dynamic": False})  # one image size: static shapes
+    return StepModules(mode, vision, CompiledDecoder(vlm.language_model.model, **options))
+
+
+def compile_options(mode: CompileMode, device: torch.device) -> dict:
+    """``torch.compile`` keyword arguments of a compiled ``mode`` on ``device`` (``ValueError``: ``REDUCE_OVERHEAD``
+    off CUDA)."""
+    if mode is CompileMode.OFF:
+        raise ValueError("`compile` is 'off': nothing to compile")
     if mode is CompileMode.REDUCE_OVERHEAD and device.type != "cuda":
         raise ValueError(
             f"`compile` is {mode.value!r}: CUDA graphs need a CUDA device, and the policy is on {device}; "
@@ -79,5 +89,4 @@ def step_modules(vlm: PrismaticVLM, mode: CompileMode, device: torch.device) -> 
     options = {"dynamic": True, "isolate_recompiles": True, "recompile_limit": RECOMPILE_LIMIT}
     if mode is CompileMode.REDUCE_OVERHEAD:
         options["mode"] = "reduce-overhead"
-    vision = torch.compile(vlm.embed_image, **{**options, "dynamic": False})  # one image size: static shapes
-    return StepModules(mode, vision, CompiledDecoder(vlm.language_model.model, **options))
+    return options

@@ -31,6 +31,7 @@ from ..config import ActionDecoding, CompileMode, HistoryMode, SessionConfig
 from ..device import synchronize
 from ..kv import KVConfig, has_gate
 from ..models.generation import TokenHead, decode
+from ..models.quantize import QuantMode, quantize_linears
 from ..models.openvla.processing_openvla import ActionTokenizer, history_frame, single_layout
 from ..models.prismatic.configuration_prismatic import OpenVLAConfig, read_json
 from ..models.prismatic.processing_prismatic import ActionStats, Forward, resolve_unnorm_key
@@ -273,6 +274,7 @@ def load_openvla_policy(
     adapter: str | Path | None = None,
     unnorm_key: str | None = None,
     decoding: ActionDecoding = ActionDecoding.ACTIONS,
+    quantize: QuantMode = QuantMode.NONE,
 ) -> OpenVLAPolicy:
     """Load an OpenVLA checkpoint directory as a policy (``load_policy``'s OpenVLA branch).
 
@@ -285,11 +287,16 @@ def load_openvla_policy(
     model was trained for; ``kv`` overrides its cache) are read from the adapter directory, else from the
     checkpoint directory itself (models trained from scratch carry them there; ``loading.plan_load``).
     decoding: see ``OpenVLAPolicy``.
+    quantize: weight-only int8/int4 of the LLM's decoder layers (``models.quantize``; after the adapter merge;
+        the LM head, activations and the KV cache stay in ``dtype``).
     """
     plan = plan_load(path, device=device, dtype=dtype, kv=kv, unnorm_key=unnorm_key, adapter=adapter)
     checkpoint = load_openvla(path, device=plan.device, dtype=plan.dtype)
     if adapter is not None:
         _apply_adapter(checkpoint, Path(adapter), load_weights=plan.device.type != "meta")
+    if quantize is not QuantMode.NONE:
+        replaced = quantize_linears(checkpoint.model.language_model.model.layers, quantize)
+        log.info("quantized %d linear layers of the LLM to %s (weights only)", replaced, quantize.value)
     return OpenVLAPolicy(checkpoint, device=plan.device, dtype=plan.dtype, kv=plan.kv, unnorm_key=plan.unnorm_key,
                          decoding=decoding, session=plan.session, kv_gate=plan.gate)  # fmt: skip
 
