@@ -46,6 +46,30 @@ def test_compiled_session_decodes_the_eager_tokens_and_compiles_nothing_after_cr
     assert graphs_compiled() == before, "a control step compiled: the warm-up at session creation missed a graph"
 
 
+@pytest.mark.parametrize("kv", ["full", "chunked"])
+def test_a_planned_decode_forward_is_one_graph_and_equals_eager(policy, frame, kv):
+    """Capturability without inductor (``backend="eager"``, quick): after the cache has planned the forward, the
+    layer pass of a one-token decode traces with ``fullgraph=True`` (a graph break raises) in an episode that
+    already pinned its prompt and compressed chunks, and the captured graph computes eager's numbers exactly."""
+    session = policy.new_session(INSTRUCTION, SessionConfig(kv=KVConfig(mode=kv), history="history"))
+    for i in range(3):
+        session.step(Observation(images={"primary": frame(i)}))
+    if kv == "chunked":
+        assert session.cache.stats().chunks_retained > 0
+    decoder, cache = policy.vlm.language_model.model, session.cache
+    captured = torch.compile(decoder.layers_forward, fullgraph=True, backend="eager", dynamic=True)
+    token = torch.tensor([[31800]])
+    with torch.inference_mode():
+        mark = cache.mark()
+        want = decoder(token, cache=cache)
+        cache.rollback(mark)
+        cache.plan_forward(1)
+        got = captured(token, cache=cache)
+        cache.end_forward()
+        cache.rollback(mark)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_reduce_overhead_off_cuda_names_the_mode_to_use(policy):
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device.*use 'default'"):
         policy.new_session(INSTRUCTION, SessionConfig(compile="reduce-overhead"))

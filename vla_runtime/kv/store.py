@@ -88,6 +88,10 @@ class SlotStore:
         alloc = torch.empty if rotate_on_read else torch.zeros  # decoupled caches write every slot they read
         self.k = alloc(shape, device=device, dtype=dtype)
         self.v = alloc(shape, device=device, dtype=dtype)
+        # [B, Hkv, S, D] views, one per layer: a forward writes its new tokens into these. Each is a tensor of its
+        # own to torch.compile, which then updates it in place (writing into ``k[layer]``, a view it makes of the
+        # whole buffer, makes inductor copy the whole buffer back every forward)
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
         self.rope = RopeTable(geometry.rope, slots, device) if rotate_on_read else None
         self.device = torch.device(device)
         self.reset()
@@ -125,8 +129,8 @@ class SlotStore:
 
     def write(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens of ``layer``; k, v: [B, Hkv, T, D] (k pre-RoPE)."""
-        self.k[layer].index_copy_(2, plan.write, k)
-        self.v[layer].index_copy_(2, plan.write, v)
+        self.k_layers[layer].index_copy_(2, plan.write, k)
+        self.v_layers[layer].index_copy_(2, plan.write, v)
 
     def write_layers(self, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens of every layer at once; k, v: [L, B, Hkv, T, D] (k pre-RoPE)."""
@@ -189,6 +193,7 @@ class RotatedView:
     def __init__(self, store: SlotStore) -> None:
         self.k = torch.empty_like(store.k)  # untouched until used
         self.v = torch.empty_like(store.v)
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # see ``SlotStore.k_layers``
         self.n = [0] * store.k.shape[0]
         self.version = [-1] * store.k.shape[0]
 
@@ -232,9 +237,10 @@ class RotatedView:
         is ``sync``-ed, then gets the new tokens appended."""
         held = n_keys - q.shape[2]
         self.sync(store, layer, slots, n_keys, held)
-        vk, vv = self.k[layer], self.v[layer]  # [B, Hkv, S, D]
-        vk[:, :, held:n_keys] = k_rot
-        vv[:, :, held:n_keys] = v_new
+        vk, vv = self.k_layers[layer], self.v_layers[layer]  # [B, Hkv, S, D]
+        new = torch.arange(held, n_keys, device=vk.device)  # [T] the new tokens' slots
+        vk.index_copy_(2, new, k_rot)
+        vv.index_copy_(2, new, v_new)
         if not causal:
             return block_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys])
         return causal_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], past=held)
