@@ -10,8 +10,12 @@ setup:
 demo: setup
 	$(VENV)/bin/vla-runtime demo
 
+# the suite runs on one worker process per core, at most 4 (pytest-xdist); PYTEST_WORKERS=0 runs it in this process
+PYTEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --maxprocesses 4 --dist worksteal
+
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PYTEST)
 
 test-fast: setup
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+	$(PYTEST) -m "not slow"

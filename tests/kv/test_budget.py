@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vla_runtime.kv.budget import BudgetMode, beaten_counts, log_membership, visible_chunks
-from vla_runtime.kv.chunked_gated import admit, apply_admission
+from vla_runtime.kv.budget import admit, apply_admission
 
 
 def replay(scores: torch.Tensor, kept: torch.Tensor, m: int) -> torch.Tensor:

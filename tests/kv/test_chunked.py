@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vla_runtime.kv import ChunkedGatedCache, ChunkGate, ChunkGateConfig, FullCache, KVConfig, KVMode, make_cache
-from vla_runtime.kv.chunked_gated import admit, apply_admission
+from vla_runtime.kv.budget import admit, apply_admission
 
 from .cases import CASES, ReferenceCompactCache, episode, kv, run_stream, tiny_model
 

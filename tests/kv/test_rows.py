@@ -4,10 +4,10 @@ for every cache of the matrix, while the rows hold different histories."""
 import pytest
 import torch
 
-from vla_runtime.kv import ChunkedGatedCache, FullCache, KVMode
+from vla_runtime.kv import ChunkedGatedCache, ChunkGate, FullCache, KVMode, make_cache
 from vla_runtime.kv.rows import RowsCache
 
-from .cases import COMPRESSING, REGISTERED, build, episode, tiny_model
+from .cases import COMPRESSING, REGISTERED, build, episode, kv, tiny_model
 
 
 @pytest.mark.parametrize("level", ["easy", "hard"])
@@ -141,3 +141,42 @@ def test_rows_attend_on_their_own_without_the_row_seam():
     assert RowsCache(rows).batched
     rows[1].row_batching = False
     assert not RowsCache(rows).batched
+
+
+@torch.no_grad()
+def test_rows_sharing_a_gate_compress_in_one_pass_as_each_alone():
+    """Four chunked caches sharing one policy gate (trained-looking: scores straddle tau, and the 3-chunk budget
+    evicts): ending their forwards together runs the gate's aggregator and LSTM once per forward for every row
+    that forms chunks, and each cache keeps the same chunks, LSTM state and K/V as when it runs alone."""
+    model = tiny_model()
+    cfg = kv(KVMode.CHUNKED, "hard")
+    torch.manual_seed(1)
+    gate = ChunkGate(cfg.gate_config(model.cfg.geometry))
+    gate.readout_weight.normal_(0.0, 3.0)
+    gate.key_aggregator.fc2_weight.normal_(0.0, 0.05)
+    alone = [make_cache(cfg, model.cfg, gate=gate) for _ in range(4)]
+    rows = [make_cache(cfg, model.cfg, gate=gate) for _ in range(4)]
+    gen = torch.Generator().manual_seed(5)
+    for i, prompt in enumerate([5, 2, 9, 5]):
+        x = torch.randn(1, prompt, 64, generator=gen)
+        for caches in (alone, rows):
+            model(inputs_embeds=x, cache=caches[i], pin=True)
+    together, calls = RowsCache(rows), []
+    score = gate.score
+    gate.score = lambda k_rep, *a, **kw: calls.append(k_rep.shape[1]) or score(k_rep, *a, **kw)
+    for _ in range(6):
+        for t in (12, 1, 1):
+            x = torch.randn(4, t, 64, generator=gen)
+            expected = torch.cat([model(inputs_embeds=x[i : i + 1], cache=c) for i, c in enumerate(alone)])
+            torch.testing.assert_close(model(inputs_embeds=x, cache=together), expected, rtol=1e-5, atol=1e-5)
+    assert calls and 4 in calls  # rows compressed together, not only one by one
+    kept = [c.retained_starts() for c in rows]
+    assert kept == [c.retained_starts() for c in alone]
+    assert any(0 < len(layer) for k in kept for layer in k) and any(c.stats().chunks_dropped for c in rows)
+    for a, r in zip(alone, rows):
+        assert a.stats() == r.stats()
+        for x, y in zip(a.lstm_state, r.lstm_state):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+        for (ka, va), (kr, vr) in zip(held_kv(a), held_kv(r)):
+            torch.testing.assert_close(kr, ka, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(vr, va, rtol=1e-5, atol=1e-5)

@@ -1,6 +1,6 @@
 """The retained-chunk budget of ``ChunkedGatedCache`` in closed form, hard and relaxed, for the parallel form.
 
-Streaming applies the budget one chunk at a time (``chunked_gated.admit``): a kept chunk takes a free
+Streaming applies the budget one chunk at a time (``admit``, below): a kept chunk takes a free
 slot, else the lowest-scoring chunk among the retained ones and the newcomer leaves (ties: the oldest).
 A chunk's score never changes after it formed, so by induction the retained set after any forward is
 simply the **top M** of the kept chunks formed so far, ordered by score with ties going to the newer
@@ -28,6 +28,7 @@ Training under a budget (``BudgetMode``):
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -96,3 +97,53 @@ def log_membership(
     mid = 0.5 * (top[..., -1] + top[..., -2]) if max_chunks else top[..., 0] + 1.0  # M = 0: every chunk is out
     theta = torch.where(over, mid, torch.full_like(mid, float("-inf")))  # [B, S]
     return F.logsigmoid((scores[:, None, :] - theta[..., None]) / temperature)  # [B, S, n]
+
+
+# ---- the rule streaming applies chunk by chunk (``ChunkedGatedCache``) ------------------------------------
+NEVER = torch.iinfo(torch.int64).max  # the age of an empty slot
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One new chunk against the budget. ``write``: it takes ``slot`` (evicting the chunk there if the
+    budget was full); ``budget_drop``: a chunk left because the budget was full (evicted or rejected)."""
+
+    slot: torch.Tensor
+    write: torch.Tensor
+    budget_drop: torch.Tensor
+
+
+def admit(
+    valid: torch.Tensor, scores: torch.Tensor, ages: torch.Tensor, new_score: torch.Tensor, keep: torch.Tensor
+) -> Admission:
+    """Budget rule: a kept chunk takes a free slot; if none, the lowest-scoring chunk among the retained
+    ones and the newcomer leaves (ties: the oldest, so an untrained gate is FIFO).
+
+    valid, scores, ages: [..., M] (slot occupancy, score, chronological index); new_score, keep: [...].
+    Returns an ``Admission`` with [...] tensors; no host sync.
+    """
+    if valid.shape[-1] == 0:  # no chunk slots: every kept chunk is dropped by the budget
+        return Admission(slot=torch.zeros_like(keep, dtype=torch.long), write=torch.zeros_like(keep), budget_drop=keep)
+    free = ~valid
+    has_free = free.any(-1)
+    free_slot = free.int().argmax(-1)
+    masked = scores.masked_fill(~valid, float("inf"))
+    low = masked.min(-1).values
+    lowest = valid & (masked == low.unsqueeze(-1))
+    victim = ages.masked_fill(~lowest, NEVER).argmin(-1)
+    write = keep & (has_free | (new_score >= low))
+    return Admission(slot=torch.where(has_free, free_slot, victim), write=write, budget_drop=keep & ~has_free)
+
+
+def apply_admission(
+    adm: Admission, valid: torch.Tensor, scores: torch.Tensor, ages: torch.Tensor, new_score: torch.Tensor, new_age: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slot tables after ``adm``: (valid, scores, ages), each [..., M]."""
+    if valid.shape[-1] == 0:
+        return valid, scores, ages
+    hit = torch.nn.functional.one_hot(adm.slot, valid.shape[-1]).bool() & adm.write.unsqueeze(-1)
+    return (
+        valid | hit,
+        torch.where(hit, new_score.unsqueeze(-1).to(scores.dtype), scores),
+        ages.masked_fill(hit, new_age),
+    )

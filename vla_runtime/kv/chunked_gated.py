@@ -26,7 +26,7 @@ K/V on the torch path (``stats().bytes`` counts the store only).
 With a batch B > 1 the rows share one slot layout: a chunk's score is the batch mean.
 ``mark()`` opens a mark that defers compression until ``rollback`` closes it, so a rollback restores
 the exact state. The training form that reproduces this cache in one forward is
-``vla_runtime.kv.chunked_parallel``; ``admit`` and ``chunk_schedule`` are shared with it.
+``vla_runtime.kv.chunked_parallel``; ``chunk_schedule`` is shared with it, and the budget rule (``budget.admit``) with ``budget``'s closed form.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import torch
 
 from .backend import select_backend
 from .base import DecoupledParams, KVStats, RowPlan
+from .budget import NEVER, admit, apply_admission
 from .gate import ChunkGate, ChunkGateConfig, check_gate
 from .geometry import CacheGeometry
 from .slot_cache import SlotCache
 from .store import RotatedView, SlotStore, attend_slots, row_plan_of
 
-_NEVER = torch.iinfo(torch.int64).max
 RAW_AREA_WINDOWS = 3  # max_chunks=None: raw area = 3 * (window + chunk) slots
 
 
@@ -105,52 +105,6 @@ class ChunkedGatedParams(DecoupledParams):
 def chunk_schedule(n_raw: int, *, window: int, chunk: int) -> int:
     """How many chunks form when ``n_raw`` raw tokens are held after a forward."""
     return max(0, (n_raw - window) // chunk)
-
-
-@dataclass(frozen=True)
-class Admission:
-    """One new chunk against the budget. ``write``: it takes ``slot`` (evicting the chunk there if the
-    budget was full); ``budget_drop``: a chunk left because the budget was full (evicted or rejected)."""
-
-    slot: torch.Tensor
-    write: torch.Tensor
-    budget_drop: torch.Tensor
-
-
-def admit(
-    valid: torch.Tensor, scores: torch.Tensor, ages: torch.Tensor, new_score: torch.Tensor, keep: torch.Tensor
-) -> Admission:
-    """Budget rule: a kept chunk takes a free slot; if none, the lowest-scoring chunk among the retained
-    ones and the newcomer leaves (ties: the oldest, so an untrained gate is FIFO).
-
-    valid, scores, ages: [..., M] (slot occupancy, score, chronological index); new_score, keep: [...].
-    Returns an ``Admission`` with [...] tensors; no host sync.
-    """
-    if valid.shape[-1] == 0:  # no chunk slots: every kept chunk is dropped by the budget
-        return Admission(slot=torch.zeros_like(keep, dtype=torch.long), write=torch.zeros_like(keep), budget_drop=keep)
-    free = ~valid
-    has_free = free.any(-1)
-    free_slot = free.int().argmax(-1)
-    masked = scores.masked_fill(~valid, float("inf"))
-    low = masked.min(-1).values
-    lowest = valid & (masked == low.unsqueeze(-1))
-    victim = ages.masked_fill(~lowest, _NEVER).argmin(-1)
-    write = keep & (has_free | (new_score >= low))
-    return Admission(slot=torch.where(has_free, free_slot, victim), write=write, budget_drop=keep & ~has_free)
-
-
-def apply_admission(
-    adm: Admission, valid: torch.Tensor, scores: torch.Tensor, ages: torch.Tensor, new_score: torch.Tensor, new_age: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The slot tables after ``adm``: (valid, scores, ages), each [..., M]."""
-    if valid.shape[-1] == 0:
-        return valid, scores, ages
-    hit = torch.nn.functional.one_hot(adm.slot, valid.shape[-1]).bool() & adm.write.unsqueeze(-1)
-    return (
-        valid | hit,
-        torch.where(hit, new_score.unsqueeze(-1).to(scores.dtype), scores),
-        ages.masked_fill(hit, new_age),
-    )
 
 
 class ChunkedGatedCache(SlotCache):
@@ -218,7 +172,7 @@ class ChunkedGatedCache(SlotCache):
         Computed where the layout changes (``reset``, ``_compress``: between forwards), so a forward's attention
         never waits for the host (what lets ``torch.compile`` capture it whole)."""
         used = slice(0, min(self.chunks_formed, self.params.max_chunks))
-        order = torch.argsort(self.chunk_age[:, used].masked_fill(~self.chunk_valid[:, used], _NEVER), dim=-1)  # [L, m]
+        order = torch.argsort(self.chunk_age[:, used].masked_fill(~self.chunk_valid[:, used], NEVER), dim=-1)  # [L, m]
         counts = self.chunk_valid.sum(-1).tolist()
         return [self.store.raw_end + order[i, :c] for i, c in enumerate(counts)]
 
@@ -279,26 +233,70 @@ class ChunkedGatedCache(SlotCache):
 
     # ---- commit / compress ---------------------------------------------------------------------------
     def end_forward(self, *, pin: bool = False) -> None:
+        if self._end(pin):
+            self._compress()
+
+    @classmethod
+    def end_forward_rows(cls, caches: "list[ChunkedGatedCache]", *, pin: bool = False) -> None:
+        """``end_forward`` of several batch-1 caches (``RowsCache``): the chunks they form go through the gate
+        together, one aggregator and LSTM pass per group of caches sharing a gate and a chunk count, each
+        row with its own LSTM state; what each cache keeps is what it keeps alone (up to float rounding of
+        the batched matmuls)."""
+        groups: dict[tuple[int, int], list[ChunkedGatedCache]] = {}
+        for cache in caches:
+            n = cache._chunks_due() if cache._end(pin) else 0
+            if n:
+                groups.setdefault((id(cache.gate), n), []).append(cache)
+        for (_, n), group in groups.items():
+            if len(group) == 1 or any(c.batch != 1 for c in group):
+                for cache in group:
+                    cache._compress()
+                continue
+            gate, hkv = group[0].gate, group[0].geometry.n_kv_heads
+            with torch.no_grad():
+                k, v = (torch.cat(x, dim=1) for x in zip(*(c._due_chunks(n) for c in group)))  # [L, B, Hkv, n, C, D]
+                state = tuple(torch.cat(x, dim=1) for x in zip(*(c.lstm_state for c in group)))  # [L, B*Hkv, H]
+                k_rep, v_rep = gate.aggregate(k, v)  # [L, B, Hkv, n, D]
+                scores, state = gate.score(k_rep, v_rep, state)  # [L, B, n]
+            for i, cache in enumerate(group):
+                row, heads = slice(i, i + 1), slice(i * hkv, (i + 1) * hkv)
+                cache._admit_formed(k_rep[:, row], v_rep[:, row], scores[:, row], (state[0][:, heads], state[1][:, heads]))
+
+    def _end(self, pin: bool) -> bool:
+        """Commit the forward; whether the cache may compress now."""
         if self._plan is None:
-            return
+            return False
         may_compress = self._commit(self._plan.new, max(self._n_keys))
         if self.view is not None:
             self.view.commit(self.store, self._n_keys)
         self._plan = None
         if pin:
             self.store.pin()
-        elif may_compress:
-            self._compress()
+        return may_compress and not pin
+
+    def _chunks_due(self) -> int:
+        return chunk_schedule(self.store.n_raw, window=self.params.window, chunk=self.params.chunk)
+
+    def _due_chunks(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The n oldest raw chunks' pre-RoPE keys and values: [L, B, Hkv, n, C, D] each."""
+        s, c = self.store, self.params.chunk
+        idx = s.token_slots(s.raw_head, s.raw_head + n * c).view(n, c)
+        return s.k[:, :, :, idx], s.v[:, :, :, idx]
 
     @torch.no_grad()
     def _compress(self) -> None:
-        s, c = self.store, self.params.chunk
-        n = chunk_schedule(s.n_raw, window=self.params.window, chunk=c)
+        n = self._chunks_due()
         if n == 0:
             return
-        idx = s.token_slots(s.raw_head, s.raw_head + n * c).view(n, c)
-        k_rep, v_rep = self.gate.aggregate(s.k[:, :, :, idx], s.v[:, :, :, idx])  # [L, B, Hkv, n, D]
-        scores, self.lstm_state = self.gate.score(k_rep, v_rep, self.lstm_state)  # [L, B, n]
+        k_rep, v_rep = self.gate.aggregate(*self._due_chunks(n))  # [L, B, Hkv, n, D]
+        scores, state = self.gate.score(k_rep, v_rep, self.lstm_state)  # [L, B, n]
+        self._admit_formed(k_rep, v_rep, scores, state)
+
+    def _admit_formed(self, k_rep: torch.Tensor, v_rep: torch.Tensor, scores: torch.Tensor, state: tuple) -> None:
+        """The n oldest raw chunks leave the raw area, each layer keeping those its gate and budget admit.
+        k_rep, v_rep: [L, B, Hkv, n, D]; scores: [L, B, n]; state: the LSTM state after them."""
+        s, c, n = self.store, self.params.chunk, scores.shape[-1]
+        self.lstm_state = state
         scores = scores.mean(1).to(self.chunk_score.dtype)  # [L, n]: batch rows share one layout
         keep = scores > self.gate.threshold().detach().to(scores.dtype)[:, None]
         k_rep, v_rep = k_rep.to(s.k.dtype), v_rep.to(s.v.dtype)
@@ -330,7 +328,9 @@ class ChunkedGatedCache(SlotCache):
         """n chunks at once when no budget can fill (what ``admit`` does then: the j-th kept chunk takes the
         j-th free slot). k_rep, v_rep: [L, B, Hkv, n, D]; scores, keep: [L, n]."""
         s, n = self.store, keep.shape[1]
-        free_first = torch.argsort(self.chunk_valid.to(torch.int8), dim=1, stable=True)  # [L, M]
+        # a chunk takes the lowest free slot, so slots from ``chunks_formed`` on are all free: n of them suffice
+        used = self.chunk_valid[:, : self.chunks_formed + n]
+        free_first = torch.argsort(used.to(torch.int8), dim=1, stable=True)  # [L, chunks_formed + n]
         slot = free_first.gather(1, (keep.long().cumsum(1) - 1).clamp(min=0))  # [L, n]
         target = torch.where(keep, s.raw_end + slot, self._scratch)  # [L, n]
         s.k[self._layers[:, None], :, :, target] = k_rep.permute(0, 3, 1, 2, 4)  # [L, n, B, Hkv, D]
@@ -351,8 +351,8 @@ class ChunkedGatedCache(SlotCache):
         """Per layer: the first token (counted from the episode start, like ``KVStats.tokens_seen``) of each
         retained chunk, chronological; a chunk covers ``params.chunk`` tokens from there. One host sync: call
         it when you want to show what the gate kept, not on every step."""
-        ages = self.chunk_age.masked_fill(~self.chunk_valid, _NEVER).sort(dim=-1).values.tolist()
-        return tuple(tuple(self._chunk_token_start[a] for a in row if a != _NEVER) for row in ages)
+        ages = self.chunk_age.masked_fill(~self.chunk_valid, NEVER).sort(dim=-1).values.tolist()
+        return tuple(tuple(self._chunk_token_start[a] for a in row if a != NEVER) for row in ages)
 
     def held_slots(self) -> int:
         """Pinned and raw tokens in every layer, plus the retained chunks of each layer."""

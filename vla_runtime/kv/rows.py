@@ -64,15 +64,25 @@ class RowsCache:
         return torch.cat(rows, dim=0)  # [B, Hq, T, D]
 
     def end_forward(self, *, pin: bool = False) -> None:
-        """Each row's cache stores its new tokens of every layer, then ends the forward as alone."""
+        """Each row's cache stores its new tokens of every layer, then ends the forward as alone, or with the
+        other rows of its type where the type offers ``end_forward_rows`` (the chunked cache runs the chunks
+        every row forms through the gate in one pass)."""
         self._tables = None
         if self._new:
             k_raw, v = (torch.stack(x) for x in zip(*self._new))  # [L, B, Hkv, T, D]
             self._new.clear()
             for i, cache in enumerate(self.caches):
                 cache.row_commit(k_raw[:, i : i + 1], v[:, i : i + 1])
-        for cache in self.caches:
-            cache.end_forward(pin=pin)
+        by_type: dict[type, list] = {}
+        for cache in self.caches:  # a cache type may end its rows together (``end_forward_rows``)
+            by_type.setdefault(type(cache), []).append(cache)
+        for kind, caches in by_type.items():
+            ends = getattr(kind, "end_forward_rows", None)
+            if ends is not None:
+                ends(caches, pin=pin)
+            else:
+                for cache in caches:
+                    cache.end_forward(pin=pin)
 
     def mark(self) -> int:
         """A mark over every row (an index into the marks taken; ``rollback`` takes it back)."""

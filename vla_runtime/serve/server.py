@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 CLOSE_SERVER_FULL = 1013  # "try again later"
 CLOSE_IDLE = 4408  # application code: idle timeout
+CLOSE_TIMEOUT_S = 2.0  # at shutdown, a client that does not answer the close handshake by then is dropped
 
 
 class ErrorCode(str, Enum):
@@ -114,7 +115,7 @@ class PolicyServer:
         try:
             async with serve(
                 self._handle, cfg.host, cfg.port, process_request=self._process_request, compression=None,
-                max_size=cfg.limits.max_message_bytes, max_queue=4,
+                max_size=cfg.limits.max_message_bytes, max_queue=4, close_timeout=CLOSE_TIMEOUT_S,
             ) as server:  # fmt: skip
                 self.port = server.sockets[0].getsockname()[1]
                 log.info("serving %s on ws://%s:%d (healthz: /healthz)", self.engine.policy.name, cfg.host, self.port)
