@@ -46,6 +46,23 @@ class ActionDecoding(str, Enum):
     ACTIONS = "actions"
     FULL = "full"
 
+
+class CompileMode(str, Enum):
+    """How a session's step runs (``SessionConfig.compile``; OpenVLA).
+
+    ``OFF``: eager PyTorch (the default). ``DEFAULT``: the vision towers + projector and the decoder's layer pass
+    are ``torch.compile``-d (inductor; fused kernels, far less per-op overhead), warmed up when the session is
+    created. ``REDUCE_OVERHEAD``: the same with CUDA graphs (``torch.compile(mode="reduce-overhead")``); CUDA
+    only: on another device the session raises ``ValueError`` (CUDA graphs do not exist there; use ``DEFAULT``).
+    """
+
+    OFF = "off"
+    DEFAULT = "default"
+    REDUCE_OVERHEAD = "reduce-overhead"
+
+
+COMPILE_MODES = tuple(m.value for m in CompileMode)  # the spellings the CLI and YAML accept
+
 T = TypeVar("T")
 
 
@@ -63,6 +80,7 @@ class SessionConfig:
         execution_horizon: actions executed from each predicted chunk before re-planning
             (``None`` = the whole chunk); only matters for chunk-predicting families.
         seed: seed for sampling-based heads (diffusion noise).
+        compile: eager or ``torch.compile``-d step (``CompileMode``; OpenVLA sessions).
     """
 
     kv: KVConfig = field(default_factory=KVConfig, metadata={"help": "the KV cache"})
@@ -79,11 +97,17 @@ class SessionConfig:
         default=None, metadata={"help": "actions executed from each predicted chunk; unset = the whole chunk"}
     )
     seed: int = field(default=0, metadata={"help": "seed for sampling heads (diffusion noise)"})
+    compile: CompileMode = field(  # a string from YAML/CLI is turned into the enum
+        default=CompileMode.OFF,
+        metadata={"help": "off (eager), default (torch.compile, warmed up when the session is created) or "
+                          "reduce-overhead (the same with CUDA graphs; CUDA only)"},
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.kv, dict):
             self.kv = KVConfig.from_dict(self.kv)
         self.history = history_mode(self.history)
+        self.compile = compile_mode(self.compile)
         if self.execution_horizon is not None and self.execution_horizon < 1:
             raise ValueError(f"`execution_horizon` must be >= 1 or None, got {self.execution_horizon}")
 
@@ -94,6 +118,14 @@ def history_mode(value: str | HistoryMode) -> HistoryMode:
         return HistoryMode(value)
     except ValueError:
         raise ValueError(f"`history` is {value!r}; expected one of {', '.join(HISTORY_MODES)}") from None
+
+
+def compile_mode(value: str | CompileMode) -> CompileMode:
+    """``value`` as a ``CompileMode``; ``ValueError`` naming the accepted spellings otherwise."""
+    try:
+        return CompileMode(value)
+    except ValueError:
+        raise ValueError(f"`compile` is {value!r}; expected one of {', '.join(COMPILE_MODES)}") from None
 
 
 def from_dict(cls: type[T], data: dict[str, Any]) -> T:

@@ -4,18 +4,20 @@ from them the same way (``vla_runtime.cli.policy_args``)."""
 import pytest
 
 from vla_runtime.cli import build_parser
-from vla_runtime.cli.policy_args import session_from_args
-from vla_runtime.config import HistoryMode
+from vla_runtime.cli.policy_args import load_options, session_from_args
+from vla_runtime.config import CompileMode, HistoryMode
 from vla_runtime.kv import KVMode
 
 COMMON = ["--kv", "chunked", "--kv-capacity", "4096", "--kv-window", "48", "--kv-max-chunks", "3",
-          "--history", "history", "--device", "cpu", "--dtype", "float32", "--unnorm-key", "bridge_orig", "--center-crop"]
+          "--history", "history", "--device", "cpu", "--dtype", "float32", "--unnorm-key", "bridge_orig", "--center-crop",
+          "--compile", "default", "--quantize", "int8"]
 REQUIRED = {
     "predict": ["--checkpoint", "ckpt", "--image", "frame.png", "--instruction", "open the drawer"],
     "serve": ["--checkpoint", "ckpt"],
     "eval": ["--checkpoint", "ckpt", "--tasks", "reach-v3"],
 }
-POLICY_OPTIONS = ("device", "dtype", "unnorm_key", "center_crop", "history", "kv", "kv_capacity", "kv_window", "kv_max_chunks")
+POLICY_OPTIONS = ("device", "dtype", "unnorm_key", "center_crop", "history", "kv", "kv_capacity", "kv_window", "kv_max_chunks",
+                  "compile", "quantize")
 
 
 def parse(command: str, *extra: str):
@@ -34,8 +36,19 @@ def test_the_options_become_the_same_session(command):
     assert session.history is HistoryMode.HISTORY and session.kv.mode is KVMode.CHUNKED
     assert (session.kv.params.capacity, session.kv.params.window, session.kv.params.max_chunks) == (4096, 48, 3)
     assert session.unnorm_key == "bridge_orig" and session.center_crop
+    assert session.compile is CompileMode.DEFAULT
 
 
 def test_an_option_of_another_cache_is_refused_with_its_owner():
     with pytest.raises(ValueError, match="max_chunks"):
         session_from_args(parse("predict", "--kv", "full", "--kv-max-chunks", "3"))
+
+
+def test_quantize_becomes_a_load_option_of_openvla_checkpoints_only(tmp_path):
+    from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
+    from vla_runtime.models.quantize import QuantMode
+
+    assert load_options(parse("predict")) == {}  # --quantize none: nothing to pass
+    ckpt = make_tiny_openvla(tmp_path / "tiny-openvla", seed=0)
+    args = build_parser().parse_args(["serve", "--checkpoint", str(ckpt), "--quantize", "int4"])
+    assert load_options(args) == {"quantize": QuantMode.INT4}

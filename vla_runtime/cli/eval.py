@@ -30,7 +30,7 @@ from ..sim.report import format_table, plot_summary, summarize, write_report
 from ..sim.results import RESULTS_FILE, append_result, load_results, read_results
 from ..sim.retention import plot_episodes
 from ..sim.rlbench_env import import_rlbench
-from .policy_args import add_policy_arguments, kv_from_args, session_from_args
+from .policy_args import add_policy_arguments, kv_from_args, load_options, session_from_args
 from .sim_args import add_sim_args, parse_tasks, sim_config
 
 
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                         out=None if args.no_video else out, trace_retention=args.retention_plots,
                         control=control_config(args), time_scale=args.time_scale)
     env_config = sim_config(args, tasks)
-    policy_factory = partial(load_policy, args.checkpoint, device=args.device, dtype=args.dtype)
+    policy_factory = partial(load_policy, args.checkpoint, device=args.device, dtype=args.dtype, **load_options(args))
     results_path = out / RESULTS_FILE
     if results_path.exists() and not args.resume:
         raise FileExistsError(f"{results_path} exists: pass --resume to continue that run, or choose a new --out directory")

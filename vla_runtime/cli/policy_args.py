@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import HISTORY_MODES, SessionConfig
+from ..config import COMPILE_MODES, HISTORY_MODES, SessionConfig
 from ..device import DTYPES
 from ..kv import CACHES, KVConfig
+from ..models.quantize import QUANT_MODES, QuantMode
 
 
 def add_policy_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,6 +26,13 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-window", type=int, default=None,
                    help="raw recent window in tokens, sink_window and chunked (default: one control step of the policy)")
     p.add_argument("--kv-max-chunks", type=int, default=None, help="chunked: retained chunks per layer (default: as many as fit)")
+    p.add_argument("--quantize", choices=QUANT_MODES, default="none",
+                   help="weight-only int8/int4 of the LLM's decoder layers (OpenVLA; activations and the KV cache stay "
+                        "in --dtype; default: %(default)s)")
+    p.add_argument("--compile", choices=COMPILE_MODES, default="off",
+                   help="off = eager; default = torch.compile the vision towers and the decoder (compiled when the "
+                        "session starts, about a minute on CPU); reduce-overhead = the same with CUDA graphs, CUDA "
+                        "only (OpenVLA; default: %(default)s)")
 
 
 def kv_from_args(args: argparse.Namespace) -> KVConfig:
@@ -33,7 +41,22 @@ def kv_from_args(args: argparse.Namespace) -> KVConfig:
     return KVConfig.from_dict({"mode": args.kv, **flags})
 
 
+def load_options(args: argparse.Namespace) -> dict:
+    """``load_policy`` options of the shared flags: ``quantize`` unless ``--quantize none`` (OpenVLA checkpoints
+    only: ``ValueError`` naming the checkpoint's family otherwise)."""
+    mode = QuantMode(args.quantize)
+    if mode is QuantMode.NONE:
+        return {}
+    from .. import models  # noqa: F401  (registers the families)
+    from ..api import detect_family
+
+    family = detect_family(args.checkpoint)
+    if family != "openvla":
+        raise ValueError(f"--quantize {mode.value} applies to OpenVLA checkpoints; {args.checkpoint} is a {family} checkpoint")
+    return {"quantize": mode}
+
+
 def session_from_args(args: argparse.Namespace, kv: KVConfig | None = None, **fields) -> SessionConfig:
     """The session the options describe (``kv``: a cache built otherwise, e.g. sized to match another)."""
     return SessionConfig(kv=kv or kv_from_args(args), history=args.history, unnorm_key=args.unnorm_key,
-                         center_crop=args.center_crop, **fields)
+                         center_crop=args.center_crop, compile=args.compile, **fields)

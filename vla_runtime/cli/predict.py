@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ActionDecoding
-from .policy_args import add_policy_arguments, session_from_args
+from .policy_args import add_policy_arguments, load_options, session_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     image = read_image(args.image)
-    options = decoding_options(args.checkpoint, ActionDecoding(args.decode))
+    options = {**decoding_options(args.checkpoint, ActionDecoding(args.decode)), **load_options(args)}
     policy = load_policy(args.checkpoint, device=args.device, dtype=args.dtype, unnorm_key=args.unnorm_key, **options)
     session = policy.new_session(args.instruction, session_from_args(args))
     obs = Observation(images={"primary": image}, state=parse_state(args.state))

@@ -23,7 +23,7 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
-from .policy_args import add_policy_arguments, session_from_args
+from .policy_args import add_policy_arguments, load_options, session_from_args
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    policy = load_policy(args.checkpoint, device=args.device, dtype=args.dtype, unnorm_key=args.unnorm_key)
+    policy = load_policy(args.checkpoint, device=args.device, dtype=args.dtype, unnorm_key=args.unnorm_key, **load_options(args))
     server = build_server(policy, session_from_args(args), cfg)
 
     async def main() -> None:

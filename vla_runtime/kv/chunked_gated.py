@@ -158,7 +158,7 @@ class ChunkedGatedCache(SlotCache):
         self.lstm_state = self.gate.init_state(self.batch, self.geometry.n_kv_heads, device=self.chunk_valid.device)
         self.chunks_formed = 0
         self._chunk_token_start: list[int] = []  # first token of every chunk formed, chronological
-        self._chunk_slots: list[torch.Tensor] | None = None  # per layer, chronological; rebuilt after changes
+        self._chunk_slots = self._retained_slots()  # per layer, chronological; rebuilt after each compression
         self._plan = None
         self._slots: list[torch.Tensor | slice] = []
         self._n_keys: list[int] = []
@@ -168,17 +168,17 @@ class ChunkedGatedCache(SlotCache):
     # ---- attention ---------------------------------------------------------------------------------
     def _retained_slots(self) -> list[torch.Tensor]:
         """Per layer: store slots of the retained chunks in chronological order (one host sync). A chunk takes the
-        lowest free slot, so only the first ``chunks_formed`` slots can be taken: the sort looks at those only."""
-        if self._chunk_slots is None:
-            used = slice(0, min(self.chunks_formed, self.params.max_chunks))
-            order = torch.argsort(self.chunk_age[:, used].masked_fill(~self.chunk_valid[:, used], NEVER), dim=-1)  # [L, m]
-            counts = self.chunk_valid.sum(-1).tolist()
-            self._chunk_slots = [self.store.raw_end + order[i, :c] for i, c in enumerate(counts)]
-        return self._chunk_slots
+        lowest free slot, so only the first ``chunks_formed`` slots can be taken: the sort looks at those only.
+        Computed where the layout changes (``reset``, ``_compress``: between forwards), so a forward's attention
+        never waits for the host (what lets ``torch.compile`` capture it whole)."""
+        used = slice(0, min(self.chunks_formed, self.params.max_chunks))
+        order = torch.argsort(self.chunk_age[:, used].masked_fill(~self.chunk_valid[:, used], NEVER), dim=-1)  # [L, m]
+        counts = self.chunk_valid.sum(-1).tolist()
+        return [self.store.raw_end + order[i, :c] for i, c in enumerate(counts)]
 
     def _begin_forward(self, t: int) -> None:
         s = self.store
-        chunks = self._retained_slots()
+        chunks = self._chunk_slots
         contiguous = s.contiguous_prefix(t)
         self._plan = s.plan(t)
         if self._pinned_slots.numel() != s.n_pinned:
@@ -192,6 +192,12 @@ class ChunkedGatedCache(SlotCache):
             else:
                 self._slots.append(torch.cat((pinned, layer_chunks, self._plan.raw)))
             self._n_keys.append(n)
+
+    def plan_forward(self, t: int) -> None:
+        if self._plan is None:
+            self._begin_forward(t)
+            if self.view is not None:
+                self.view.sync_layers(self.store, self._slots, self._n_keys, t)
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] (k pre-RoPE) -> [B, Hq, T, D]."""
@@ -261,6 +267,8 @@ class ChunkedGatedCache(SlotCache):
         if self._plan is None:
             return False
         may_compress = self._commit(self._plan.new, max(self._n_keys))
+        if self.view is not None:
+            self.view.commit(self.store, self._n_keys)
         self._plan = None
         if pin:
             self.store.pin()
@@ -300,7 +308,7 @@ class ChunkedGatedCache(SlotCache):
         self.gate_dropped += (~keep).sum(1)
         self._chunk_token_start += range(s.raw_head, s.raw_head + n * c, c)
         s.drop_raw(n * c)
-        self._chunk_slots = None
+        self._chunk_slots = self._retained_slots()
 
     def _admit_one(self, k_rep: torch.Tensor, v_rep: torch.Tensor, score: torch.Tensor, keep: torch.Tensor) -> None:
         """One chunk through the budget rule (``admit``). k_rep, v_rep: [L, B, Hkv, D]; score, keep: [L]."""

@@ -58,8 +58,13 @@ class FullCache(SlotCache):
                 f"FullCache is full: {start} tokens held + {t} new > capacity {self.capacity}; "
                 "raise KVConfig.capacity or use mode='chunked'"
             )
-        self._cos, self._sin = rope_cos_sin(torch.arange(start, start + t, device=device), self.geometry.rope)
+        self._new_slots = torch.arange(start, start + t, device=device)  # [T]: the new tokens' slots and positions
+        self._cos, self._sin = rope_cos_sin(self._new_slots, self.geometry.rope)
         self._pending = t
+
+    def plan_forward(self, t: int) -> None:
+        if self._cos is None:
+            self._begin_forward(t, self.store.device)
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] (k pre-RoPE) -> [B, Hq, T, D]."""
@@ -67,9 +72,10 @@ class FullCache(SlotCache):
         if self._cos is None:
             self._begin_forward(t, q.device)
         end = start + t
-        k, v_all = self.store.k[layer], self.store.v[layer]  # [B, Hkv, capacity, D]
-        k[:, :, start:end] = apply_rope(k_raw, self._cos, self._sin)
-        v_all[:, :, start:end] = v
+        k, v_all = self.store.k_layers[layer], self.store.v_layers[layer]  # [B, Hkv, capacity, D]
+        # the per-layer buffers (``SlotStore.k_layers``), written through an index: in place when compiled
+        k.index_copy_(2, self._new_slots, apply_rope(k_raw, self._cos, self._sin))
+        v_all.index_copy_(2, self._new_slots, v)
         q = apply_rope(q, self._cos, self._sin)
         if self.bidirectional:
             return block_attention(q, k[:, :, :end], v_all[:, :, :end])

@@ -78,6 +78,13 @@ class SinkWindowCache(SlotCache):
         else:
             self._slots = torch.cat((torch.arange(s.n_pinned, device=s.device), self._plan.raw))
 
+    def plan_forward(self, t: int) -> None:
+        if self._plan is None:
+            self._begin_forward(t)
+            if self.view is not None:
+                n = self.geometry.n_layers
+                self.view.sync_layers(self.store, [self._slots] * n, [self._n_keys] * n, t)
+
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] (k pre-RoPE) -> [B, Hq, T, D]."""
         s = self.store
@@ -110,6 +117,8 @@ class SinkWindowCache(SlotCache):
             return
         s = self.store
         may_trim = self._commit(self._plan.new, self._n_keys)
+        if self.view is not None:
+            self.view.commit(s, [self._n_keys] * self.geometry.n_layers)
         self._plan = self._slots = None
         if pin:
             s.pin()

@@ -54,6 +54,11 @@ class SlotCache:
         self._positions_used = 0
         self.bidirectional = False
 
+    def plan_forward(self, t: int) -> None:
+        """Settle the next forward of ``t`` new tokens (slots, positions: host-side bookkeeping) before its layers
+        run; ``attend`` does it at the first layer otherwise. A compiled layer pass (``policies.compiled``) calls it
+        eagerly first, so the graph reads the plan and stores no Python state. Nothing to settle by default."""
+
     @property
     def length(self) -> int:
         """Tokens appended since the last reset (held or compressed away)."""

@@ -56,12 +56,13 @@ class ForwardPlan:
 
     Args:
         new: number of new tokens T.
-        write: slots of the new tokens, a ``slice`` when contiguous else a [T] long tensor.
+        write: [T] long, slots of the new tokens (an index even where they are contiguous: one code path whether
+            or not the ring wraps, so a compiled forward has one graph for both).
         raw: [n_raw + T] long, raw slots in token order (held raw tokens, then the new ones).
     """
 
     new: int
-    write: slice | torch.Tensor
+    write: torch.Tensor
     raw: torch.Tensor
 
 
@@ -87,6 +88,10 @@ class SlotStore:
         alloc = torch.empty if rotate_on_read else torch.zeros  # decoupled caches write every slot they read
         self.k = alloc(shape, device=device, dtype=dtype)
         self.v = alloc(shape, device=device, dtype=dtype)
+        # [B, Hkv, S, D] views, one per layer: a forward writes its new tokens into these. Each is a tensor of its
+        # own to torch.compile, which then updates it in place (writing into ``k[layer]``, a view it makes of the
+        # whole buffer, makes inductor copy the whole buffer back every forward)
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
         self.rope = RopeTable(geometry.rope, slots, device) if rotate_on_read else None
         self.device = torch.device(device)
         self.reset()
@@ -119,27 +124,18 @@ class SlotStore:
                 f"the raw ring holds {self.ring_cap} tokens ({self.n_raw} held + {new} new do not fit): raise "
                 "KVConfig.capacity, lower `window`/`max_chunks`, or split the forward (an open mark defers compression)"
             )
-        a = self.n_pinned + (self.length - self.n_pinned) % self.ring_cap
-        write = slice(a, a + new) if a + new <= self.raw_end else self.token_slots(self.length, self.length + new)
-        return ForwardPlan(new=new, write=write, raw=self.token_slots(self.raw_head, self.length + new))
+        raw = self.token_slots(self.raw_head, self.length + new)
+        return ForwardPlan(new=new, write=raw[raw.shape[0] - new :], raw=raw)
 
     def write(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens of ``layer``; k, v: [B, Hkv, T, D] (k pre-RoPE)."""
-        if isinstance(plan.write, slice):
-            self.k[layer, :, :, plan.write] = k
-            self.v[layer, :, :, plan.write] = v
-        else:
-            self.k[layer].index_copy_(2, plan.write, k)
-            self.v[layer].index_copy_(2, plan.write, v)
+        self.k_layers[layer].index_copy_(2, plan.write, k)
+        self.v_layers[layer].index_copy_(2, plan.write, v)
 
     def write_layers(self, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens of every layer at once; k, v: [L, B, Hkv, T, D] (k pre-RoPE)."""
-        if isinstance(plan.write, slice):
-            self.k[:, :, :, plan.write] = k
-            self.v[:, :, :, plan.write] = v
-        else:
-            self.k.index_copy_(3, plan.write, k)
-            self.v.index_copy_(3, plan.write, v)
+        self.k.index_copy_(3, plan.write, k)
+        self.v.index_copy_(3, plan.write, v)
 
     def commit(self, new: int) -> None:
         self.length += new
@@ -197,6 +193,7 @@ class RotatedView:
     def __init__(self, store: SlotStore) -> None:
         self.k = torch.empty_like(store.k)  # untouched until used
         self.v = torch.empty_like(store.v)
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # see ``SlotStore.k_layers``
         self.n = [0] * store.k.shape[0]
         self.version = [-1] * store.k.shape[0]
 
@@ -210,6 +207,20 @@ class RotatedView:
         self.k[layer][:, :, :held] = apply_rope(store.k[layer].index_select(2, idx), cos[:held], sin[:held])
         self.v[layer][:, :, :held] = store.v[layer].index_select(2, idx)
         self.version[layer], self.n[layer] = store.layout_version, held
+
+    def sync_layers(self, store: SlotStore, slots: list[torch.Tensor | slice], n_keys: list[int], t: int) -> None:
+        """``sync`` every layer before a forward of ``t`` new tokens (layer ``i`` reads ``slots[i]``, ``n_keys[i]``
+        keys): the rebuild after a layout change happens here, eagerly, and the forward's ``attend`` calls find
+        every layer current (a compiled forward then has one graph whether or not the layout changed)."""
+        for layer, (layer_slots, n) in enumerate(zip(slots, n_keys)):
+            self.sync(store, layer, layer_slots, n, n - t)
+
+    def commit(self, store: SlotStore, n_keys: list[int]) -> None:
+        """After a forward in which every layer attended through the view (before the layout changes): layer ``i``
+        holds ``n_keys[i]`` current keys. Kept out of ``attend`` so that a planned forward (``sync_layers``) stores no
+        Python state that depends on the token counts (``torch.compile`` would specialise on them)."""
+        self.version = [store.layout_version] * len(n_keys)
+        self.n = list(n_keys)
 
     def attend(self, store: SlotStore, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True) -> torch.Tensor:  # fmt: skip
@@ -226,10 +237,10 @@ class RotatedView:
         is ``sync``-ed, then gets the new tokens appended."""
         held = n_keys - q.shape[2]
         self.sync(store, layer, slots, n_keys, held)
-        vk, vv = self.k[layer], self.v[layer]  # [B, Hkv, S, D]
-        vk[:, :, held:n_keys] = k_rot
-        vv[:, :, held:n_keys] = v_new
-        self.n[layer] = n_keys
+        vk, vv = self.k_layers[layer], self.v_layers[layer]  # [B, Hkv, S, D]
+        new = torch.arange(held, n_keys, device=vk.device)  # [T] the new tokens' slots
+        vk.index_copy_(2, new, k_rot)
+        vv.index_copy_(2, new, v_new)
         if not causal:
             return block_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys])
         return causal_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], past=held)

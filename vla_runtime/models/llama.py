@@ -217,14 +217,23 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids: [B, T] or inputs_embeds: [B, T, dim] -> final-normed hidden states [B, T, dim].
 
-        Calls ``cache.end_forward(pin=pin)`` once after the layer loop.
+        ``layers_forward`` then ``cache.end_forward(pin=pin)`` once.
         """
+        hidden = self.layers_forward(input_ids, inputs_embeds, cache=cache)
+        cache.end_forward(pin=pin)
+        return hidden
+
+    def layers_forward(
+        self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None, *, cache: AttendSeam
+    ) -> torch.Tensor:
+        """``forward`` without ``cache.end_forward``: the layers attend (the cache stores the new tokens) but the
+        forward is not committed. What ``torch.compile`` captures (``policies.compiled``): the cache's commit and
+        compression run eagerly after it, between forwards. Returns final-normed hidden states [B, T, dim]."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of `input_ids` and `inputs_embeds`")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             x = layer(x, cache)
-        cache.end_forward(pin=pin)
         return self.norm(x)
 
 

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..config import SessionConfig
+from ..config import CompileMode, SessionConfig
 from ..images import PRIMARY_CAMERA, validate_image
 from ..kv.base import KVStats
 from ..kv.chunked_gated import ChunkedGatedCache
@@ -94,7 +94,14 @@ class BatchInputError(ValueError):
 class EpisodeSession(abc.ABC):
     """Single-episode state: the KV cache, gate state, action queue / ensemble. ``reset`` starts a new episode."""
 
+    compiles: ClassVar[bool] = False  # runs a ``torch.compile``-d step (``SessionConfig.compile``)
+
     def __init__(self, instruction: str, config: SessionConfig) -> None:
+        if config.compile is not CompileMode.OFF and not self.compiles:
+            raise ValueError(
+                f"`compile` is {config.compile.value!r}, but {type(self).__name__} runs eager only "
+                f"(compiled steps: OpenVLA); use {CompileMode.OFF.value!r}"
+            )
         self.instruction = instruction
         self.config = config
 

@@ -27,14 +27,16 @@ import torch
 
 from ..checkpoints.adapter import has_lora, merge_lora
 from ..checkpoints.openvla import OpenVLACheckpoint, load_openvla
-from ..config import ActionDecoding, HistoryMode, SessionConfig
+from ..config import ActionDecoding, CompileMode, HistoryMode, SessionConfig
 from ..device import synchronize
 from ..kv import KVConfig, has_gate
 from ..models.generation import TokenHead, decode
+from ..models.quantize import QuantMode, quantize_linears
 from ..models.openvla.processing_openvla import ActionTokenizer, history_frame, single_layout
 from ..models.prismatic.configuration_prismatic import OpenVLAConfig, read_json
 from ..models.prismatic.processing_prismatic import ActionStats, Forward, resolve_unnorm_key
-from .base import Observation, Policy, StepResult
+from .base import PRIMARY_CAMERA, Observation, Policy, StepResult
+from .compiled import WARMUP_STEPS
 from .loading import plan_load
 from .prismatic_session import PrismaticPolicy, PrismaticSession, parameter_count
 
@@ -42,7 +44,11 @@ log = logging.getLogger(__name__)
 
 
 class OpenVLASession(PrismaticSession):
-    """One episode: the cache, the previous action token (history mode), the last tokens decoded."""
+    """One episode: the cache, the previous action token (history mode), the last tokens decoded. With
+    ``SessionConfig.compile`` on, the step runs the policy's compiled modules and the session warms them up
+    when it is created (``WARMUP_STEPS`` steps on a blank frame, then ``reset``)."""
+
+    compiles = True
 
     def __init__(self, policy: OpenVLAPolicy, instruction: str, config: SessionConfig) -> None:
         self.unnorm_key = resolve_unnorm_key(policy.norm_stats, config.unnorm_key) if policy.norm_stats else None
@@ -58,6 +64,19 @@ class OpenVLASession(PrismaticSession):
         self._keeps_actions = config.history is not HistoryMode.OBSERVATIONS  # observations: decodes rolled back
         self.last_tokens: np.ndarray | None = None  # [1, action_dim] ids of the last step
         super().__init__(policy, instruction, config)
+        if config.compile is not CompileMode.OFF:
+            self.warm_up()
+
+    def warm_up(self, steps: int = WARMUP_STEPS) -> None:
+        """Run ``steps`` steps on a blank frame (zero state), then ``reset``: compilation (and CUDA graph capture)
+        happens here, at session creation, and not in the first control tick. The episode starts afresh."""
+        size = self.policy.image_processor.size
+        dim = self.policy.config.proprio_dim
+        blank = Observation(images={PRIMARY_CAMERA: np.zeros((size, size, 3), np.uint8)},
+                            state=None if dim is None else np.zeros(dim))  # fmt: skip
+        for _ in range(steps):
+            self.step(blank)
+        self.reset()
 
     # ---- episode state ---------------------------------------------------------------------------
 
@@ -108,7 +127,7 @@ class OpenVLASession(PrismaticSession):
     def _embed_observation(self, pixels: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """pixels [B, C, S, S], state [B, P] or None -> image tokens [B, N, dim] and proprio tokens ([B, 1, dim] or [])."""
         vlm = self.policy.vlm
-        return vlm.embed_image(pixels), ([] if state is None else [vlm.embed_proprio(state)])
+        return self.modules.embed_image(pixels), ([] if state is None else [vlm.embed_proprio(state)])
 
     def state_input(self, state: np.ndarray | None) -> torch.Tensor:
         """Proprioception [P] in robot units -> the proprio projector's input [1, P] (q01/q99-normalised
@@ -136,7 +155,7 @@ class OpenVLASession(PrismaticSession):
     def _decode(self, embeds: torch.Tensor, timings: dict) -> torch.Tensor:
         """Forward ``embeds`` [1, T, dim], then decode the action tokens -> ids [1, action_dim]."""
         policy, head = self.policy, self.token_head()
-        decoder = policy.vlm.language_model.model
+        decoder = self.modules.decoder
         start = time.perf_counter()
         logits = head.logits(decoder(inputs_embeds=embeds, cache=self.cache)[:, -1])
         synchronize(policy.device)
@@ -255,6 +274,7 @@ def load_openvla_policy(
     adapter: str | Path | None = None,
     unnorm_key: str | None = None,
     decoding: ActionDecoding = ActionDecoding.ACTIONS,
+    quantize: QuantMode = QuantMode.NONE,
 ) -> OpenVLAPolicy:
     """Load an OpenVLA checkpoint directory as a policy (``load_policy``'s OpenVLA branch).
 
@@ -267,11 +287,16 @@ def load_openvla_policy(
     model was trained for; ``kv`` overrides its cache) are read from the adapter directory, else from the
     checkpoint directory itself (models trained from scratch carry them there; ``loading.plan_load``).
     decoding: see ``OpenVLAPolicy``.
+    quantize: weight-only int8/int4 of the LLM's decoder layers (``models.quantize``; after the adapter merge;
+        the LM head, activations and the KV cache stay in ``dtype``).
     """
     plan = plan_load(path, device=device, dtype=dtype, kv=kv, unnorm_key=unnorm_key, adapter=adapter)
     checkpoint = load_openvla(path, device=plan.device, dtype=plan.dtype)
     if adapter is not None:
         _apply_adapter(checkpoint, Path(adapter), load_weights=plan.device.type != "meta")
+    if quantize is not QuantMode.NONE:
+        replaced = quantize_linears(checkpoint.model.language_model.model.layers, quantize)
+        log.info("quantized %d linear layers of the LLM to %s (weights only)", replaced, quantize.value)
     return OpenVLAPolicy(checkpoint, device=plan.device, dtype=plan.dtype, kv=plan.kv, unnorm_key=plan.unnorm_key,
                          decoding=decoding, session=plan.session, kv_gate=plan.gate)  # fmt: skip
 

@@ -28,9 +28,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..config import SessionConfig
+from ..config import CompileMode, SessionConfig
 from ..device import synchronize
-from ..kv import ChunkGate, KVCache, KVConfig, make_cache
+from ..kv import ChunkGate, KVCache, KVConfig, KVMode, make_cache
 from ..kv.geometry import CacheGeometry
 from ..models.prismatic.processing_prismatic import (
     ActionStats,
@@ -43,6 +43,7 @@ from ..models.prismatic.processing_prismatic import (
 )
 from ..models.prismatic.prompt_prismatic import PromptIds
 from .base import PRIMARY_CAMERA, EpisodeSession, Observation, StepResult, validate_instruction
+from .compiled import StepModules, step_modules
 
 
 def parameter_count(module: torch.nn.Module | None) -> int:
@@ -83,6 +84,7 @@ class PrismaticPolicy:
         self.kv = kv or KVConfig()
         self.kv_gate = kv_gate
         self.session = session or SessionConfig()
+        self._step_modules: dict[tuple[CompileMode, KVMode], StepModules] = {}
         if unnorm_key is not None:
             resolve_unnorm_key(self.norm_stats, unnorm_key)  # fail at load, not at the first step
         self.unnorm_key = unnorm_key
@@ -105,6 +107,13 @@ class PrismaticPolicy:
         if self.kv_gate is None:
             self.kv_gate = ChunkGate(gate_cfg).to(self.device)
         return self.kv_gate
+
+    def step_modules(self, mode: CompileMode, kv: KVMode) -> StepModules:
+        """The vision and decoder callables a step runs for ``mode`` with a ``kv`` cache (``policies.compiled``),
+        built once per pair and shared by the policy's sessions (compiled code included)."""
+        if (mode, kv) not in self._step_modules:
+            self._step_modules[mode, kv] = step_modules(self.vlm, mode, self.device)
+        return self._step_modules[mode, kv]
 
     def new_cache(self, kv: KVConfig) -> KVCache:
         """One episode's cache (batch 1) of ``kv`` for the VLM's decoder, with the policy's ``ChunkGate`` when
@@ -152,6 +161,7 @@ class PrismaticSession(EpisodeSession):
         super().__init__(instruction, config)
         self.policy = policy
         self.history = config.history.episodic
+        self.modules = policy.step_modules(config.compile, config.kv.mode)
         self._build(instruction)
 
     @abc.abstractmethod
@@ -214,7 +224,7 @@ class PrismaticSession(EpisodeSession):
         if self.history and not self._pinned:
             t0 = time.perf_counter()
             prompt = vlm.embed_forward(history_prompt(self.prompt), images=[])
-            vlm.language_model.model(inputs_embeds=prompt, cache=self.cache, pin=True)
+            self.modules.decoder(inputs_embeds=prompt, cache=self.cache, pin=True)
             self._pinned = True
             timings["prefill"] = timings.get("prefill", 0.0) + (time.perf_counter() - t0) * 1e3
         elif not self.history:

@@ -1,0 +1,231 @@
+"""The fast path, ms per call: eager vs torch.compile-d (``SessionConfig.compile``) vs weight-only int8/int4 LLM
+(``--quantize``), side by side in one process, each against the eager float32 row of its geometry.
+
+Geometries (``--geometry``):
+
+- ``small``: the tiny test OpenVLA (2 LLaMA layers of 64 hidden, two 3-block ViTs): a whole ``session.step``
+  (single mode, full cache: vision, prefill, 7 action tokens) and one decode forward (T=1) over the step's
+  context.
+- ``7b-layer``: ``--layers`` LLaMA-2-7B-sized decoder layers (4096 hidden, 11008 MLP, 32 heads; random
+  weights): one decode forward (T=1) over a full cache holding ``--context`` tokens (an OpenVLA step's worth).
+
+Decode forwards run inside a cache mark and are rolled back, so every timed call sees the same context. Before
+timing, every variant's output is compared with eager's: compiled must decode identical action tokens (hidden
+states: max difference reported); the quantized models' agreement is reported, not required (small: the share of
+identical action tokens and the largest action difference over ``--agreement-steps`` frames; 7b-layer: the
+hidden state's difference), with the LLM's weight bytes.
+
+    python benchmarks/bench_fast.py --threads 1 --repeats 30
+    vla-runtime bench fast --geometry 7b-layer --layers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from vla_runtime.api import Observation, load_policy
+from vla_runtime.bench.harness import (
+    environment, pinned_threads, plot_medians, print_ratio_table, ratio_table, time_interleaved, write_json,
+)  # fmt: skip
+from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
+from vla_runtime.config import CompileMode, SessionConfig
+from vla_runtime.images import read_image
+from vla_runtime.kv import KVConfig, make_cache
+from vla_runtime.models.llama import LlamaConfig, LlamaModel
+from vla_runtime.models.quantize import QuantMode, quantize_linears, weight_bytes
+from vla_runtime.policies.compiled import CompiledDecoder, compile_options
+
+ASSET = Path(__file__).resolve().parents[1] / "assets" / "demo_scene.png"
+INSTRUCTION = "put the red cube in the blue bowl"
+GEOMETRIES = ("small", "7b-layer")
+EAGER, COMPILED = "eager", "compiled"
+QUANTIZED = {f"weight-only {m.value}": m for m in (QuantMode.INT8, QuantMode.INT4)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--geometry", choices=(*GEOMETRIES, "both"), default="both")
+    p.add_argument("--layers", type=int, default=2, help="7b-layer: decoder layers (default: %(default)s)")
+    p.add_argument("--context", type=int, default=290, help="7b-layer: tokens in the cache (default: %(default)s)")
+    p.add_argument("--image", type=Path, default=ASSET, help="small: the frame (default: the bundled test scene)")
+    p.add_argument("--agreement-steps", type=int, default=20, help="small: frames the quantized actions are compared on")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (pinned)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("results/bench_fast"), help="writes <out>.json and <out>.png")
+    return p.parse_args(argv)
+
+
+@dataclass
+class Group:
+    """One geometry's question: ``calls`` by variant name (the first is the eager baseline), the seconds each
+    variant's preparation took (compilation, quantisation) and how its output compared with eager's."""
+
+    name: str
+    calls: dict[str, Callable[[], object]]
+    setup_s: dict[str, float]
+    agreement: dict[str, dict]
+
+
+def rolled_back(decoder: Callable[..., torch.Tensor], cache, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One decode forward of ``x`` [1, 1, dim] over ``cache``'s context, rolled back after (the same context
+    every call) -> a call returning the final hidden state [1, 1, dim]."""
+
+    @torch.inference_mode()
+    def call() -> torch.Tensor:
+        mark = cache.mark()
+        out = decoder(inputs_embeds=x, cache=cache)
+        cache.rollback(mark)
+        return out
+
+    return call
+
+
+def timed(fn: Callable[[], object]) -> tuple[object, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def hidden_agreement(want: torch.Tensor, got: torch.Tensor) -> dict:
+    """Max abs difference of two hidden states, absolute and relative to ``want``'s max magnitude."""
+    diff = float((got - want).abs().max())
+    return {"max_abs_diff": diff, "relative": diff / float(want.abs().max())}
+
+
+def small_group(args: argparse.Namespace, tmp: Path) -> list[Group]:
+    """The tiny OpenVLA: whole steps, and decode forwards over one step's context."""
+    path = make_tiny_openvla(tmp / "tiny-openvla", seed=args.seed)
+    policy = load_policy(path, device="cpu")
+    obs = Observation(images={"primary": read_image(args.image)})
+    eager = policy.new_session(INSTRUCTION)
+    compiled, compile_s = timed(lambda: policy.new_session(INSTRUCTION, SessionConfig(compile=CompileMode.DEFAULT)))
+    want, got = eager.step(obs), compiled.step(obs)
+    if not np.array_equal(eager.last_tokens, compiled.last_tokens):
+        raise SystemExit(f"compiled tokens {compiled.last_tokens.tolist()} != eager {eager.last_tokens.tolist()}")
+    sessions = {EAGER: eager, COMPILED: compiled}
+    setup_s = {COMPILED: compile_s}
+    agreement = {COMPILED: {"tokens_equal": True, "max_abs_action_diff": float(np.abs(got.actions - want.actions).max())}}
+    decoders = {}
+    for name, mode in QUANTIZED.items():
+        quantized, setup_s[name] = timed(lambda: load_policy(path, device="cpu", quantize=mode))
+        sessions[name] = quantized.new_session(INSTRUCTION)
+        agreement[name] = action_agreement(eager, sessions[name], args)
+        decoders[name] = quantized.vlm.language_model.model
+    step = Group("small step", {name: (lambda s=s: s.step(obs)) for name, s in sessions.items()}, setup_s, agreement)
+    llm = policy.vlm.language_model.model
+    context = eager.cache.stats().tokens_seen
+    return [step, decode_group("small decode", llm, context=context, seed=args.seed, quantized=decoders)]
+
+
+def action_agreement(eager, other, args: argparse.Namespace) -> dict:
+    """``other`` session's actions against ``eager``'s on ``--agreement-steps`` random frames: the share of identical
+    action tokens, the largest action difference (robot units), and the LLM's weight bytes of each."""
+    rng = np.random.default_rng(args.seed)
+    same, total, diff = 0, 0, 0.0
+    for _ in range(args.agreement_steps):
+        obs = Observation(images={"primary": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)})
+        a, b = eager.step(obs), other.step(obs)
+        same += int((eager.last_tokens == other.last_tokens).sum())
+        total += eager.last_tokens.size
+        diff = max(diff, float(np.abs(a.actions - b.actions).max()))
+    layers = lambda s: weight_bytes(s.policy.vlm.language_model.model.layers)  # noqa: E731
+    return {"identical_tokens": same / total, "steps": args.agreement_steps, "max_abs_action_diff": diff,
+            "llm_layer_bytes": layers(other), "float_llm_layer_bytes": layers(eager)}  # fmt: skip
+
+
+def decode_group(name: str, model: LlamaModel, *, context: int, seed: int, quantized: dict[str, LlamaModel]) -> Group:
+    """Decode forwards of ``model`` (and of its ``quantized`` versions) over full caches filled with the same
+    ``context`` random tokens (one cache per model: each holds the K/V its own weights computed)."""
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(seed)
+    prompt, x = torch.randn(1, context, cfg.dim, generator=gen), torch.randn(1, 1, cfg.dim, generator=gen)
+
+    def filled(m: LlamaModel):
+        cache = make_cache(KVConfig(), cfg.geometry, batch=1)
+        with torch.inference_mode():
+            m(inputs_embeds=prompt, cache=cache)
+        return cache
+
+    options = compile_options(CompileMode.DEFAULT, torch.device("cpu"))
+    calls = {EAGER: rolled_back(model, filled(model), x)}
+    compiled = {COMPILED: model} | {f"{variant} + compiled": m for variant, m in quantized.items()}
+    for variant, m in quantized.items():
+        calls[variant] = rolled_back(m, filled(m), x)
+    setup_s = {}
+    for variant, m in compiled.items():
+        call = rolled_back(CompiledDecoder(m, **options), filled(m), x)
+        _, setup_s[variant] = timed(call)  # compiles
+        calls[variant] = call
+    want = calls[EAGER]()
+    agreement = {variant: hidden_agreement(want, call()) for variant, call in calls.items() if variant != EAGER}
+    for variant, m in quantized.items():
+        agreement[variant]["llm_layer_bytes"] = weight_bytes(m.layers)
+    agreement[EAGER] = {"llm_layer_bytes": weight_bytes(model.layers)}
+    return Group(name, calls, setup_s, agreement)
+
+
+def layer_group(args: argparse.Namespace) -> list[Group]:
+    """``--layers`` LLaMA-2-7B-sized decoder layers (random weights, a 32-row embedding: inputs are embeddings)."""
+    torch.manual_seed(args.seed)
+    cfg = LlamaConfig.from_name("llama2-7b", n_layers=args.layers, vocab_size=32)
+    with torch.device("cpu"):
+        model = LlamaModel(cfg).eval()
+    quantized = {}
+    for name, mode in QUANTIZED.items():
+        quantized[name] = copy.deepcopy(model)
+        quantize_linears(quantized[name].layers, mode)
+    return [decode_group(f"7b-layer x{args.layers} decode", model, context=args.context, seed=args.seed, quantized=quantized)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.manual_seed(args.seed)
+    with pinned_threads(args.threads):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build every geometry's variants, check them against eager, time each group interleaved, report."""
+    geometries = GEOMETRIES if args.geometry == "both" else (args.geometry,)
+    groups: list[Group] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if "small" in geometries:
+            groups += small_group(args, Path(tmp))
+        if "7b-layer" in geometries:
+            groups += layer_group(args)
+        times, baselines = {}, {}
+        for group in groups:
+            measured = time_interleaved(group.calls, warmup=args.warmup, repeats=args.repeats)
+            for variant, t in measured.items():
+                times[f"{group.name}: {variant}"] = t
+                baselines[f"{group.name}: {variant}"] = f"{group.name}: {EAGER}"
+    results = ratio_table(times, baselines)
+    print_ratio_table(results)
+    for group in groups:
+        for variant, seconds in group.setup_s.items():
+            print(f"{group.name}: {variant}: prepared in {seconds:.1f} s")
+        for variant, agreement in group.agreement.items():
+            print(f"{group.name}: {variant}: {agreement}")
+    write_json(args.out.with_suffix(".json"), env=environment(dtype=torch.float32, threads=args.threads), args=args,
+               results=results, setup_s={g.name: g.setup_s for g in groups},
+               agreement={g.name: g.agreement for g in groups})  # fmt: skip
+    plot_medians(results, args.out.with_suffix(".png"), title="eager vs compiled vs quantized", xlabel="ms per call (median, p10-p90)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""``SessionConfig.compile``: a compiled OpenVLA session decodes the same action tokens as an eager one (actions
+equal up to float rounding), with every graph compiled while the session is created (its warm-up), none in
+its control steps; misuse fails with a message naming what to use instead."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from vla_runtime.api import Observation, load_policy
+from vla_runtime.config import CompileMode, SessionConfig
+from vla_runtime.kv import KVConfig
+
+INSTRUCTION = "put the red cube in the blue bowl"
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_openvla):
+    return load_policy(tiny_openvla, device="cpu")
+
+
+def graphs_compiled() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow  # inductor compiles for 30-60 s per case on 2 cores (less once its on-disk cache holds the graphs)
+@pytest.mark.parametrize(("kv", "history"), [("full", "single"), ("full", "history"), ("chunked", "single"), ("chunked", "history")])
+def test_compiled_session_decodes_the_eager_tokens_and_compiles_nothing_after_creation(policy, frame, kv, history):
+    config = SessionConfig(kv=KVConfig(mode=kv), history=history)
+    eager = policy.new_session(INSTRUCTION, config)
+    compiled = policy.new_session(INSTRUCTION, replace(config, compile=CompileMode.DEFAULT))
+    assert compiled.cache.stats().tokens_seen == 0  # the warm-up's steps were reset away
+    before = graphs_compiled()
+    for i in range(6):  # history mode: past the chunked cache's first compressions
+        obs = Observation(images={"primary": frame(i)})
+        want, got = eager.step(obs), compiled.step(obs)
+        np.testing.assert_array_equal(compiled.last_tokens, eager.last_tokens)
+        np.testing.assert_allclose(got.actions, want.actions, rtol=0, atol=1e-6)
+        assert got.kv == want.kv
+    assert graphs_compiled() == before, "a control step compiled: the warm-up at session creation missed a graph"
+
+
+@pytest.mark.parametrize("kv", ["full", "chunked"])
+def test_a_planned_decode_forward_is_one_graph_and_equals_eager(policy, frame, kv):
+    """Capturability without inductor (``backend="eager"``, quick): after the cache has planned the forward, the
+    layer pass of a one-token decode traces with ``fullgraph=True`` (a graph break raises) in an episode that
+    already pinned its prompt and compressed chunks, and the captured graph computes eager's numbers exactly."""
+    session = policy.new_session(INSTRUCTION, SessionConfig(kv=KVConfig(mode=kv), history="history"))
+    for i in range(3):
+        session.step(Observation(images={"primary": frame(i)}))
+    if kv == "chunked":
+        assert session.cache.stats().chunks_retained > 0
+    decoder, cache = policy.vlm.language_model.model, session.cache
+    captured = torch.compile(decoder.layers_forward, fullgraph=True, backend="eager", dynamic=True)
+    token = torch.tensor([[31800]])
+    with torch.inference_mode():
+        mark = cache.mark()
+        want = decoder(token, cache=cache)
+        cache.rollback(mark)
+        cache.plan_forward(1)
+        got = captured(token, cache=cache)
+        cache.end_forward()
+        cache.rollback(mark)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_reduce_overhead_off_cuda_names_the_mode_to_use(policy):
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device.*use 'default'"):
+        policy.new_session(INSTRUCTION, SessionConfig(compile="reduce-overhead"))
+
+
+def test_an_unknown_compile_mode_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="`compile` is 'max'; expected one of off, default, reduce-overhead"):
+        SessionConfig(compile="max")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_compiled_cuda_step_never_waits_for_the_host(tiny_openvla, frame):
+    """CUDA graphs, full cache, single mode: after the warm-up (which recorded this step's lengths), the vision
+    towers, the step's prefill and decode forwards run without a host synchronisation (``set_sync_debug_mode
+    ("error")`` raises on one). Not run in CI here (no CUDA)."""
+    gpu = load_policy(tiny_openvla, device="cuda")
+    session = gpu.new_session(INSTRUCTION, SessionConfig(compile=CompileMode.REDUCE_OVERHEAD))
+    session.step(Observation(images={"primary": frame(0)}))
+    pixels, _ = session.inputs(Observation(images={"primary": frame(1)}))
+    token = torch.tensor([[31800]], device="cuda")
+    with torch.inference_mode():  # the prompt's ids go to the device here (a host copy), before the check
+        embeds = session.context(session.modules.embed_image(pixels), [], {})  # resets the cache (single mode)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            session.modules.embed_image(pixels)
+            session.modules.decoder(inputs_embeds=embeds, cache=session.cache)
+            for _ in range(3):
+                session.modules.decoder(token, cache=session.cache)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert session.cache.stats().tokens_seen > 3

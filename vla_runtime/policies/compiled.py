@@ -1,0 +1,92 @@
+"""The modules a step runs, eager or ``torch.compile``-d (``SessionConfig.compile``), and the warm-up that pays
+the compilation when a session is created instead of in its first control tick.
+
+What is compiled (the same callables an eager step runs):
+
+- ``PrismaticVLM.embed_image``: vision towers + projector. Static shapes: one graph.
+- ``LlamaModel.layers_forward`` with the session's cache: embeddings, norms, projections, the cache's
+  ``attend`` (store the new K/V, RoPE, SDPA) and the MLPs of every layer, no graph break for the ``full``
+  and ``chunked`` caches. A prefill and a one-token decode are distinct graphs; the cache's token counts are
+  Python ints, symbolic in the graphs (``dynamic=True``), so decode steps at growing lengths share one graph.
+  What the cache decides on the host runs eagerly around the compiled pass (``CompiledDecoder``): before it,
+  ``plan_forward`` (slots, positions, the rotated view's rebuild after a layout change); after it,
+  ``end_forward`` (commit, compression with its data-dependent chunk admission). The graph reads the plan
+  and stores no Python state, so a layout change never forces a new graph.
+
+The compiled callables live on the policy (``PrismaticPolicy.step_modules``), one set per ``CompileMode`` and
+cache mode, so every session of a policy with that cache shares them (and their compiled code).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..config import CompileMode
+from ..kv.slot_cache import SlotCache
+from ..models.llama import LlamaModel
+from ..models.prismatic.modeling_prismatic import PrismaticVLM
+
+RECOMPILE_LIMIT = 16  # graphs of one callable (prefill, decode, history frames, ...) before dynamo runs it eagerly
+WARMUP_STEPS = 3  # steps a compiled session runs at creation: the first prefill, decodes at growing lengths,
+# history mode's second frame and a compression (the chunked cache's first chunk forms by the third step)
+
+
+@dataclass(frozen=True)
+class StepModules:
+    """The callables a step runs. ``embed_image``: pixels [B, 3 * towers, H, W] -> image tokens [B, N, dim].
+    ``decoder``: ``LlamaModel.forward``'s signature (input_ids [B, T] or inputs_embeds [B, T, dim], ``cache``,
+    ``pin``) -> final-normed hidden states [B, T, dim]; the module itself when eager (its hooks run)."""
+
+    mode: CompileMode
+    embed_image: Callable[[torch.Tensor], torch.Tensor]
+    decoder: Callable[..., torch.Tensor]
+
+
+class CompiledDecoder:
+    """``LlamaModel.forward`` with the layer pass compiled: the cache plans the forward (``plan_forward``), the
+    compiled ``layers_forward`` runs, the cache commits (``end_forward``); planning and committing run eagerly."""
+
+    def __init__(self, model: LlamaModel, **options) -> None:
+        self.layers = torch.compile(model.layers_forward, **options)
+
+    def __call__(
+        self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None, *,
+        cache: SlotCache, pin: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """input_ids [B, T] or inputs_embeds [B, T, dim] -> final-normed hidden states [B, T, dim]."""
+        cache.plan_forward((input_ids if inputs_embeds is None else inputs_embeds).shape[1])
+        hidden = self.layers(input_ids, inputs_embeds, cache=cache)
+        cache.end_forward(pin=pin)
+        return hidden
+
+
+def step_modules(vlm: PrismaticVLM, mode: CompileMode, device: torch.device) -> StepModules:
+    """The step's modules of ``vlm`` for ``mode``. ``REDUCE_OVERHEAD`` off CUDA is a ``ValueError`` (CUDA graphs
+    need a CUDA device). Compiling is lazy: the first calls (the session's warm-up) compile."""
+    if mode is CompileMode.OFF:
+        return StepModules(mode, vlm.embed_image, vlm.language_model.model)
+    options = compile_options(mode, device)
+    vision = torch.compile(vlm.embed_image, **{**options, "dynamic": False})  # one image size: static shapes
+    return StepModules(mode, vision, CompiledDecoder(vlm.language_model.model, **options))
+
+
+def compile_options(mode: CompileMode, device: torch.device) -> dict:
+    """``torch.compile`` keyword arguments of a compiled ``mode`` on ``device`` (``ValueError``: ``REDUCE_OVERHEAD``
+    off CUDA)."""
+    if mode is CompileMode.OFF:
+        raise ValueError("`compile` is 'off': nothing to compile")
+    if mode is CompileMode.REDUCE_OVERHEAD and device.type != "cuda":
+        raise ValueError(
+            f"`compile` is {mode.value!r}: CUDA graphs need a CUDA device, and the policy is on {device}; "
+            f"use {CompileMode.DEFAULT.value!r} (torch.compile without CUDA graphs) there"
+        )
+    # dynamic: the cache's token counts are symbolic from the first trace (no recompile per length). The recompiles
+    # of these callables are counted apart from other torch.compile calls of the same functions (the limit is per
+    # code object otherwise: sessions of another cache would use it up).
+    options = {"dynamic": True, "isolate_recompiles": True, "recompile_limit": RECOMPILE_LIMIT}
+    if mode is CompileMode.REDUCE_OVERHEAD:
+        options["mode"] = "reduce-overhead"
+    return options
