@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--rate-hz", type=float, default=10.0, help="steps per second each client asks for (0: closed loop)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per client per round")
+    p.add_argument("--phases", choices=["lockstep", "spread"], default="lockstep",
+                   help="lockstep: every client's first timed step at once (the worst case); spread: client i starts "
+                        "i/N of a period later, as robots whose controllers are not synchronised")  # fmt: skip
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per client per round (the episode's start)")
     p.add_argument("--repeats", type=int, default=3, help="rounds; each variant's figures are medians over rounds")
     p.add_argument("--history", choices=["single", "history"], default="history")
@@ -92,7 +95,7 @@ def drive_clients(args: argparse.Namespace) -> dict:
             ready.wait()
             start = time.perf_counter()
             window.append(start)
-            due = start
+            due = start + (i * period / n if args.phases == "spread" else 0.0)
             for k in range(args.steps):
                 now = time.perf_counter()
                 if now < due:
@@ -207,7 +210,7 @@ def make_policy(args: argparse.Namespace, root: Path):
 def run_round(server, port: int, n: int, args: argparse.Namespace) -> dict:
     """One client load against one server: the child's measurements, checked for errors."""
     cmd = [sys.executable, __file__, "--client", "--port", str(port), "--n", str(n), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--rate-hz", str(args.rate_hz), "--seed", str(args.seed)]  # fmt: skip
+           "--warmup", str(args.warmup), "--rate-hz", str(args.rate_hz), "--seed", str(args.seed), "--phases", args.phases]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -281,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
                 thread.stop()
 
     summary = {f"{n}|{name}": {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for (n, name), rs in rounds.items()}
-    print(f"{args.llm} geometry, {args.history} mode, {args.kv} cache, {args.threads} thread(s), {args.rate_hz:g} Hz per client, "
+    print(f"{args.llm} geometry, {args.history} mode, {args.kv} cache, {args.threads} thread(s), {args.rate_hz:g} Hz per client ({args.phases}), "
           f"{args.steps} steps x {args.repeats} rounds (medians)")  # fmt: skip
     print(f"{'clients':>7} | {'variant':13} | {'actions/s':>9} | {'p50 ms':>8} | {'p95 ms':>8} | batched/one-at-a-time actions/s")
     for n in args.clients:
