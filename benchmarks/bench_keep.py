@@ -19,7 +19,7 @@ model and stores; W processes on W cores time the same way one does, but on a sh
 compete for memory bandwidth (all methods alike: methods are rotated within each question).
 
 Usage: python benchmarks/bench_keep.py [--sizes 10 20 40] [--questions 30] [--workers 1] [--threads 1]
-       [--out results/bench_keep]
+       [--methods ...] [--link-mb-s MB/s] [--out results/bench_keep]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from vla_runtime.bench.harness import environment, pinned_threads, pyplot, save_
 from vla_runtime.checkpoints.causal_lm import load_causal_lm  # noqa: E402
 from vla_runtime.checkpoints.gguf import cached_conversion  # noqa: E402
 from vla_runtime.memory.branches import continuation_logprobs  # noqa: E402
-from vla_runtime.memory import EmbodiedMemory, KVStore, MemoryConfig, MemoryPrefill, PrefillConfig, PromptBuilder, SentenceEncoder  # noqa: E402
+from vla_runtime.memory import EmbodiedMemory, KVStore, MemoryConfig, MemoryPrefill, PrefillConfig, PromptBuilder, SentenceEncoder, StoreConfig, TierConfig  # noqa: E402
 
 METHODS = {
     "full": PrefillConfig(method="full"),
@@ -54,9 +54,17 @@ METHODS = {
     "cacheblend-seg": PrefillConfig(method="cacheblend", block_tokens=0),  # one chunk per segment
     "epic": PrefillConfig(method="epic"),
     "keep": PrefillConfig(method="keep"),
-    "keep-no-multihop": PrefillConfig(method="keep", hops=0),
+    "keep-multihop": PrefillConfig(method="keep", hops=4),
     "keep-no-static": PrefillConfig(method="keep", static_grouping=False),
+    # where the damage from stored KV sits: every segment recomputed in layers 0..d-1, stored KV above
+    "keep-depth10": PrefillConfig(method="keep", ratios=(1.0,) * 10 + (0.0,)),
+    "keep-depth20": PrefillConfig(method="keep", ratios=(1.0,) * 20 + (0.0,)),
+    "keep-depth27": PrefillConfig(method="keep", ratios=(1.0,) * 27 + (0.0,)),
+    # the load schedules (time only; compare under a throttled store link, --link-mb-s)
+    "keep-next-layer": PrefillConfig(method="keep", load_schedule="next_layer"),
+    "keep-serial": PrefillConfig(method="keep", load_schedule="serial"),
 }
+DEFAULT_METHODS = ["full", "prefix", "reuse", "cacheblend", "cacheblend-seg", "epic", "keep", "keep-multihop", "keep-no-static"]
 KINDS = ("where", "state", "room")
 SYSTEM = (
     "<|im_start|>system\nYou are a household robot. Answer questions from your memory of the house.<|im_end|>\n"
@@ -73,11 +81,15 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=1, help="processes, each with its own world (seed + worker index), model and stores")
     p.add_argument("--warmup", type=int, default=2, help="questions per worker run first and not counted (stores warm up)")
     p.add_argument("--world-warmup", type=int, default=12, help="world steps before the first question (groups can turn static)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
+    p.add_argument("--link-mb-s", type=float, default=None,
+                   help="emulate a store link of this many MB/s for every method's stored KV (default: RAM speed)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench_keep")
     args = p.parse_args(argv)
+    if args.link_mb_s is not None and args.link_mb_s <= 0:
+        p.error(f"--link-mb-s must be > 0, got {args.link_mb_s}")
     for name in ("questions", "workers", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -114,7 +126,8 @@ def run_shard(args, model_dir: str, size: int, shard: int, n_questions: int) -> 
             memory.advance()
             for sid, text in world.segment_texts().items():
                 memory.upsert(sid, text)
-        engines = {m: MemoryPrefill(llm.model, KVStore(), METHODS[m]) for m in args.methods}
+        link = None if args.link_mb_s is None else StoreConfig([TierConfig(kind="host", bandwidth=args.link_mb_s * 1e6)])
+        engines = {m: MemoryPrefill(llm.model, KVStore(link), METHODS[m]) for m in args.methods}
         records = []
         for step in range(args.warmup + n_questions):
             world.step()
@@ -137,7 +150,7 @@ def run_shard(args, model_dir: str, size: int, shard: int, n_questions: int) -> 
                 res, scores = out[m]
                 answer = int(scores.argmax())
                 rec["methods"][m] = {
-                    "ttft_ms": res.stats.ttft_ms, "build_ms": res.stats.build_ms, "answer": answer,
+                    "ttft_ms": res.stats.ttft_ms, "build_ms": res.stats.build_ms, "stall_ms": res.stats.loader_stall_ms, "answer": answer,
                     "agree": int(answer == int(ref_scores.argmax())), "correct": int(answer == q.gold),
                     "kl_cand": kl(ref_scores, scores), "kl_token": kl(ref_res.logits, res.logits),
                     "share": res.stats.recompute_share, "built": res.stats.tokens_built,
@@ -168,7 +181,8 @@ def summarize_size(records: list[dict], methods: list[str], *, reference: str = 
     summary = {}
     for m in methods:
         ttft = col(m, "ttft_ms")
-        s = {**summarize(ttft), "n": n, "build_median_ms": statistics.median(col(m, "build_ms"))}
+        s = {**summarize(ttft), "n": n, "build_median_ms": statistics.median(col(m, "build_ms")),
+             "stall_median_ms": statistics.median(r["methods"][m].get("stall_ms", 0.0) for r in records)}
         for base in ("full", "cacheblend"):
             if base in methods:
                 iv = bootstrap_median_ratio(col(base, "ttft_ms"), ttft)
@@ -193,14 +207,14 @@ def print_table(results: dict, reference: str = "keep") -> None:
     pct = lambda d: f"{100 * d['estimate']:3.0f}% [{100 * d['low']:2.0f},{100 * d['high']:3.0f}]"  # noqa: E731
     ratio = lambda d: f"{d['estimate']:.2f} [{d['low']:.2f},{d['high']:.2f}]" if d else "-"  # noqa: E731
     print(f"{'size':>4} {'method':17s} {'TTFT ms':>8} {'p10':>6} {'p90':>6} {'x full [95% CI]':>18} {'x CB [95% CI]':>18} "
-          f"{'agree [95% CI]':>16} {'acc [95% CI]':>16} {'KL cand':>7} {'share':>5} {'vs ' + reference + ' (only ref/only this, p)':>30}")  # fmt: skip
+          f"{'agree [95% CI]':>16} {'acc [95% CI]':>16} {'KL cand':>7} {'share':>5} {'stall':>5} {'vs ' + reference + ' (only ref/only this, p)':>30}")  # fmt: skip
     for size, res in results.items():
         for m, s in res["methods"].items():
             v = s.get(f"vs_{reference}")
             vs = f"{v['only_ref_agrees']:3d}/{v['only_this_agrees']:3d}, p={v['mcnemar_p']:.3f}" if v else "-"
             print(f"{size:>4} {m:17s} {s['median_ms']:8.0f} {s['p10_ms']:6.0f} {s['p90_ms']:6.0f} {ratio(s.get('speedup_vs_full')):>18} "
                   f"{ratio(s.get('speedup_vs_cacheblend')):>18} {pct(s['agreement']):>16} {pct(s['accuracy']):>16} "
-                  f"{s['kl_candidates']:7.3f} {s['recompute_share']:5.2f} {vs:>30}")  # fmt: skip
+                  f"{s['kl_candidates']:7.3f} {s['recompute_share']:5.2f} {s['stall_median_ms']:5.0f} {vs:>30}")  # fmt: skip
         full = res["methods"]["full"]["accuracy_by_kind"]
         print(f"{size:>4} ({res['questions']} questions, median {res['prompt_tokens_median']:.0f} prompt tokens) full recompute "
               f"accuracy by kind: " + ", ".join(f"{k} {100 * a:.0f}%" for k, a in full.items()))  # fmt: skip
