@@ -1,4 +1,4 @@
-"""KEEP vs text memory, prefix caching, full reuse, CacheBlend and EPIC on KitchenWorld (keep.md §5).
+"""KEEP vs text memory, prefix caching, full reuse, CacheBlend and EPIC on KitchenWorld or PlanWorld (keep.md §5).
 
 Question: at 10/20/40 retrieved memory segments, how much lower is KEEP's time to first token than
 recomputing the memory (and than CacheBlend), and how often does it still give the answer a full
@@ -18,8 +18,8 @@ have paired-bootstrap 95 % intervals of the ratio of medians.
 model and stores; W processes on W cores time the same way one does, but on a shared machine they
 compete for memory bandwidth (all methods alike: methods are rotated within each question).
 
-Usage: python benchmarks/bench_keep.py [--sizes 10 20 40] [--questions 30] [--workers 1] [--threads 1]
-       [--methods ...] [--link-mb-s MB/s] [--out results/bench_keep]
+Usage: python benchmarks/bench_keep.py [--world kitchen|plan] [--sizes 10 20 40] [--questions 30] [--workers 1]
+       [--threads 1] [--methods ...] [--link-mb-s MB/s] [--out results/bench_keep]
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kitchen_world import KitchenWorld  # noqa: E402
+import kitchen_world  # noqa: E402
+import plan_world  # noqa: E402
 
 from vla_runtime.bench.stats import bootstrap_median_ratio, mcnemar_exact, paired_bootstrap_diff, wilson_interval  # noqa: E402
 from vla_runtime.bench.harness import environment, pinned_threads, pyplot, save_figure, summarize, write_json  # noqa: E402
@@ -65,11 +66,11 @@ METHODS = {
     "keep-serial": PrefillConfig(method="keep", load_schedule="serial"),
 }
 DEFAULT_METHODS = ["full", "prefix", "reuse", "cacheblend", "cacheblend-seg", "epic", "keep", "keep-multihop", "keep-no-static"]
-KINDS = ("where", "state", "room")
-SYSTEM = (
-    "<|im_start|>system\nYou are a household robot. Answer questions from your memory of the house.<|im_end|>\n"
-    "<|im_start|>user\nMemory:\n"
-)
+KINDS = kitchen_world.KINDS
+WORLDS = {  # name -> (world class, question kinds asked in turn, system prefix)
+    "kitchen": (kitchen_world.KitchenWorld, kitchen_world.KINDS, kitchen_world.SYSTEM),
+    "plan": (plan_world.PlanWorld, plan_world.KINDS, plan_world.SYSTEM),
+}
 
 
 def parse_args(argv=None):
@@ -81,6 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=1, help="processes, each with its own world (seed + worker index), model and stores")
     p.add_argument("--warmup", type=int, default=2, help="questions per worker run first and not counted (stores warm up)")
     p.add_argument("--world-warmup", type=int, default=12, help="world steps before the first question (groups can turn static)")
+    p.add_argument("--world", default="kitchen", choices=list(WORLDS), help="kitchen: KitchenWorld questions; plan: PlanWorld's next subtask")
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
     p.add_argument("--link-mb-s", type=float, default=None,
                    help="emulate a store link of this many MB/s for every method's stored KV (default: RAM speed)")
@@ -108,6 +110,14 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
+def sync_memory(memory: EmbodiedMemory, texts: dict[str, str]) -> None:
+    """Make the memory hold exactly ``texts`` (segment id -> text): upsert every one, delete the rest."""
+    for sid in [s.id for s in memory.segments() if s.id not in texts]:
+        memory.delete(sid)
+    for sid, text in texts.items():
+        memory.upsert(sid, text)
+
+
 def run_shard(args, model_dir: str, size: int, shard: int, n_questions: int) -> list[dict]:
     """One worker: its own world (seed ``args.seed * 1000 + shard``), memory, model and stores; returns one
     record per counted question: ``{"kind", "tokens", "methods": {method: {...}}}``."""
@@ -118,25 +128,23 @@ def run_shard(args, model_dir: str, size: int, shard: int, n_questions: int) -> 
         encoder = SentenceEncoder()
         builder = PromptBuilder(llm.tokenizer)
         memory = EmbodiedMemory(encoder, MemoryConfig(top_k=size))
-        world = KitchenWorld(seed=args.seed * 1000 + shard)
-        for sid, text in world.segment_texts().items():
-            memory.add(sid, text)
+        world_cls, kinds, system = WORLDS[args.world]
+        world = world_cls(seed=args.seed * 1000 + shard)
+        sync_memory(memory, world.segment_texts())
         for _ in range(args.world_warmup):
             world.step()
             memory.advance()
-            for sid, text in world.segment_texts().items():
-                memory.upsert(sid, text)
+            sync_memory(memory, world.segment_texts())
         link = None if args.link_mb_s is None else StoreConfig([TierConfig(kind="host", bandwidth=args.link_mb_s * 1e6)])
         engines = {m: MemoryPrefill(llm.model, KVStore(link), METHODS[m]) for m in args.methods}
         records = []
         for step in range(args.warmup + n_questions):
             world.step()
             memory.advance()
-            for sid, text in world.segment_texts().items():
-                memory.upsert(sid, text)
-            q = world.question(KINDS[step % len(KINDS)])
+            sync_memory(memory, world.segment_texts())
+            q = world.question(kinds[step % len(kinds)])
             units = memory.retrieve(q.text)
-            prompt = builder.build(SYSTEM, units, f"Question: {q.text}<|im_end|>\n<|im_start|>assistant\n{q.answer_prefix}")
+            prompt = builder.build(system, units, f"Question: {q.text}<|im_end|>\n<|im_start|>assistant\n{q.answer_prefix}")
             order = args.methods[step % len(args.methods):] + args.methods[: step % len(args.methods)]  # rotate: no method always runs first
             out = {}
             for m in order:
@@ -178,6 +186,7 @@ def summarize_size(records: list[dict], methods: list[str], *, reference: str = 
     bootstrap interval of the agreement difference."""
     col = lambda m, key: [r["methods"][m][key] for r in records]  # noqa: E731
     n = len(records)
+    kinds = list(dict.fromkeys(r["kind"] for r in records))
     summary = {}
     for m in methods:
         ttft = col(m, "ttft_ms")
@@ -190,8 +199,8 @@ def summarize_size(records: list[dict], methods: list[str], *, reference: str = 
         for key, name in (("agree", "agreement"), ("correct", "accuracy")):
             iv = wilson_interval(sum(col(m, key)), n)
             s[name] = {"estimate": iv.estimate, "low": iv.low, "high": iv.high}
-        s["accuracy_by_kind"] = {k: statistics.mean(r["methods"][m]["correct"] for r in records if r["kind"] == k) for k in KINDS if any(r["kind"] == k for r in records)}
-        s["agreement_by_kind"] = {k: statistics.mean(r["methods"][m]["agree"] for r in records if r["kind"] == k) for k in KINDS if any(r["kind"] == k for r in records)}
+        s["accuracy_by_kind"] = {k: statistics.mean(r["methods"][m]["correct"] for r in records if r["kind"] == k) for k in kinds}
+        s["agreement_by_kind"] = {k: statistics.mean(r["methods"][m]["agree"] for r in records if r["kind"] == k) for k in kinds}
         s.update(kl_candidates=statistics.mean(col(m, "kl_cand")), kl_next_token=statistics.mean(col(m, "kl_token")),
                  recompute_share=statistics.mean(col(m, "share")), tokens_built=statistics.mean(col(m, "built")))  # fmt: skip
         if reference in methods and m != reference:
@@ -220,7 +229,7 @@ def print_table(results: dict, reference: str = "keep") -> None:
               f"accuracy by kind: " + ", ".join(f"{k} {100 * a:.0f}%" for k, a in full.items()))  # fmt: skip
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, world: str) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -236,7 +245,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"{s} segments" for s in sizes])
         ax.set_ylabel(label)
     ax1.legend(fontsize=7, ncol=2)
-    fig.suptitle("KitchenWorld, SmolLM2-135M fp32 CPU")
+    fig.suptitle(f"{WORLDS[world][0].__name__}, SmolLM2-135M fp32 CPU")
     save_figure(fig, path)
 
 
@@ -256,7 +265,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     env = environment(dtype="float32", threads=args.threads, model=model_dir, wall_s=wall_s)
     write_json(out.with_suffix(".json"), env=env, args=args, results=results, records=records)
-    plot(results, out.with_suffix(".png"))
+    plot(results, out.with_suffix(".png"), args.world)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
 

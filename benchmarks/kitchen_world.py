@@ -78,6 +78,11 @@ EXAMPLES = [
 ]
 
 HAND = "in the robot's hand"
+KINDS = ("where", "state", "room")  # the question kinds, asked in turn
+SYSTEM = (
+    "<|im_start|>system\nYou are a household robot. Answer questions from your memory of the house.<|im_end|>\n"
+    "<|im_start|>user\nMemory:\n"
+)
 
 
 def _where(receptacle: str) -> str:
