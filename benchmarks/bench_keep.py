@@ -64,7 +64,15 @@ METHODS = {
     # the load schedules (time only; compare under a throttled store link, --link-mb-s)
     "keep-next-layer": PrefillConfig(method="keep", load_schedule="next_layer"),
     "keep-serial": PrefillConfig(method="keep", load_schedule="serial"),
+    # stored units prefilled after UNIT_CONTEXT (the prompt is the same)
+    "reuse-ctx": PrefillConfig(method="reuse"),
+    "cacheblend-seg-ctx": PrefillConfig(method="cacheblend", block_tokens=0),
+    "epic-ctx": PrefillConfig(method="epic"),
+    "keep-ctx": PrefillConfig(method="keep"),
 }
+# a fixed filler in the memory's own format about things no world has: stored units are prefilled after
+# [system prefix][UNIT_CONTEXT] so they look like lines deep in a memory (methods named *-ctx)
+UNIT_CONTEXT = "The lamp is on the windowsill, off.\nThe rug is in the hallway, clean.\nThe umbrella is in the closet, dry.\n"
 DEFAULT_METHODS = ["full", "prefix", "reuse", "cacheblend", "cacheblend-seg", "epic", "keep", "keep-multihop", "keep-no-static"]
 KINDS = kitchen_world.KINDS
 WORLDS = {  # name -> (world class, question kinds asked in turn, system prefix)
@@ -144,11 +152,13 @@ def run_shard(args, model_dir: str, size: int, shard: int, n_questions: int) -> 
             sync_memory(memory, world.segment_texts())
             q = world.question(kinds[step % len(kinds)])
             units = memory.retrieve(q.text)
-            prompt = builder.build(system, units, f"Question: {q.text}<|im_end|>\n<|im_start|>assistant\n{q.answer_prefix}")
+            query = f"Question: {q.text}<|im_end|>\n<|im_start|>assistant\n{q.answer_prefix}"
+            prompt = builder.build(system, units, query)
+            prompts = {False: prompt, True: builder.build(system, units, query, context=UNIT_CONTEXT)}
             order = args.methods[step % len(args.methods):] + args.methods[: step % len(args.methods)]  # rotate: no method always runs first
             out = {}
             for m in order:
-                res = engines[m].run(prompt)
+                res = engines[m].run(prompts[m.endswith("-ctx")])
                 out[m] = (res, score_candidates(llm.model, builder, res, q.candidates))
             if step < args.warmup:
                 continue

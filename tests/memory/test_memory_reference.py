@@ -1,14 +1,17 @@
 """The prefill with memory against references that share none of its code (issue 20: is the damage
 from stored KV a bug?).
 
-* Stored unit KV equals a plain forward of ``[system prefix][unit]`` through an ordinary ``FullCache``,
-  its keys un-rotated from the positions they were computed at.
+* Stored unit KV equals a plain forward of ``[system prefix][context][unit]`` through an ordinary
+  ``FullCache``, its keys un-rotated from the positions they were computed at.
 * A KEEP prefill (segments dropped at different layers, a jointly stored group with an offset) equals
   one ordinary causal forward over the whole prompt in which, at every layer, the rows KEEP did not
   compute there have their k/v replaced by the stored ones. Rows that read stored KV at a layer read it
   at every deeper layer too, so computing them anyway changes no other row: the logits must agree.
 """
 
+import dataclasses
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -51,18 +54,21 @@ class SubstitutingCache:
         pass
 
 
-def test_stored_unit_kv_equals_a_plain_forward_after_the_prefix(tiny_lm):
-    prompt = make_prompt()  # units (s0 s1) (s2) (s3 s4) (s5)
+@pytest.mark.parametrize("context", [(), (501, 502, 503, 504, 505)])
+def test_stored_unit_kv_equals_a_plain_forward_after_the_prefix(tiny_lm, context):
+    prompt = dataclasses.replace(make_prompt(), context_ids=context)  # units (s0 s1) (s2) (s3 s4) (s5)
     store = KVStore()
     engine = MemoryPrefill(tiny_lm, store, PrefillConfig(method="keep"))
-    engine.run(prompt)
-    ctx = PlanContext(engine.model_tag, prompt.prefix_ids, store)
+    res = engine.run(prompt)
+    # with a context filler no unit was prefilled where it sits, so the first one is recomputed too
+    assert ("s0" in res.stats.modules_per_layer[0]) == bool(context)
+    ctx = PlanContext(engine.model_tag, prompt.prefix_ids, store, context)
     for unit in prompt.units:
         # static groups are stored jointly, the others per segment
         pieces = [unit.token_ids] if unit.joint else [s.token_ids for s in unit.segments]
         for ids in pieces:
             kv = store.get(ctx.unit_key(ids))
-            k, v = plain_unit_kv(tiny_lm, prompt.prefix_ids, ids)
+            k, v = plain_unit_kv(tiny_lm, prompt.prefix_ids + context, ids)
             torch.testing.assert_close(kv.k, k, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(kv.v, v, atol=1e-5, rtol=1e-5)
 
