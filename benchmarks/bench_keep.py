@@ -70,9 +70,7 @@ METHODS = {
     "epic-ctx": PrefillConfig(method="epic"),
     "keep-ctx": PrefillConfig(method="keep"),
 }
-# a fixed filler in the memory's own format about things no world has: stored units are prefilled after
-# [system prefix][UNIT_CONTEXT] so they look like lines deep in a memory (methods named *-ctx)
-UNIT_CONTEXT = "The lamp is on the windowsill, off.\nThe rug is in the hallway, clean.\nThe umbrella is in the closet, dry.\n"
+UNIT_CONTEXT = kitchen_world.UNIT_CONTEXT  # methods named *-ctx prefill their stored units after it
 DEFAULT_METHODS = ["full", "prefix", "reuse", "cacheblend", "cacheblend-seg", "epic", "keep", "keep-multihop", "keep-no-static"]
 KINDS = kitchen_world.KINDS
 WORLDS = {  # name -> (world class, question kinds asked in turn, system prefix)

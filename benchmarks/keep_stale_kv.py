@@ -7,7 +7,7 @@ the same tokens, as the relative L2 deviation of keys (pre-RoPE) and values per 
 attention mass the last ``--ref-rows`` query rows put on the memory when the memory rows read
 their stored KV ("stale") against the full prefill ("fresh"), heads averaged.
 
-Usage: python benchmarks/keep_stale_kv.py [--prompts 4] [--threads 1]
+Usage: python benchmarks/keep_stale_kv.py [--prompts 4] [--context] [--threads 1]
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=4, help="KitchenWorld questions (one prompt each), averaged")
     p.add_argument("--ref-rows", type=int, default=3, help="last query rows whose attention mass is measured")
+    p.add_argument("--context", action="store_true", help="prefill stored units after kitchen_world.UNIT_CONTEXT")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cache", default=os.path.expanduser("~/.cache/vla-runtime"))
     args = p.parse_args(argv)
@@ -89,7 +90,9 @@ def main(argv=None) -> int:
             if step < 12:
                 continue
             q = world.question(kitchen_world.KINDS[step % 3])
-            prompt = builder.build(kitchen_world.SYSTEM, memory.retrieve(q.text), f"Question: {q.text}<|im_end|>\n<|im_start|>assistant\n{q.answer_prefix}")
+            query = f"Question: {q.text}<|im_end|>\n<|im_start|>assistant\n{q.answer_prefix}"
+            context = kitchen_world.UNIT_CONTEXT if args.context else ""
+            prompt = builder.build(kitchen_world.SYSTEM, memory.retrieve(q.text), query, context=context)
             a, b, n = prompt.n_prefix, prompt.memory_end, prompt.n_tokens
             res = MemoryPrefill(model, KVStore(), PrefillConfig(method="reuse")).run(prompt)  # stored KV, re-rotated
             k_rot, v_st = (t[:, 0, :, a:b].clone() for t in res.cache.buffers(n))  # [L, Hkv, M, D]
@@ -102,8 +105,9 @@ def main(argv=None) -> int:
             model(ids, cache=stale)
             rows.append(torch.tensor([[rel(k_st[l], fresh.k[l]), rel(v_st[l], fresh.v[l]), fresh.mass[l], stale.mass[l]] for l in range(cfg.n_layers)]))
         mean = torch.stack(rows).mean(0)
-    print(f"{args.prompts} KitchenWorld prompts, 40 segments; stored KV vs a full prefill (relative L2), and the last "
-          f"{args.ref_rows} query rows' attention mass on the memory")  # fmt: skip
+    print(f"{args.prompts} KitchenWorld prompts, 40 segments; stored KV{' (after the context filler)' if args.context else ''} vs a full "
+          f"prefill (relative L2), and the last {args.ref_rows} query rows' attention mass on the memory")  # fmt: skip
+    print(f"layers 10-{cfg.n_layers - 1} mean: dev v {mean[10:, 1].mean():.2f}, mass fresh {mean[10:, 2].mean():.2f}, stale {mean[10:, 3].mean():.2f}")
     print(f"{'layer':>5} {'dev k':>6} {'dev v':>6} {'mass fresh':>10} {'mass stale':>10}")
     for layer, (dk, dv, mf, ms) in enumerate(mean.tolist()):
         print(f"{layer:5d} {dk:6.2f} {dv:6.2f} {mf:10.2f} {ms:10.2f}")
