@@ -69,6 +69,8 @@ METHODS = {
     "cacheblend-seg-ctx": PrefillConfig(method="cacheblend", block_tokens=0),
     "epic-ctx": PrefillConfig(method="epic"),
     "keep-ctx": PrefillConfig(method="keep"),
+    "keep-multihop-ctx": PrefillConfig(method="keep", hops=4),
+    "keep-no-static-ctx": PrefillConfig(method="keep", static_grouping=False),
 }
 UNIT_CONTEXT = kitchen_world.UNIT_CONTEXT  # methods named *-ctx prefill their stored units after it
 DEFAULT_METHODS = ["full", "prefix", "reuse", "cacheblend", "cacheblend-seg", "epic", "keep", "keep-multihop", "keep-no-static"]
