@@ -41,7 +41,8 @@ class PlannerConfig:
     prefill: how the memory's KV is obtained (method, schedule ...). store: KV store tiers.
     unit_context: text every stored memory unit is prefilled after (never in the prompt), e.g. a few
         neutral lines in the memory's own format; "" = none. Stored KV then pulls the query's attention
-        less (issue 20: on KitchenWorld full reuse agreed with full recomputation on 85 % instead of 62 %).
+        less (issue 20: on KitchenWorld, 40 questions, full reuse agreed with full recomputation on 85 %
+        instead of 62 %; on PlanWorld it did not help; see the README).
     """
 
     system_prompt: str = "You are a household robot. Plan tasks step by step like the examples in your memory."
