@@ -58,7 +58,7 @@ class SubstitutingCache:
 def test_stored_unit_kv_equals_a_plain_forward_after_the_prefix(tiny_lm, context):
     prompt = dataclasses.replace(make_prompt(), context_ids=context)  # units (s0 s1) (s2) (s3 s4) (s5)
     store = KVStore()
-    engine = MemoryPrefill(tiny_lm, store, PrefillConfig(method="keep"))
+    engine = MemoryPrefill(tiny_lm, store, PrefillConfig(method="keep", static_grouping=True))
     res = engine.run(prompt)
     # with a context filler no unit was prefilled where it sits, so the first one is recomputed too
     assert ("s0" in res.stats.modules_per_layer[0]) == bool(context)
@@ -76,7 +76,7 @@ def test_stored_unit_kv_equals_a_plain_forward_after_the_prefix(tiny_lm, context
 def test_keep_equals_a_plain_forward_with_the_stored_kv_substituted(tiny_lm):
     prompt = make_prompt(lengths=(5, 7, 4, 9, 6, 3, 8, 5), joint=((0,), (1,), (2, 3), (4,), (5,), (6,), (7,)))
     cfg = tiny_lm.cfg
-    res = MemoryPrefill(tiny_lm, KVStore(), PrefillConfig(method="keep", decay=0.6)).run(prompt)
+    res = MemoryPrefill(tiny_lm, KVStore(), PrefillConfig(method="keep", decay=0.6, static_grouping=True)).run(prompt)
     computed = [set(m) for m in res.stats.modules_per_layer]
     assert [len(c) for c in computed] == [7, 4, 2, 1]  # s0 is exact (never computed); segments drop at every layer
     # the stored KV every segment reads, from the plain reference: per segment, or the joint unit (s2 s3)
