@@ -78,6 +78,14 @@ EXAMPLES = [
 ]
 
 HAND = "in the robot's hand"
+KINDS = ("where", "state", "room")  # the question kinds, asked in turn
+# a fixed filler in the memory's own format about things no world has: stored units prefilled after
+# [system prefix][UNIT_CONTEXT] look like lines deep in a memory (issue 20)
+UNIT_CONTEXT = "The lamp is on the windowsill, off.\nThe rug is in the hallway, clean.\nThe umbrella is in the closet, dry.\n"
+SYSTEM = (
+    "<|im_start|>system\nYou are a household robot. Answer questions from your memory of the house.<|im_end|>\n"
+    "<|im_start|>user\nMemory:\n"
+)
 
 
 def _where(receptacle: str) -> str:

@@ -1,4 +1,4 @@
-"""bench_keep.py's pure parts: KitchenWorld's questions are answerable from its memory, and the per-size
+"""bench_keep.py's pure parts: KitchenWorld's and PlanWorld's questions are answerable from their memory, and the per-size
 summary carries intervals and paired tests computed from the per-question records (no model runs here)."""
 
 import sys
@@ -9,6 +9,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_keep import KINDS, summarize_size  # noqa: E402
 from kitchen_world import HAND, RECEPTACLES, KitchenWorld  # noqa: E402
+from plan_world import KINDS as PLAN_KINDS  # noqa: E402
+from plan_world import PlanWorld  # noqa: E402
 
 
 def test_every_question_is_answered_by_its_memory():
@@ -60,3 +62,26 @@ def test_summary_has_intervals_and_paired_tests():
     assert reuse["vs_keep"]["mcnemar_p"] == pytest.approx(2 / 256)
     assert reuse["vs_keep"]["agreement_diff"]["estimate"] == pytest.approx(0.4)
     assert "vs_keep" not in keep
+
+
+def test_every_plan_question_is_answered_by_its_memory():
+    world = PlanWorld(seed=4)
+    kinds = set()
+    for step in range(90):
+        world.step()
+        texts = world.segment_texts()
+        events = [t for sid, t in texts.items() if sid.startswith("event:")]
+        assert len(events) <= world.log_len
+        q = world.question(PLAN_KINDS[step % len(PLAN_KINDS)])
+        kinds.add((q.kind, q.gold if q.kind == "open" else None))
+        assert len(set(q.candidates)) == len(q.candidates) and 0 <= q.gold < len(q.candidates)
+        gold = q.candidates[q.gold].strip()
+        if q.kind == "fetch":  # the next subtask goes where the object's segment says it is
+            assert f" {gold}," in texts[f"obj:{q.subject}"] or texts[f"obj:{q.subject}"].endswith(f" {gold}.")
+        elif q.kind == "open":  # open the receptacle iff its segment says closed
+            where = world.objects[q.subject][1]
+            assert texts[f"obj:{where}"].endswith(", closed.") == (gold == f"open the {where.lower()}")
+        else:  # the event segment of that step names the object
+            step_no = q.answer_prefix.split()[2].rstrip(",")
+            assert any(t == f"Step {step_no}: I picked up the {gold}." for t in events)
+    assert {k for k, _ in kinds} == set(PLAN_KINDS) and ("open", 0) in kinds and ("open", 1) in kinds

@@ -168,7 +168,7 @@ def test_epic_recomputes_the_first_k_tokens_of_every_segment(tiny_lm):
 
 
 def test_an_update_invalidates_only_the_changed_unit(tiny_lm):
-    engine = MemoryPrefill(tiny_lm, KVStore(), PrefillConfig(method="keep"))
+    engine = MemoryPrefill(tiny_lm, KVStore(), PrefillConfig(method="keep", static_grouping=True))
     prompt = make_prompt()
     first = engine.run(prompt)
     assert first.stats.units_built == 4 + 1  # 4 units + the system prefix

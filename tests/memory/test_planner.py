@@ -84,13 +84,18 @@ def test_prompt_keeps_a_constant_prefix_and_puts_memory_before_the_goal(tiny_llm
 def test_keep_with_full_recompute_plans_exactly_like_text_memory(tiny_llm, memory):
     memory.advance(2)  # some groups are static now
     got = {}
-    for name, prefill in {"full": PrefillConfig(method="full"), "keep": PrefillConfig(method="keep", ratios=(1.0,))}.items():
-        planner = Planner(tiny_llm, memory, PlannerConfig(prefill=prefill, max_new_tokens=6, stop=("<never>",)))
+    keep_all = PrefillConfig(method="keep", ratios=(1.0,))
+    configs = {"full": (PrefillConfig(method="full"), ""), "keep": (keep_all, ""), "keep-ctx": (keep_all, "The lamp is off.\n")}
+    for name, (prefill, context) in configs.items():
+        config = PlannerConfig(prefill=prefill, max_new_tokens=6, stop=("<never>",), unit_context=context)
+        planner = Planner(tiny_llm, memory, config)
         step = planner.next_subtask("put the apple on the table")
         got[name] = step
         assert step.new_tokens == 6 and step.ttft_ms <= step.total_ms
         assert set(step.retrieved) <= set(SEGMENTS) and len(step.retrieved) <= 4
-    assert got["keep"].instruction == got["full"].instruction
+    assert got["keep"].instruction == got["full"].instruction == got["keep-ctx"].instruction
+    # with a context filler every unit is recomputed (none was prefilled where it sits) and the filler is built once
+    assert got["keep-ctx"].prefill.units_built == got["keep"].prefill.units_built + 1
     assert got["keep"].prefill.recompute_share < 1.0 or got["keep"].prefill.units_built > 0
 
 

@@ -15,7 +15,8 @@ not computed at a layer uses stored KV re-positioned to where it now sits).
   the ``ratio(l)`` most important segments by multi-hop importance propagation.
 
 The system prefix is always exact cached KV (except in ``full``). A unit placed right after the
-prefix was prefilled in exactly this context, so its KV is exact and never needs recomputing.
+prefix was prefilled in exactly this context (unless the prompt has a ``context`` filler), so its KV is
+exact and never needs recomputing.
 """
 
 from __future__ import annotations
@@ -116,12 +117,12 @@ class RecomputeMethod:
                 key = ctx.unit_key(unit.token_ids)
                 units.append(UnitSpec(key, unit.token_ids))
                 for s in mine:
-                    modules.append(Module(s.id, s.start, s.end, key, s.start - starts[i], exact=starts[i] == prompt.n_prefix))
+                    modules.append(Module(s.id, s.start, s.end, key, s.start - starts[i], exact=starts[i] == prompt.n_prefix and not prompt.context_ids))
             else:
                 for seg, s in zip(unit.segments, mine):
                     key = ctx.unit_key(seg.token_ids)
                     units.append(UnitSpec(key, seg.token_ids))
-                    modules.append(Module(s.id, s.start, s.end, key, 0, exact=s.start == prompt.n_prefix))
+                    modules.append(Module(s.id, s.start, s.end, key, 0, exact=s.start == prompt.n_prefix and not prompt.context_ids))
         return modules, units
 
 
@@ -201,7 +202,7 @@ class CacheBlend(RecomputeMethod):
                 block = tuple(ids[a:end])
                 key = ctx.unit_key(block)
                 units.append(UnitSpec(key, block))
-                modules.append(Module(f"<block {i}>", a, end, key, 0, exact=a == prompt.n_prefix))
+                modules.append(Module(f"<block {i}>", a, end, key, 0, exact=a == prompt.n_prefix and not prompt.context_ids))
         computed = _positions(prompt.n_tokens, [(prompt.n_prefix, prompt.n_tokens)])
         return Plan(modules, units, computed, stored_value_layers=frozenset({self.cfg.check_layer}))
 

@@ -13,8 +13,8 @@ The paper's three interfaces: ``load_memory(memory_id, layer_id)``, ``prefill_la
 kv)`` and ``importance_evaluation(layer_id, memory_ids, attention)``.
 
 Units missing from the store (new or changed segments, groups that turned static or dynamic) are
-prefilled first, in one forward where every unit sees the system prefix and itself only
-(``BranchCache``).
+prefilled first, in one forward where every unit sees the system prefix (then the prompt's
+``context`` filler, if any) and itself only (``BranchCache``).
 That cost is part of the time to first token.
 """
 
@@ -77,17 +77,24 @@ class PrefillResult:
 
 
 class PlanContext:
-    """Keys a method needs: everything stored is tied to the model and the system prefix it saw."""
+    """Keys a method needs: everything stored is tied to the model and the system prefix (and context
+    filler) it saw."""
 
-    def __init__(self, model_tag: str, prefix_ids: tuple[int, ...], store: KVStore) -> None:
+    def __init__(self, model_tag: str, prefix_ids: tuple[int, ...], store: KVStore, context_ids: tuple[int, ...] = ()) -> None:
         self.model_tag = model_tag
         self.prefix_ids = tuple(prefix_ids)
+        self.context_ids = tuple(context_ids)
         self.store = store
 
     def prefix_key(self, prefix_ids) -> str:
         return content_key(self.model_tag, "prefix", tuple(prefix_ids))
 
+    def context_key(self) -> str:
+        return content_key(self.model_tag, "context", self.prefix_ids, self.context_ids)
+
     def unit_key(self, token_ids, *, kind: str = "unit") -> str:
+        if self.context_ids and kind == "unit":
+            return content_key(self.model_tag, kind, self.prefix_ids, ("context", self.context_ids), tuple(token_ids))
         return content_key(self.model_tag, kind, self.prefix_ids, tuple(token_ids))
 
 
@@ -298,10 +305,19 @@ class MemoryPrefill:
                 missing[u.key] = u.token_ids
         needs_prefix = bool(missing) or any(m.id == "<prefix>" for m in plan.modules)
         prefix, prefix_built = self._prefix(ctx, prompt.prefix_ids) if needs_prefix else (None, 0)
+        context_built = 0
         if missing:
+            if prompt.context_ids:  # units see [prefix][context]: the context's KV is built once and stored
+                key = ctx.context_key()
+                if key not in self.store:
+                    self.store.put(key, self._build([prompt.context_ids], prefix)[0])
+                    context_built = len(prompt.context_ids)
+                ckv = self.store.get(key)
+                prefix = ckv if prefix is None else UnitKV(torch.cat([prefix.k, ckv.k], dim=2), torch.cat([prefix.v, ckv.v], dim=2))
             for key, kv in zip(missing, self._build(list(missing.values()), prefix)):
                 self.store.put(key, kv)
-        return len(missing) + bool(prefix_built), sum(len(t) for t in missing.values()) + prefix_built
+        built = len(missing) + bool(prefix_built) + bool(context_built)
+        return built, sum(len(t) for t in missing.values()) + prefix_built + context_built
 
     def _out_cache(self, n_tokens: int) -> FullCache:
         need = n_tokens + self.decode_capacity
@@ -320,7 +336,7 @@ class MemoryPrefill:
                 f"{cfg.max_position} positions; retrieve fewer segments"
             )
         t0 = time.perf_counter()
-        ctx = PlanContext(self.model_tag, prompt.prefix_ids, self.store)
+        ctx = PlanContext(self.model_tag, prompt.prefix_ids, self.store, prompt.context_ids)
         plan = self.method.plan(prompt, ctx)
         keys = {m.unit for m in plan.modules if m.unit is not None} | {u.key for u in plan.units}
         with self.store.pinned(keys):

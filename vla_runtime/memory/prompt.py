@@ -1,5 +1,9 @@
 """The token layout of a prompt with memory: ``[system prefix][memory units ...][query]``.
 
+Stored unit KV is prefilled after ``[system prefix][context]``: ``context`` (empty by default) is a
+fixed filler that is never part of the prompt; it conditions every stored unit as if it sat deeper in
+a memory (issue 20: a unit prefilled right after the prefix over-attracts the query's attention).
+
 Every segment is tokenised on its own (text + ``segment_suffix``), so the concatenation is the same
 token sequence whichever way a method stores or recomputes it, and a segment's tokens never change
 while its text does not. A static group's unit is its members' tokens back to back.
@@ -48,6 +52,7 @@ class MemoryPrompt:
     prefix_ids: tuple[int, ...]
     units: tuple[PromptUnit, ...]
     query_ids: tuple[int, ...]
+    context_ids: tuple[int, ...] = ()  # stored units are prefilled after prefix + context (not in the prompt)
 
     def __post_init__(self) -> None:
         if not self.query_ids:
@@ -118,6 +123,8 @@ class PromptBuilder:
             raise ValueError(f"segments {empty} tokenise to nothing")
         return PromptUnit(unit.id, segs, joint=unit.static and len(segs) > 1)
 
-    def build(self, prefix: str, units: list[MemoryUnit], query: str) -> MemoryPrompt:
-        """``prefix`` and ``query`` are raw text (chat-template markup included, special tokens as text)."""
-        return MemoryPrompt(self.encode(prefix), tuple(self.unit(u) for u in units), self.encode(query))
+    def build(self, prefix: str, units: list[MemoryUnit], query: str, *, context: str = "") -> MemoryPrompt:
+        """``prefix`` and ``query`` are raw text (chat-template markup included, special tokens as text);
+        ``context``: the filler stored units are prefilled after (never in the prompt; "" = none)."""
+        ctx = self.encode(context) if context else ()
+        return MemoryPrompt(self.encode(prefix), tuple(self.unit(u) for u in units), self.encode(query), ctx)
