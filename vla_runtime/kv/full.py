@@ -72,8 +72,8 @@ class FullCache(SlotCache):
         if self._cos is None:
             self._begin_forward(t, q.device)
         end = start + t
-        k, v_all = self.store.k_layers[layer], self.store.v_layers[layer]  # [B, Hkv, capacity, D]
-        # the per-layer buffers (``SlotStore.k_layers``), written through an index: in place when compiled
+        k, v_all = self.store.layer(layer)  # [B, Hkv, capacity, D]
+        # the per-layer buffers (``store.layer_buffers``), written through an index: in place when compiled
         k.index_copy_(2, self._new_slots, apply_rope(k_raw, self._cos, self._sin))
         v_all.index_copy_(2, self._new_slots, v)
         q = apply_rope(q, self._cos, self._sin)

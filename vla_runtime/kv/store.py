@@ -127,10 +127,15 @@ class SlotStore:
         raw = self.token_slots(self.raw_head, self.length + new)
         return ForwardPlan(new=new, write=raw[raw.shape[0] - new :], raw=raw)
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s key and value buffers [B, Hkv, S, D], to write into in place (``layer_buffers``)."""
+        return layer_buffers(self, layer)
+
     def write(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens of ``layer``; k, v: [B, Hkv, T, D] (k pre-RoPE)."""
-        self.k_layers[layer].index_copy_(2, plan.write, k)
-        self.v_layers[layer].index_copy_(2, plan.write, v)
+        k_buf, v_buf = self.layer(layer)
+        k_buf.index_copy_(2, plan.write, k)
+        v_buf.index_copy_(2, plan.write, v)
 
     def write_layers(self, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens of every layer at once; k, v: [L, B, Hkv, T, D] (k pre-RoPE)."""
@@ -237,13 +242,23 @@ class RotatedView:
         is ``sync``-ed, then gets the new tokens appended."""
         held = n_keys - q.shape[2]
         self.sync(store, layer, slots, n_keys, held)
-        vk, vv = self.k_layers[layer], self.v_layers[layer]  # [B, Hkv, S, D]
+        vk, vv = layer_buffers(self, layer)  # [B, Hkv, S, D]
         new = torch.arange(held, n_keys, device=vk.device)  # [T] the new tokens' slots
         vk.index_copy_(2, new, k_rot)
         vv.index_copy_(2, new, v_new)
         if not causal:
             return block_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys])
         return causal_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], past=held)
+
+
+def layer_buffers(buffers: "SlotStore | RotatedView", layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``buffers.k[layer]``, ``buffers.v[layer]`` ([B, Hkv, S, D]) to write into in place: with autograd off, the
+    views made once at construction (``k_layers``: a tensor of its own per layer, which a compiled forward updates
+    in place); with autograd on, views made now, since a view made with autograd off (a cache built under
+    ``no_grad``) cannot take a write that autograd records."""
+    if torch.is_grad_enabled():
+        return buffers.k[layer], buffers.v[layer]
+    return buffers.k_layers[layer], buffers.v_layers[layer]
 
 
 def row_plan_of(store: SlotStore, n_keys: int, t: int, *, causal: bool) -> RowPlan:
