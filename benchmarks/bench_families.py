@@ -31,7 +31,7 @@ import torch
 
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.bench.harness import (
-    environment, pinned_threads, plot_medians, print_ratio_table, ratio_table, time_interleaved, write_json,
+    environment, plot_medians, print_ratio_table, ratio_table, seeded_main, time_interleaved, write_json,
 )  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact, make_tiny_hybridvla
@@ -191,11 +191,7 @@ def hybrid_variants(path: Path, args: argparse.Namespace, image: np.ndarray) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.manual_seed(args.seed)
-    with pinned_threads(args.threads):
-        return run(args)
+    return seeded_main(parse_args, run, argv)
 
 
 def run(args: argparse.Namespace) -> int:

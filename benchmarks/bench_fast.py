@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import logging
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ import torch
 
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.bench.harness import (
-    environment, pinned_threads, plot_medians, print_ratio_table, ratio_table, time_interleaved, write_json,
+    environment, plot_medians, print_ratio_table, ratio_table, seeded_main, time_interleaved, write_json,
 )  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import CompileMode, SessionConfig
@@ -191,11 +190,7 @@ def layer_group(args: argparse.Namespace) -> list[Group]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.manual_seed(args.seed)
-    with pinned_threads(args.threads):
-        return run(args)
+    return seeded_main(parse_args, run, argv)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,6 @@ once restricted to the 256 action ids (the runtime default). Ratio = reference m
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.bench.harness import (
-    environment, pinned_threads, plot_medians, print_ratio_table, ratio_table, time_interleaved, write_json,
+    environment, plot_medians, print_ratio_table, ratio_table, seeded_main, time_interleaved, write_json,
 )  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import ActionDecoding
@@ -93,11 +92,7 @@ class UpstreamPath:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.manual_seed(args.seed)
-    with pinned_threads(args.threads):
-        return run(args)
+    return seeded_main(parse_args, run, argv)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -128,6 +128,19 @@ def pinned_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def seeded_main(parse_args: Callable[[list[str] | None], argparse.Namespace], run: Callable[[argparse.Namespace], int],
+                argv: list[str] | None = None) -> int:
+    """A model benchmark's ``main``: parse ``argv``, log at INFO, seed torch with ``--seed``, ``run`` on
+    ``--threads`` threads."""
+    import torch
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.manual_seed(args.seed)
+    with pinned_threads(args.threads):
+        return run(args)
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
     cpuinfo = Path("/proc/cpuinfo")
