@@ -203,6 +203,11 @@ class FinetuneConfig:
             of the step before (1 = plain cross-entropy). A policy that sees its past actions learns to copy
             them (the "copycat" failure: it holds still forever because holding was right at the previous
             step); the steps where the action changes (e.g. the go signal) carry what it must learn.
+        goal_weight: weight of the auxiliary goal loss (0 = off; needs a policy with a proprio input): at every
+            step, a linear probe on the hidden state that predicts the step's first action token regresses the
+            normalised robot state of its episode's last frame (where the demonstration ends: the remembered
+            spot, the pad that lit first). A dense target for what the action tokens teach only in the last
+            steps: see the cue, keep it, carry it to the end. The probe is a training aid: it is not saved.
         seed: seeds initialisation, data order and augmentation (resumed runs repeat them exactly).
         device: ``None`` = CUDA if available (``cuda:LOCAL_RANK`` under torchrun), else CPU.
         precision: ``auto`` = bf16 autocast on CUDA, float32 on CPU; ``fp32``; ``bf16`` (autocast).
@@ -236,6 +241,7 @@ class FinetuneConfig:
     max_grad_norm: float | None = 1.0
     action_vocab_loss: bool = True
     change_weight: float = 1.0
+    goal_weight: float = 0.0
     seed: int = 0
     device: str | None = None
     precision: str = "auto"
@@ -274,6 +280,8 @@ class FinetuneConfig:
         _check_positive(self, "batch_size", "grad_accum", "max_steps", "lr", "log_every", "save_every")
         if self.change_weight < 1:
             raise ValueError(f"`change_weight` must be >= 1 (1 = plain cross-entropy), got {self.change_weight}")
+        if not self.goal_weight >= 0:
+            raise ValueError(f"`goal_weight` must be >= 0 (0 = no goal loss), got {self.goal_weight}")
         if self.warmup_steps < 0 or self.weight_decay < 0:
             raise ValueError(
                 f"`warmup_steps` and `weight_decay` must be >= 0, got {self.warmup_steps}, {self.weight_decay}"

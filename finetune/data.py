@@ -130,6 +130,7 @@ class TrainingData:
         dataset_name: str,
         action_mask: list[bool],
         image_aug: bool,
+        goal_targets: bool = False,
     ) -> None:
         cfg = policy.config
         self.decoded = decoded
@@ -140,6 +141,9 @@ class TrainingData:
         self.whole_episodes = history and window == 0
         self.length_bucket = length_bucket
         self.has_proprio = cfg.proprio_dim is not None
+        if goal_targets and not self.has_proprio:
+            raise ValueError("the goal loss (`goal_weight` > 0) regresses the robot state: it needs a policy with a proprio input")
+        self.goal_targets = goal_targets  # each batch carries ``goal``: the normalised state of the segment's last frame
         self.n_image_tokens = cfg.vision.num_patches
         self.action_dim = decoded.actions.shape[1]
         self.dataset_name = dataset_name
@@ -215,6 +219,7 @@ class TrainingData:
             dataset_name=cfg.data.dataset_name or Path(cfg.dataset).resolve().name,
             action_mask=mask,
             image_aug=cfg.data.image_aug,
+            goal_targets=cfg.goal_weight > 0,
         )
 
     # ---- windows -----------------------------------------------------------------------------------
@@ -270,11 +275,12 @@ class TrainingData:
         """Windows (of one bucket) -> tensors: ``frames`` uint8 [B, S, H, W, 3] (or ``pixels`` [B, S, C, H, W]
         for frames the model's transform must resize: ``pixels``), ``proprio`` [B, S, P] (if any),
         ``text_ids`` [B, Nt], ``labels`` [B, S * A] (``IGNORE`` on padded steps), ``tokens`` (the
-        windows' real tokens, padding excluded) and the bucket ``key``."""
+        windows' real tokens, padding excluded), the bucket ``key`` and, with ``goal_targets``, ``goal`` [B, P]
+        (the normalised state of each window's segment at its last frame)."""
         windows = [self.windows[i] for i in indices]
         key = self.bucket_key(windows[0])
         layout = self.layouts[key]
-        pixels, text, labels, proprio, tokens = [], [], [], [], 0
+        pixels, text, labels, proprio, goal, tokens = [], [], [], [], [], 0
         for w in windows:
             own, ids = self._layout(w)
             if not same_positions(own, layout):
@@ -289,6 +295,9 @@ class TrainingData:
             tokens += self.real_tokens(layout, w)
             if self.proprio is not None:
                 proprio.append(torch.from_numpy(self.proprio[rows]))
+            if self.goal_targets:
+                first, length, _ = self.segments[w.episode]
+                goal.append(torch.from_numpy(self.proprio[first + length - 1]))
         out = {
             "key": key,
             "tokens": tokens,
@@ -298,6 +307,8 @@ class TrainingData:
         }
         if proprio:
             out["proprio"] = torch.stack(proprio)
+        if goal:
+            out["goal"] = torch.stack(goal)
         return out
 
 

@@ -68,7 +68,8 @@ class LossSettings:
     """Args: action_range: [first, last] action token ids; action_vocab_loss: CE over those ids only;
     batch_size: the nominal rows per micro-batch (a smaller last micro-batch of a bucket weighs less);
     retention_target / retention_weight: the pull of the mean keep probability; budget: how the soft
-    form treats chunks the budget evicts."""
+    form treats chunks the budget evicts; change_weight: the weight of action tokens that differ from the
+    step before's; goal_weight: the weight of the goal probe's squared error (0 = no probe)."""
 
     action_range: tuple[int, int]
     action_vocab_loss: bool
@@ -77,10 +78,13 @@ class LossSettings:
     retention_weight: float
     budget: BudgetMode = BudgetMode.HARD
     change_weight: float = 1.0
+    goal_weight: float = 0.0
 
 
 class PolicyTrainModule(nn.Module):
-    """``vla`` (an ``OpenVLA``) + optional ``gate``; ``forward(batch, layout)`` returns the loss terms."""
+    """``vla`` (an ``OpenVLA``) + optional ``gate``; ``forward(batch, layout)`` returns the loss terms. With
+    ``loss.goal_weight`` > 0, ``goal_head`` (a linear probe from the hidden state to a ``goal_dim`` state,
+    trained here and never saved with the policy) adds the goal loss."""
 
     def __init__(
         self,
@@ -91,6 +95,7 @@ class PolicyTrainModule(nn.Module):
         *,
         image_processor=None,
         gradient_checkpointing: bool = False,
+        goal_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.vla = vla
@@ -99,6 +104,11 @@ class PolicyTrainModule(nn.Module):
         self.kv = kv
         self.loss = loss
         self.gradient_checkpointing = gradient_checkpointing
+        self.goal_head = None
+        if loss.goal_weight > 0:
+            if goal_dim is None:
+                raise ValueError("the goal loss needs `goal_dim`, the size of the state it regresses")
+            self.goal_head = nn.Linear(vla.language_model.cfg.dim, goal_dim)
         self.chunked = None
         if gate is not None:
             geometry = vla.language_model.cfg.geometry
@@ -152,7 +162,8 @@ class PolicyTrainModule(nn.Module):
     def forward(self, batch: dict, layout: FlatLayout, *, temperature: float = 1.0) -> dict[str, torch.Tensor]:
         """Returns ``loss`` (to backpropagate), ``ce_sum``, ``correct`` (argmax over the action ids equals
         the target), ``targets`` (padded steps' targets excluded), ``kept_ratio`` / ``hard_kept`` (mean
-        soft / hard gate; 1 without a gate)."""
+        soft / hard gate; 1 without a gate) and ``goal_mse`` (the goal probe's mean squared error over real
+        steps; 0 without one)."""
         x = self.embed(batch, layout)
         b, n = x.shape[:2]
         rope = self.vla.language_model.cfg.rope
@@ -192,6 +203,11 @@ class PolicyTrainModule(nn.Module):
             steps = batch["pixels" if "pixels" in batch else "frames"].shape[1]
             weight = change_weights(labels, steps=steps, weight=self.loss.change_weight) * valid
             loss = rows * (ce * weight).sum() / weight.sum().clamp(min=1)
+        goal_mse = torch.zeros((), device=x.device)
+        if self.loss.goal_weight:
+            steps = batch["pixels" if "pixels" in batch else "frames"].shape[1]
+            goal_mse = self.goal_error(hidden, batch["goal"], valid, steps=steps)
+            loss = loss + rows * self.loss.goal_weight * goal_mse
         one = torch.ones((), device=x.device)
         kept, hard = one, one
         if self.gate is not None:
@@ -207,7 +223,18 @@ class PolicyTrainModule(nn.Module):
             "targets": n_valid.detach().float(),
             "kept_ratio": kept.detach().float(),
             "hard_kept": hard.detach().float(),
+            "goal_mse": goal_mse.detach().float(),
         }
+
+    def goal_error(self, hidden: torch.Tensor, goal: torch.Tensor, valid: torch.Tensor, *, steps: int) -> torch.Tensor:
+        """hidden: [B, S * A, dim] at the action targets' positions (step-major, as ``labels``); goal: [B, P];
+        valid: [B, S * A]; steps: S -> the mean over real steps of the probe's squared error (mean over P), read at the
+        position that predicts each step's first action token (it has seen the step's frame, not its action)."""
+        b = goal.shape[0]
+        first = hidden.view(b, steps, -1, hidden.shape[-1])[:, :, 0]  # [B, S, dim]
+        real = valid.view(b, steps, -1)[:, :, 0].float()  # [B, S]
+        err = (self.goal_head(first).float() - goal[:, None].float()).pow(2).mean(-1)  # [B, S]
+        return (err * real).sum() / real.sum().clamp(min=1)
 
 
 def change_weights(labels: torch.Tensor, *, steps: int, weight: float) -> torch.Tensor:
