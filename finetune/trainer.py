@@ -300,6 +300,7 @@ class Trainer:
             total=cfg.max_steps, initial=self.start_step, desc="fine-tuning", unit="step", disable=not env.is_main
         )
         budget = TimeBudget(cfg.time_budget) if cfg.time_budget is not None and not cfg.resume else None
+        cap = cfg.max_steps  # a refit may lengthen the run again (a slow start), never past the configured steps
         for step in itertools.count(self.start_step):
             if step >= cfg.max_steps:
                 break
@@ -320,7 +321,7 @@ class Trainer:
             interval_steps += 1
             bar.update(1)
             done = step + 1
-            if budget is not None and (fitted := budget.after_step(done, cfg.max_steps)) is not None:
+            if budget is not None and (fitted := budget.after_step(done, cap)) is not None:
                 self._fit_budget(fitted, bar)
             if done % cfg.log_every == 0 or done == cfg.max_steps:
                 elapsed, cpu = time.perf_counter() - interval_start, time.process_time() - interval_cpu

@@ -70,3 +70,30 @@ def test_a_budgeted_run_ends_where_the_budget_says_and_records_it(tiny_ckpt, tin
     assert recorded == 17 and log[-1]["step"] == 17 and len(log) == 17
     assert log[-1]["lr"] < 0.05 * max(r["lr"] for r in log)  # the cosine schedule ended at the fitted step
     assert json.loads((out / "checkpoints" / "last" / "state.json").read_text())["step"] == 17
+
+
+class SlowStart(Clock):
+    """0.5 s per reading for the first 13 readings (start-up: allocator, autotuning, other jobs starting),
+    then 0.05 s: the first fit sees 2 steps/s, the refits ever more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readings = 0
+
+    def __call__(self) -> float:
+        self.readings += 1
+        self.now += 0.5 if self.readings <= 13 else 0.05
+        return self.now
+
+
+def test_a_refit_lengthens_a_run_whose_first_steps_were_slow(tiny_ckpt, tiny_dataset, tmp_path, monkeypatch):
+    """The first fit (step 12: 2 steps/s, 24 s left) ends the run at step 58; the refit at step 32 measures 5
+    steps/s and moves the end to the configured ``max_steps`` (60), not to the first fit's 58."""
+    import vla_finetune.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "TimeBudget", lambda minutes: TimeBudget(minutes, clock=SlowStart()))
+    out = tmp_path / "slow-start"
+    run = {"max_steps": 60, "log_every": 30, "lora": {"rank": 4}, "time_budget": 0.5}
+    Trainer(make_config(tiny_ckpt, tiny_dataset, out, **run)).train()
+    assert yaml.safe_load((out / outputs.RUN_CONFIG).read_text())["max_steps"] == 60
+    assert json.loads((out / "checkpoints" / "last" / "state.json").read_text())["step"] == 60

@@ -178,7 +178,9 @@ class ChunkGate(nn.Module):
         if x.shape[0] == 0:
             return x.new_zeros(0, *h.shape), h, c
         w_ih, w_hh, bias = self.lstm_weight_ih[layer], self.lstm_weight_hh[layer], self.lstm_bias[layer]
-        params = [w_ih.t(), w_hh.t(), bias, torch.zeros_like(bias)]  # torch keeps [4H, in] weights, two biases
+        # torch keeps [4H, in] weights and two biases; cuDNN views each operand flat: all must be contiguous
+        params = [w_ih.t().contiguous(), w_hh.t().contiguous(), bias, torch.zeros_like(bias)]
+        x, h, c = x.contiguous(), h.contiguous(), c.contiguous()
         with torch.autocast(x.device.type, enabled=False), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="RNN module weights are not part", category=UserWarning)
             hidden, h_n, c_n = torch.lstm(x, (h[None], c[None]), params, True, 1, 0.0, torch.is_grad_enabled(), False, False)

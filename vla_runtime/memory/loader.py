@@ -48,6 +48,10 @@ class LayerLoader:
         self._error: BaseException | None = None
         self._closed = False
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._ready = None  # CUDA: the compute stream's work so far (the loads' destination memory may be in its use)
+        if self._stream is not None:
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(device))
         self._events: dict[int, torch.cuda.Event] = {}
         self._thread = None
         if schedule != "serial":
@@ -113,6 +117,7 @@ class LayerLoader:
         if self._stream is None:
             return self._load(module, layer), None
         with torch.cuda.stream(self._stream):
+            self._stream.wait_event(self._ready)  # without it a copy can land before a pending write to its buffer
             nbytes = self._load(module, layer)
             event = torch.cuda.Event()
             event.record(self._stream)

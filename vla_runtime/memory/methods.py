@@ -266,14 +266,15 @@ class Keep(RecomputeMethod):
         rows = view.rows
         ref = self.cfg.ref_tokens
         prompt = view.run.prompt
-        q_rows = torch.arange(max(prompt.memory_end, prompt.n_tokens - ref), prompt.n_tokens)
-        groups_pos = [q_rows] + [torch.arange(max(m.start, m.end - ref), m.end) for m in self._selected]
+        device = rows.device  # the model's
+        q_rows = torch.arange(max(prompt.memory_end, prompt.n_tokens - ref), prompt.n_tokens, device=device)
+        groups_pos = [q_rows] + [torch.arange(max(m.start, m.end - ref), m.end, device=device) for m in self._selected]
         all_pos = torch.cat(groups_pos)
         idx = torch.searchsorted(rows, all_pos)  # rows is sorted; every scoring row is computed
         probs = view.probs(idx)  # [R, S]
         bounds, groups = 0, []
         for g in groups_pos:
-            groups.append(torch.arange(bounds, bounds + g.numel()))
+            groups.append(torch.arange(bounds, bounds + g.numel(), device=device))
             bounds += g.numel()
         spans = [(m.start, m.end) for m in self._selected]
         seg = reduce_attention(probs, groups, spans, sink_tokens=self.cfg.sink_tokens)  # [1 + N, N]

@@ -19,6 +19,7 @@ cache mode, so every session of a policy with that cache shares them (and their 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -89,4 +90,5 @@ def compile_options(mode: CompileMode, device: torch.device) -> dict:
     options = {"dynamic": True, "isolate_recompiles": True, "recompile_limit": RECOMPILE_LIMIT}
     if mode is CompileMode.REDUCE_OVERHEAD:
         options["mode"] = "reduce-overhead"
-    return options
+    accepted = inspect.signature(torch.compile).parameters  # a torch older than the pinned one lacks the two
+    return {k: v for k, v in options.items() if k in accepted}  # recompile options (torch 2.11: shared counter)
