@@ -90,6 +90,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=None, metavar="MIN",
                    help="minutes per training stage: steps fitted to the measured rate, --max-steps and the --tune "
                         "steps become upper bounds (a GPU for a fixed lease)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="warm-up steps of each first training (default: --max-steps / 20; give it with --time-budget)")
+    p.add_argument("--goal-weight", type=float, default=0.0,
+                   help="every training: weight of the auxiliary goal loss (vla-runtime finetune --goal-weight; default 0)")
+    p.add_argument("--full-model", action="store_true",
+                   help="also train model-history-full, the history model through the full cache (--kv full), and "
+                        "evaluate the history + full condition on it (default: on the chunked-trained model)")
     p.add_argument("--batch-size", type=int, default=4, help="whole episodes per step (default 4)")
     p.add_argument("--single-batch-size", type=int, default=64, help="single-frame samples per step (default 64)")
     p.add_argument("--eval-episodes", type=int, default=30, help="evaluation episodes per task and condition; 0 = skip")
@@ -109,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     log: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "stages": []}
     data, init = args.out / "data", args.out / "init"
     models = {"history": args.out / "model-history", "single": args.out / "model-single"}
+    if args.full_model:
+        models["history-full"] = args.out / "model-history-full"
 
     if not (data / "meta" / "info.json").exists():
         run_stage("collect", cli + ["collect", "--sim", "metaworld", "--tasks", args.tasks, "--episodes", str(args.episodes),
@@ -119,15 +128,18 @@ def main(argv: list[str] | None = None) -> int:
                           llm=llm_geometry(args.llm_dim, args.llm_layers), dtype=torch.float32)  # fmt: skip
     common = ["finetune", "--from-scratch", "--checkpoint", str(init), "--dataset", str(data), "--camera", args.camera,
               "--dataset-name", "metaworld_memory", "--max-steps", str(args.max_steps), "--lr", str(args.lr),
-              "--lr-schedule", "cosine", "--warmup-steps", str(max(args.max_steps // 20, 1)), "--threads", str(args.threads),
+              "--lr-schedule", "cosine", "--warmup-steps", str(args.warmup_steps or max(args.max_steps // 20, 1)), "--threads", str(args.threads),
               "--save-dtype", "bfloat16", "--seed", str(args.seed), "--cache-dir", str(args.out / "frame-cache")]  # fmt: skip
     if args.time_budget is not None:
         common += ["--time-budget", str(args.time_budget)]
+    if args.goal_weight:
+        common += ["--goal-weight", str(args.goal_weight)]
     flags = {
         "history": ["--history", args.context, "--kv", "chunked", "--window", "0", "--chunk", str(CHUNK),
                     "--max-chunks", str(args.max_chunks), "--gate-budget", "hard", "--retention-weight", "0",
                     "--batch-size", str(args.batch_size)],
         "single": ["--history", "single", "--kv", "full", "--batch-size", str(args.single_batch_size)],
+        "history-full": ["--history", args.context, "--kv", "full", "--window", "0", "--batch-size", str(args.batch_size)],
     }  # fmt: skip
     for name, model in models.items():
         if (model / "model.safetensors").is_file():
@@ -147,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_episodes > 0:
         window = json.loads((models["history"] / "kv_config.json").read_text())["kv"]["window"]
         for condition in CONDITIONS:
-            model = models["single" if condition == "single" else "history"]
+            model = models[condition if condition in ("single", "history-full") and condition in models else "history"]
             flags = ["--no-video", *eval_flags(condition, args, window)]
             argv = eval_args(args, model, args.out / f"eval-{condition}", flags, seed=args.eval_seed, workers=args.eval_workers)
             run_stage(f"eval-{condition}", cli + argv, log)

@@ -9,18 +9,23 @@ import pytest
 pytestmark = pytest.mark.sim
 
 
-def test_memory_recipe_trains_both_policies_and_evaluates_every_condition(tmp_path):
+def test_memory_recipe_trains_every_policy_and_evaluates_every_condition(tmp_path):
     """With ``--context observations`` (the history model's context without action tokens; ``history`` differs
-    only in the ``--history`` value it passes on)."""
+    only in the ``--history`` value it passes on), the full-cache history model and the goal loss."""
     argv = [sys.executable, "-m", "vla_finetune.recipes.metaworld_memory", "--out", str(tmp_path), "--tasks", "reach-v3",
             "--episodes", "1", "--resolution", "28", "--llm-dim", "64", "--llm-layers", "1", "--max-steps", "2",
             "--batch-size", "1", "--single-batch-size", "4", "--threads", "1", "--max-chunks", "2",
-            "--tune", "1:5e-4", "--context", "observations", "--eval-episodes", "1", "--eval-max-steps", "3", "--eval-workers", "1"]  # fmt: skip
+            "--tune", "1:5e-4", "--context", "observations", "--eval-episodes", "1", "--eval-max-steps", "3", "--eval-workers", "1",
+            "--full-model", "--goal-weight", "0.5"]  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     stages = [s["stage"] for s in json.loads((tmp_path / "recipe.json").read_text())["stages"]]
-    assert stages == ["collect", "train-history", "train-single", "tune-history-1", "eval-single", "eval-history-full",
-                      "eval-history-window", "eval-history-chunked"]  # fmt: skip
+    assert stages == ["collect", "train-history", "train-single", "train-history-full", "tune-history-1", "eval-single",
+                      "eval-history-full", "eval-history-window", "eval-history-chunked"]  # fmt: skip
+    full = (tmp_path / "model-history-full" / "finetune_config.yaml").read_text()
+    assert "mode: full" in full and "window: 0" in full and "history: observations" in full
+    for model in ("model-history", "model-single", "model-history-full", "model-history-tune1"):
+        assert "goal_weight: 0.5" in (tmp_path / model / "finetune_config.yaml").read_text()
     config = (tmp_path / "model-history" / "finetune_config.yaml").read_text()
     assert "window: 0" in config and "budget: hard" in config and "max_chunks: 2" in config
     assert "history: observations" in config
@@ -32,6 +37,9 @@ def test_memory_recipe_trains_both_policies_and_evaluates_every_condition(tmp_pa
     assert "history=<HistoryMode.SINGLE" in sessions["single"] and "KVMode.FULL" in sessions["history-full"]
     assert "KVMode.SINK_WINDOW" in sessions["history-window"] and "max_chunks=2" in sessions["history-chunked"]
     assert all("HistoryMode.OBSERVATIONS" in sessions[c] for c in ("history-full", "history-window", "history-chunked"))
+    checkpoints = {c: json.loads((tmp_path / f"eval-{c}" / "report.json").read_text())["checkpoint"] for c in sessions}
+    assert checkpoints["history-full"] == str(tmp_path / "model-history-full")
+    assert checkpoints["history-chunked"] == checkpoints["history-window"] == str(tmp_path / "model-history-tune1")
     assert list((tmp_path / "eval-history-chunked" / "retention").glob("reach-v3-seed1000.png"))
     table = (tmp_path / "results.md").read_text()
     assert table.count("| reach-v3 |") == 4 and "history-chunked" in table
