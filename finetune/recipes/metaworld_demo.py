@@ -1,4 +1,5 @@
-"""Recipe: the demo policy shipped in ``assets/mw-tiny-openvla``, trained from scratch on this machine.
+"""Recipe: a small policy for Markovian Meta-World tasks, trained from scratch on this machine (it trained
+the retired ``assets/mw-tiny-openvla``; ``make demo`` now runs the memory policy, ``metaworld_memory``).
 
 Four stages, each a command a user can also run by hand (the recipe prints them):
 
@@ -10,7 +11,7 @@ Four stages, each a command a user can also run by hand (the recipe prints them)
    the chunk aggregator and the LSTM gate train together through the parallel form.
 4. ``vla-runtime eval`` with ``--kv full`` and ``--kv chunked`` (optional, ``--eval-episodes``).
 
-    python -m vla_finetune.recipes.metaworld_demo --out runs/demo-recipe              # the shipped run
+    python -m vla_finetune.recipes.metaworld_demo --out runs/demo-recipe              # the run that trained mw-tiny-openvla
     python -m vla_finetune.recipes.metaworld_demo --out /tmp/r --episodes 2 --max-steps 3 --eval-episodes 0  # smoke
 
 The trained checkpoint is ``OUT/model``; ``OUT/recipe.json`` records the commands and wall times.

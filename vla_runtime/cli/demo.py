@@ -1,12 +1,13 @@
 """``vla-runtime demo`` (what ``make demo`` runs): one closed-loop Meta-World episode of a shipped policy,
-by default the demo policy (``assets/mw-tiny-openvla``, model card beside it: a small OpenVLA-architecture
-model trained from scratch) in history mode with the chunked KV cache.
+by default the memory policy (``assets/mw-memory-openvla``, model card beside it: a small OpenVLA-architecture
+model trained from scratch on the memory suite) on ``memory-order`` with the chunked KV cache it was trained
+through (frames-only history, 32 chunks per layer).
 
 Prints success (and a memory task's chance level), the step latency and control rate, the KV the cache
 holds against what the full cache would hold, and, with the chunked cache, which control steps the retained
 chunks come from (a memory task's cue steps flagged); writes the episode's video and its retention picture
-(what the gate kept, per step). ``--checkpoint assets/mw-memory-openvla --task memory-order`` runs the
-memory policy on a memory task.
+(what the gate kept, per step). ``--kv full`` and ``--kv sink_window`` (a window holding the chunked cache's
+KV bytes) run the same episode with the other caches.
 """
 
 from __future__ import annotations
@@ -21,22 +22,22 @@ from ..config import HISTORY_MODES, HistoryMode
 from ..kv.registry import CACHES, KVMode
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
-DEMO_MODEL = ASSETS / "mw-tiny-openvla"
-DEMO_TASK = "drawer-close-v3"
+DEMO_MODEL = ASSETS / "mw-memory-openvla"
+DEMO_TASK = "memory-order"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="closed-loop Meta-World episode of a shipped policy", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--checkpoint", type=Path, default=DEMO_MODEL, help="policy checkpoint (default: the shipped demo policy; "
-                   "assets/mw-memory-openvla is the memory policy)")
+    p.add_argument("--checkpoint", type=Path, default=DEMO_MODEL, help="policy checkpoint (default: the shipped memory policy, "
+                   "assets/mw-memory-openvla)")
     p.add_argument("--task", default=DEMO_TASK, help=f"Meta-World task or memory task (memory-reference, memory-counting, "
-                   f"memory-order); default {DEMO_TASK}, the demo policy's best task")  # fmt: skip
-    p.add_argument("--seed", type=int, default=1000, help="episode seed (default 1000; the shipped policies were trained on seeds 0-49)")
+                   f"memory-order); default {DEMO_TASK} (the memory policy was trained on the three memory tasks only)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=1000, help="episode seed (default 1000; the memory policy was trained on seeds 0-199)")
     p.add_argument("--kv", choices=tuple(CACHES), default="chunked", help="KV cache (default chunked)")
     p.add_argument("--history", choices=HISTORY_MODES, default=None,
                    help="history, observations or single (default: the mode the checkpoint was trained in, else history)")
-    p.add_argument("--max-steps", type=int, default=150, help="step limit (default 150; memory tasks end by 160)")
+    p.add_argument("--max-steps", type=int, default=200, help="step limit (default 200, what its evaluation used)")
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the video and retention picture go (default runs/demo)")
     p.add_argument("--no-video", action="store_true", help="write no video")
     p.set_defaults(func=run)
