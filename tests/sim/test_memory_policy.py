@@ -44,3 +44,37 @@ def test_shipped_memory_policy_acts_in_range_and_holds_its_budget():
             assert np.all(a[:6] >= low[:6] - 1e-6) and np.all(a[:6] <= high[:6] + 1e-6)
             obs, *_ = env.step(a)
         assert result.kv.chunks_retained <= 32 * layers and result.kv.chunks_dropped > 0
+
+
+SINGLE = Path(__file__).resolve().parents[2] / "assets" / "mw-memory-single-openvla"
+
+
+def test_shipped_single_frame_baseline_is_small_complete_and_carded():
+    assert_shipped_checkpoint(SINGLE, MEMORY_TASKS, extra=("session_config.json",))
+    assert json.loads((SINGLE / "session_config.json").read_text())["history"] == "single"
+    assert json.loads((SINGLE / "dataset_statistics.json").read_text()).keys() == {"metaworld_memory"}
+
+
+def test_shipped_single_frame_baseline_acts_in_range_and_keeps_no_history():
+    import torch
+
+    from vla_runtime.api import load_policy
+    from vla_runtime.sim import MetaWorldConfig, make_env
+
+    torch.set_num_threads(1)
+    policy = load_policy(SINGLE, device="cpu")
+    assert policy.session.history == "single"
+    (action,) = [v["action"] for v in json.loads((SINGLE / "dataset_statistics.json").read_text()).values()]
+    low, high = np.array(action["q01"]), np.array(action["q99"])
+    with make_env("metaworld", MetaWorldConfig(cameras=("corner",), resolution=(84, 84))) as env:
+        obs = env.reset("memory-counting", seed=1000)
+        session = policy.new_session(obs.instruction)
+        held = []
+        for _ in range(6):
+            result = session.step(obs.to_policy())
+            a = result.actions[0]
+            assert a.shape == (7,) and np.all(np.isfinite(a))
+            assert np.all(a[:6] >= low[:6] - 1e-6) and np.all(a[:6] <= high[:6] + 1e-6)
+            held.append(result.kv.bytes)
+            obs, *_ = env.step(a)
+    assert len(set(held)) == 1 and held[0] > 0  # every step starts from an empty context: nothing accumulates
