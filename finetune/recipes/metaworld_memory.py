@@ -10,10 +10,17 @@ wall times in ``OUT/recipe.json``):
        the gate trained under the budget inference uses (``--max-chunks``, ``--gate-budget hard``), then
        continued (``--tune``, each round from the previous one) with ``--change-weight``: trained on plain
        cross-entropy, the policy copied its past actions and never left the hold at the go lamp;
-   (b) ``model-single``: stock single-frame OpenVLA (no history).
+   (b) ``model-single``: stock single-frame OpenVLA (no history);
+   (c) with ``--full-model``, ``model-history-full``: the history model through the full cache.
+   With ``--from-full`` (what made ``assets/mw-memory-openvla``), (a) is not trained from scratch; instead
+   ``model-history-full`` gets a chunk gate fitted to it frozen (``--gates-only``, ``model-history-full-gated``),
+   then every weight and the gate are fine-tuned through the chunked cache under the budget
+   (``model-history-f2c``): a policy trained on raw tokens does not read the aggregated chunks until it is
+   trained through them.
 4. ``vla-runtime eval`` on held-out seeds: (b) single; (a) with the full cache; (a) with a sliding window
    (``sink_window``) holding the KV bytes of the chunked cache at its budget (``--kv-match-chunks``);
-   (a) with the chunked cache (``--retention-plots``: what the gate kept, per episode).
+   (a) with the chunked cache (``--retention-plots``: what the gate kept, per episode); with ``--full-model`` the
+   full condition runs (c), with ``--from-full`` the window and chunked conditions run ``model-history-f2c``.
    ``OUT/results.md`` tables success, control rate, p95 step latency and peak KV side by side.
 
     python -m vla_finetune.recipes.metaworld_memory --out runs/memory --tasks TASK1,TASK2
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -97,12 +105,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--full-model", action="store_true",
                    help="also train model-history-full, the history model through the full cache (--kv full), and "
                         "evaluate the history + full condition on it (default: on the chunked-trained model)")
+    p.add_argument("--from-full", action="store_true",
+                   help="the shipped policy's path (implies --full-model): a gate fitted to model-history-full, then every "
+                        "weight fine-tuned through the chunked cache; no history model from scratch, no --tune rounds")
+    p.add_argument("--gate-steps", type=int, default=820, help="--from-full: gate-fit steps (default 820, the shipped run's)")
+    p.add_argument("--f2c-steps", type=int, default=501, help="--from-full: fine-tune steps through the chunked cache (default 501)")
+    p.add_argument("--f2c-lr", type=float, default=2e-4, help="--from-full: the fine-tune's policy learning rate (default 2e-4)")
+    p.add_argument("--f2c-gate-lr", type=float, default=1e-3, help="--from-full: the fine-tune's gate learning rate (default 1e-3)")
     p.add_argument("--batch-size", type=int, default=4, help="whole episodes per step (default 4)")
     p.add_argument("--single-batch-size", type=int, default=64, help="single-frame samples per step (default 64)")
     p.add_argument("--eval-episodes", type=int, default=30, help="evaluation episodes per task and condition; 0 = skip")
     p.add_argument("--eval-seed", type=int, default=1000, help="first held-out seed (default 1000)")
     p.add_argument("--eval-workers", type=int, default=2, help="parallel evaluation processes (default 2)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.full_model = args.full_model or args.from_full
+    return args
+
+
+def gated_checkpoint(full: Path, gates: Path, out: Path) -> Path:
+    """``full``'s files with the gate fitted to it (``gates``: a ``--gates-only`` run), its training logs as
+    ``gates_*``: a policy that loads with its chunked cache."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in full.iterdir():
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
+    for name in ("gates.safetensors", "kv_config.json", "session_config.json"):
+        shutil.copy2(gates / name, out / name)
+    for name in ("train_log.jsonl", "finetune_config.yaml"):
+        if (gates / name).is_file():
+            shutil.copy2(gates / name, out / f"gates_{name}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     cli = [str(Path(sys.executable).with_name("vla-runtime"))]  # the console script beside this interpreter
     log: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "stages": []}
     data, init = args.out / "data", args.out / "init"
-    models = {"history": args.out / "model-history", "single": args.out / "model-single"}
+    models = {"single": args.out / "model-single"}
+    if not args.from_full:  # --from-full's chunked model comes from the full one (from_full below)
+        models = {"history": args.out / "model-history", **models}
     if args.full_model:
         models["history-full"] = args.out / "model-history-full"
 
@@ -126,18 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     if not (init / "config.json").is_file():
         make_tiny_openvla(init, seed=args.seed, image_size=args.resolution, proprio_dim=4,
                           llm=llm_geometry(args.llm_dim, args.llm_layers), dtype=torch.float32)  # fmt: skip
-    common = ["finetune", "--from-scratch", "--checkpoint", str(init), "--dataset", str(data), "--camera", args.camera,
-              "--dataset-name", "metaworld_memory", "--max-steps", str(args.max_steps), "--lr", str(args.lr),
-              "--lr-schedule", "cosine", "--warmup-steps", str(args.warmup_steps or max(args.max_steps // 20, 1)), "--threads", str(args.threads),
+    common = ["finetune", "--dataset", str(data), "--camera", args.camera, "--dataset-name", "metaworld_memory",
+              "--max-steps", str(args.max_steps), "--lr", str(args.lr), "--lr-schedule", "cosine", "--warmup-steps", str(args.warmup_steps or max(args.max_steps // 20, 1)), "--threads", str(args.threads),
               "--save-dtype", "bfloat16", "--seed", str(args.seed), "--cache-dir", str(args.out / "frame-cache")]  # fmt: skip
     if args.time_budget is not None:
         common += ["--time-budget", str(args.time_budget)]
     if args.goal_weight:
         common += ["--goal-weight", str(args.goal_weight)]
+    scratch = ["--from-scratch", "--checkpoint", str(init)]
+    chunked = ["--history", args.context, "--kv", "chunked", "--window", "0", "--chunk", str(CHUNK), "--max-chunks",
+               str(args.max_chunks), "--gate-budget", "hard", "--retention-weight", "0", "--batch-size", str(args.batch_size)]
     flags = {
-        "history": ["--history", args.context, "--kv", "chunked", "--window", "0", "--chunk", str(CHUNK),
-                    "--max-chunks", str(args.max_chunks), "--gate-budget", "hard", "--retention-weight", "0",
-                    "--batch-size", str(args.batch_size)],
+        "history": chunked,
         "single": ["--history", "single", "--kv", "full", "--batch-size", str(args.single_batch_size)],
         "history-full": ["--history", args.context, "--kv", "full", "--window", "0", "--batch-size", str(args.batch_size)],
     }  # fmt: skip
@@ -145,12 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         if (model / "model.safetensors").is_file():
             log["stages"].append({"stage": f"train-{name}", "skipped": f"{model} exists"})
             continue
-        run_stage(f"train-{name}", cli + common + flags[name] + ["--out", str(model)], log)
+        run_stage(f"train-{name}", cli + common + scratch + flags[name] + ["--out", str(model)], log)
+    if args.from_full:
+        models["history"] = from_full(args, cli, common, chunked, models["history-full"], log)
     start = models["history"]
-    for i, (steps, lr) in enumerate(args.tune, 1):
+    for i, (steps, lr) in enumerate([] if args.from_full else args.tune, 1):
         model = args.out / f"model-history-tune{i}"
         if not (model / "model.safetensors").is_file():
-            tune = [*common, *flags["history"], "--checkpoint", str(start), "--max-steps", str(steps), "--lr", str(lr),
+            tune = [*common, "--from-scratch", *flags["history"], "--checkpoint", str(start), "--max-steps", str(steps), "--lr", str(lr),
                     "--warmup-steps", str(max(steps // 30, 1)), "--seed", str(args.seed + i),
                     "--change-weight", str(args.change_weight), "--out", str(model)]  # later flags override `common`'s
             run_stage(f"tune-history-{i}", cli + tune, log)
@@ -165,8 +201,26 @@ def main(argv: list[str] | None = None) -> int:
             run_stage(f"eval-{condition}", cli + argv, log)
         write_results(args.out, results_table(args.out))
     (args.out / "recipe.json").write_text(json.dumps(log, indent=2) + "\n")
-    print(f"\nrecipe done: {models['history']} (history, chunked) and {models['single']} (single frame); log {args.out / 'recipe.json'}")
+    print(f"\nrecipe done: {models['history']} (history, chunked cache) and {models['single']} (single frame); log {args.out / 'recipe.json'}")
     return 0
+
+
+def from_full(args: argparse.Namespace, cli: list[str], common: list[str], chunked: list[str], full: Path, log: dict) -> Path:
+    """``--from-full``'s two stages after ``model-history-full``; returns ``model-history-f2c``. Flags given here
+    after ``common`` override it (argparse keeps the last value)."""
+    gates, gated, f2c = args.out / "gates-history-full", args.out / "model-history-full-gated", args.out / "model-history-f2c"
+    if not (gates / "gates.safetensors").is_file():
+        argv = [*common, "--gates-only", "--checkpoint", str(full), *chunked, "--max-steps", str(args.gate_steps),
+                "--warmup-steps", "10", "--goal-weight", "0", "--out", str(gates)]  # fmt: skip
+        run_stage("gates-history-full", cli + argv, log)
+    if not (gated / "gates.safetensors").is_file():
+        gated_checkpoint(full, gates, gated)
+    if not (f2c / "model.safetensors").is_file():
+        argv = [*common, "--from-scratch", "--checkpoint", str(gated), *chunked, "--max-steps", str(args.f2c_steps),
+                "--lr", str(args.f2c_lr), "--gate-lr", str(args.f2c_gate_lr), "--warmup-steps", "10",
+                "--seed", str(args.seed + 1), "--out", str(f2c)]  # fmt: skip
+        run_stage("train-history-f2c", cli + argv, log)
+    return f2c
 
 
 if __name__ == "__main__":

@@ -43,3 +43,32 @@ def test_memory_recipe_trains_every_policy_and_evaluates_every_condition(tmp_pat
     assert list((tmp_path / "eval-history-chunked" / "retention").glob("reach-v3-seed1000.png"))
     table = (tmp_path / "results.md").read_text()
     assert table.count("| reach-v3 |") == 4 and "history-chunked" in table
+
+
+def test_memory_recipe_from_full_fits_a_gate_then_fine_tunes_through_the_chunked_cache(tmp_path):
+    """``--from-full``: the shipped policy's three stages (full cache, gate fitted frozen, every weight through the
+    chunked cache); the window and chunked conditions evaluate the last one, the full condition the first."""
+    argv = [sys.executable, "-m", "vla_finetune.recipes.metaworld_memory", "--out", str(tmp_path), "--tasks", "reach-v3",
+            "--episodes", "1", "--resolution", "28", "--llm-dim", "64", "--llm-layers", "1", "--max-steps", "2",
+            "--batch-size", "1", "--single-batch-size", "4", "--threads", "1", "--max-chunks", "2", "--context", "observations",
+            "--from-full", "--gate-steps", "2", "--f2c-steps", "2", "--f2c-lr", "3e-4", "--goal-weight", "0.5",
+            "--eval-episodes", "1", "--eval-max-steps", "3", "--eval-workers", "1"]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    stages = [s["stage"] for s in json.loads((tmp_path / "recipe.json").read_text())["stages"]]
+    assert stages == ["collect", "train-single", "train-history-full", "gates-history-full", "train-history-f2c",
+                      "eval-single", "eval-history-full", "eval-history-window", "eval-history-chunked"]  # fmt: skip
+    gates = (tmp_path / "gates-history-full" / "finetune_config.yaml").read_text()
+    assert "trainable: gates" in gates and "max_chunks: 2" in gates and "goal_weight: 0.0" in gates
+    gated = tmp_path / "model-history-full-gated"
+    assert (gated / "gates.safetensors").read_bytes() == (tmp_path / "gates-history-full" / "gates.safetensors").read_bytes()
+    assert (gated / "model.safetensors").read_bytes() == (tmp_path / "model-history-full" / "model.safetensors").read_bytes()
+    assert (gated / "gates_finetune_config.yaml").is_file()
+    f2c = (tmp_path / "model-history-f2c" / "finetune_config.yaml").read_text()
+    assert f"checkpoint: {gated}" in f2c and "trainable: all" in f2c and "lr: 0.0003" in f2c and "max_chunks: 2" in f2c
+    assert "goal_weight: 0.5" in f2c and "history: observations" in f2c
+    assert not (tmp_path / "model-history").exists()  # no chunked model from scratch on this path
+    checkpoints = {c: json.loads((tmp_path / f"eval-{c}" / "report.json").read_text())["checkpoint"]
+                   for c in ("history-full", "history-window", "history-chunked")}  # fmt: skip
+    assert checkpoints["history-full"] == str(tmp_path / "model-history-full")
+    assert checkpoints["history-chunked"] == checkpoints["history-window"] == str(tmp_path / "model-history-f2c")
