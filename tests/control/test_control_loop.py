@@ -100,6 +100,62 @@ def test_a_step_that_overruns_by_two_periods_counts_the_ticks_it_could_have_left
     assert (loop.stats.steps_late, loop.stats.ticks_overrun) == (1, 3)
 
 
+def _overrunning(**kw) -> ControlLoop:
+    """Step time 20 ms, tick 5 at 0.5 served from 0.4 on, its step started at 0.48: in flight at the tick."""
+    loop = make(margin_ms=0.0, **kw)
+    for _ in range(5):
+        loop.timer.add(0.020)
+    loop.served = 4
+    plan = loop.plan(0.41)
+    assert plan.tick == 5 and plan.start_at == pytest.approx(0.41 if kw.get("publish_mode") == "immediate" else 0.48)
+    loop.started(plan)
+    return loop
+
+
+def test_a_tick_whose_step_overran_it_waits_the_grace_and_publishes_it_late():
+    loop = _overrunning(late_grace_ms=8.0)
+    until = loop.grace_until(0.5001, due=0.5)
+    assert until == pytest.approx(0.508)  # tick 5's due time + the grace
+    loop.on_result(np.array([[0.3, 0.4]]), frame_time=0.479, step_s=0.026, now=0.506)  # 6 ms late
+    out = loop.on_tick(0.506, due=0.5)
+    assert out.tick == 5 and out.source is Source.QUEUE and out.action.tolist() == [0.3, 0.4]
+    assert (loop.stats.ticks_late, loop.stats.fallbacks, loop.stats.steps_late) == (1, 0, 1)
+    assert loop.on_tick(0.6).source is Source.FALLBACK  # the late action served tick 5, not tick 6 as well
+    assert loop.stats.ticks_late == 1
+
+
+def test_a_step_later_than_the_grace_leaves_its_tick_to_the_fallback_and_serves_the_next():
+    loop = _overrunning(late_grace_ms=8.0, fallback="repeat_last")
+    loop.last_action = np.array([9.0, 9.0])
+    assert loop.grace_until(0.5001, due=0.5) == pytest.approx(0.508)
+    out = loop.on_tick(0.508, due=0.5)  # the wait ran out
+    assert out.source is Source.FALLBACK and out.action.tolist() == [9.0, 9.0]
+    loop.on_result(np.array([[0.3, 0.4]]), frame_time=0.479, step_s=0.040, now=0.520)
+    assert loop.on_tick(0.6).action.tolist() == [0.3, 0.4]  # a single action that missed its tick: the next one
+    assert (loop.stats.ticks_late, loop.stats.fallbacks) == (0, 1)
+
+
+@pytest.mark.parametrize("case", ["grace 0", "queued", "no step", "step for a later tick", "past the grace", "immediate"])
+def test_no_wait_when_the_tick_has_its_action_or_nothing_runs_for_it(case):
+    loop = _overrunning(late_grace_ms=0.0 if case == "grace 0" else 8.0,
+                        publish_mode="immediate" if case == "immediate" else "tick")
+    if case == "queued":
+        loop.on_result(np.array([[0.3, 0.4]]), frame_time=0.479, step_s=0.019, now=0.499)
+    if case == "no step":
+        loop.reset()
+    if case == "step for a later tick":
+        loop._planned = (6, 0.6)
+    now = 0.5091 if case == "past the grace" else 0.5001
+    assert loop.grace_until(now, due=0.5) is None
+
+
+def test_the_grace_stays_under_half_a_period():
+    loop = _overrunning(late_grace_ms=1000.0)
+    assert loop.grace_until(0.5001, due=0.5) == pytest.approx(0.5 + 0.45 * P)
+    with pytest.raises(ValueError, match="`late_grace_ms` must be >= 0"):
+        ControlConfig(late_grace_ms=-1.0)
+
+
 def test_a_chunk_skips_rows_for_ticks_already_past_and_refills_before_running_dry():
     loop = make(chunked=True, refill_threshold=1, margin_ms=0.0)
     loop.timer.add(0.3)  # a step takes 3 periods

@@ -101,6 +101,41 @@ def test_a_single_action_policy_acts_on_the_newest_frame_with_no_empty_ticks():
     assert frames[-1] == len(applied) - 2
 
 
+class SlowOnceSession(TickSession):
+    """``TickSession`` with one action per step taking 20 ms, except step ``slow_at``, which takes ``slow_s``; the
+    action's dimension 0 is its frame's tick + 100 (never 0, so a hold is told apart)."""
+
+    def __init__(self, clock: FakeClock, slow_at: int, slow_s: float) -> None:
+        super().__init__(clock, 1, 0.02)
+        self.slow_at, self.slow_s = slow_at, slow_s
+
+    def step(self, obs) -> StepResult:
+        self.step_s = self.slow_s if len(self.frames) == self.slow_at else 0.02
+        result = super().step(obs)
+        result.actions[:, 0] += 100
+        return result
+
+
+def test_a_step_that_overruns_its_tick_by_less_than_the_grace_is_executed_late_not_replaced_by_the_hold():
+    runs = {}
+    for grace_ms in (0.0, 20.0):
+        clock, world = FakeClock(), TickWorld(40)
+        session = SlowOnceSession(clock, slow_at=20, slow_s=0.035)  # planned 23 ms (20 + the margin): lands 12 ms late
+        cfg = ControlConfig(rate_hz=RATE, align_to_frames=False, late_grace_ms=grace_ms)
+        episode = RealtimeEpisode(world, session, cfg, chunked=False, action_dim=7, timer=clock)
+        _, _, stats, error = episode.run(world.reset())
+        assert error is None
+        held = [not a[:6].any() for a in world.applied]  # the hold: no motion
+        assert stats["fallbacks"] == sum(held)
+        runs[grace_ms] = (world.applied, held, stats, session.frames[20] + 1)  # the tick the slow step serves
+    applied, held, stats, slow_tick = runs[0.0]
+    assert held[slow_tick] and stats["ticks_late"] == 0  # no grace: the tick holds
+    applied, held, graced, slow_tick = runs[20.0]
+    assert not held[slow_tick] and int(applied[slow_tick][0]) == 100 + slow_tick - 1  # its own action, 12 ms late
+    # every tick the grace saved was a hold without it (the slow one, and the first step: planned before any step time)
+    assert graced["ticks_late"] >= 1 and graced["fallbacks"] == stats["fallbacks"] - graced["ticks_late"]
+
+
 def test_runs_repeat_exactly_and_time_scale_stretches_step_times():
     first_applied, fast, _ = play(chunk=8, step_periods=0.5)
     again_applied, again, _ = play(chunk=8, step_periods=0.5)

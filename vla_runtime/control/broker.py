@@ -105,6 +105,10 @@ class ChunkBroker:
             return None
         return blend(predictions, self.mode, temporal_coeff=self.temporal_coeff, adaptive_alpha=self.adaptive_alpha)
 
+    def serves(self, k: int, missed: Missed = Missed.DROP) -> bool:
+        """Whether ``pop(k, missed)`` would return an action."""
+        return bool(self._ticks.get(k)) or (missed is not Missed.DROP and any(t < k for t in self._ticks))
+
     def last_tick(self) -> int | None:
         """The last tick with a prediction (``None`` when empty)."""
         return max(self._ticks) if self._ticks else None

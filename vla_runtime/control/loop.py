@@ -7,7 +7,8 @@ runs ``session.step``; it asks ``ControlLoop`` three things and does what it say
     plan = loop.plan(now)            # when the next step should start, and which tick it serves
     ... at plan.start_at the worker steps on the newest frame ...
     now_action = loop.on_result(actions, frame_time=t_frame, step_s=dt, now=clock())
-    out = loop.on_tick(clock())      # at every tick: the action to publish (queued or fallback)
+    until = loop.grace_until(clock())  # at every tick: a step running late for it? wait for it until then
+    out = loop.on_tick(clock())      # the action to publish (queued or fallback)
 
 Every time is seconds on the driver's monotonic clock; tests pass a fake one.
 """
@@ -64,6 +65,7 @@ class ControlStats:
     actions_blended: int = 0  # chunk rows that overlapped a queued prediction
     immediate: int = 0  # actions published at once (``PublishMode.IMMEDIATE``)
     phase_shifts: int = 0  # tick phase moved earlier to meet the camera's frames (``align_to_frames``)
+    ticks_late: int = 0  # ticks served late by a step that overran them, within ``late_grace_ms``
 
 
 class ControlLoop:
@@ -91,6 +93,7 @@ class ControlLoop:
         self.placed_from: int | None = None  # the first tick the last step's actions serve
         self._calibrated = False  # the grid's phase comes from the first on_tick (then the earliest callback)
         self._ages: deque[float] = deque(maxlen=cfg.align_window)  # frame age when each recent step started
+        self._graced: int | None = None  # the tick grace_until last let wait for a late step
 
     def reset(self) -> None:
         """A new episode: forget queued actions and the last action (step-time statistics stay)."""
@@ -146,6 +149,24 @@ class ControlLoop:
     def started(self, plan: Plan) -> None:
         """The driver started the step of ``plan`` (to count steps that land late)."""
         self._planned = (plan.tick, self.grid.time(plan.tick))
+
+    def grace_until(self, now: float, *, due: float | None = None) -> float | None:
+        """Called at a tick before ``on_tick`` (same ``now``, ``due``): when nothing is queued for it but the step
+        planned for it (or for an earlier tick) is still running, the time until which the driver waits for that
+        step (handing it to ``on_result`` if it lands) before ``on_tick``; ``None``: handle the tick now.
+
+        The wait is ``late_grace_ms`` past the tick's due time, under half a period; ``TICK`` mode only.
+        """
+        cfg = self.cfg
+        grace = min(cfg.late_grace_ms / 1e3, 0.45 * cfg.period)  # a step landing then is nearest to tick k
+        if grace <= 0 or self._planned is None or cfg.publish_mode is not PublishMode.TICK:
+            return None
+        k = self.grid.nearest(now if due is None else due) if self._calibrated else self.served + 1  # as on_tick names it
+        if k <= self.served or self._planned[0] > k or self.broker.serves(k, self._missed()):
+            return None
+        self._graced = k
+        until = self.grid.time(k) + grace
+        return until if until > now else None
 
     # ------------------------------------------------------------------ results and ticks
     def on_result(self, actions: np.ndarray, *, frame_time: float, step_s: float, now: float,
@@ -211,8 +232,10 @@ class ControlLoop:
             return TickOutput(self.served, None, Source.PUBLISHED)
         self.stats.ticks += 1
         action = self.broker.pop(k, self._missed())
+        graced, self._graced = self._graced == k, None
         if action is not None:
             self.last_action = action
+            self.stats.ticks_late += graced
             return TickOutput(k, action, Source.QUEUE)
         if self._last_immediate > self.grid.time(k) - self.cfg.period:
             return TickOutput(k, None, Source.PUBLISHED)

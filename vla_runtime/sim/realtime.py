@@ -4,9 +4,10 @@ The plain evaluation steps the policy, then the simulator, in turn: however slow
 waits for it. A robot does not wait. Here the simulator advances one control tick per period whatever the
 policy does, and ``ControlLoop`` (the loop the ROS node and ``RemotePolicyLoop`` run) decides, as on the
 robot, when each step starts (deadline scheduling), which observation it takes (the newest at its start)
-and which action each tick executes (queued chunk rows with latency skipping and blending, or the
-fallback). A step's duration is its measured wall time, times ``time_scale`` (> 1 plays a slower machine):
-its actions land that much simulated time after its start, and the ticks in between run on what was queued.
+and which action each tick executes (queued chunk rows with latency skipping and blending, a step that
+overran the tick by less than ``late_grace_ms``, or the fallback). A step's duration is its measured wall
+time, times ``time_scale`` (> 1 plays a slower machine): its actions land that much simulated time after its
+start, and the ticks in between run on what was queued.
 
 One thread and a discrete-event clock: the same measured step times give the same episode. Between ticks
 the clock jumps from event to event (a step landing, a step starting); every step starts on the
@@ -97,7 +98,13 @@ class RealtimeEpisode:
                         continue
                 break
             now = tick
-            action = self.loop.on_tick(tick).action
+            until = self.loop.grace_until(tick)  # the step for this tick overran it: wait a little for it
+            if until is not None and pending is not None and pending.lands <= until:
+                now = pending.lands
+                self.loop.on_result(pending.actions, frame_time=pending.frame_time, now=now,
+                                    step_s=now - pending.planned_at, started=pending.start)
+                pending = None
+            action = self.loop.on_tick(now, due=tick).action
             applied = action if action is not None else hold_action(applied, self.action_dim)
             t0 = time.perf_counter()
             try:

@@ -77,6 +77,10 @@ class PolicyNodeConfig:
     )
     frame_guard_ms: float = _help("align_to_frames: how long before a step's start the latest frames are placed", default=5.0)
     fallback: str = _help("a tick without an action: hold (publish nothing), zero, repeat_last", default="hold")
+    late_grace_ms: float = _help(
+        "a tick whose step is still running waits up to this long for it (under half a period) before the fallback",
+        default=10.0,
+    )
     fallback_keep_dims: list[int] = _help("fallback zero: dimensions that repeat the last action (e.g. [6], a gripper)",
                                           default_factory=list)
     max_image_age_s: float = _help("no action when the newest image is older than this", default=0.5)
@@ -143,7 +147,7 @@ class PolicyNodeConfig:
             rate_hz=self.control_rate_hz, schedule=self.schedule, publish_mode=self.publish_mode,
             step_quantile=self.step_quantile, margin_ms=self.schedule_margin_ms, refill_threshold=self.refill_threshold,
             latency_skip=self.latency_skip, blend=self.blend, fallback=self.fallback, fallback_keep_dims=tuple(self.fallback_keep_dims),
-            align_to_frames=self.align_to_frames, frame_guard_ms=self.frame_guard_ms,
+            align_to_frames=self.align_to_frames, frame_guard_ms=self.frame_guard_ms, late_grace_ms=self.late_grace_ms,
         )
 
 

@@ -5,7 +5,8 @@ subscriptions and /diagnostics); it reads the node's state under the node's lock
 and the frame guard run these methods in the node's default callback group, so they never overlap
 each other or a lifecycle transition; ``_start_episode`` and ``_step`` run on the one-thread worker.
 
-A tick publishes its action (queued, or the fallback) and asks the ``ControlLoop`` when the next step
+A tick publishes its action (queued; the step planned for it, if it overran the tick by less than
+``late_grace_ms``: the tick waits for it; else the fallback) and asks the ``ControlLoop`` when the next step
 should start; a worker job waits until then, takes the newest usable frame of that moment and steps
 the session. An episode request (instruction, reset service, activation) is applied by the worker
 once no step is in flight; the old episode's queued actions are dropped.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import numpy as np
 from std_srvs.srv import Trigger
@@ -116,6 +117,11 @@ class PolicyControl:
                     self._telemetry.actions_withheld += pending
             self.get_logger().warning(f"no action: {hold}", throttle_duration_sec=2.0)
             return
+        until = self._loop.grace_until(now, due=due)
+        if until is not None and self._future is not None:  # the step for this tick overran it: wait a little
+            wait([self._future], timeout=max(0.0, until - time.monotonic()))
+            now = time.monotonic()
+            self._collect()
         out = self._loop.on_tick(now, due=due)
         if out.action is not None:
             self._publish(out.action, received=self._latency_of(out.tick))
