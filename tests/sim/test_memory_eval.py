@@ -79,6 +79,18 @@ def test_eval_tiny_openvla_with_a_window_matched_to_a_chunked_budget(tmp_path, c
     assert episode["steps"] == 4 and episode["error"] is None and episode["kv_final"]["tokens_raw"] > 0
 
 
+def test_eval_under_delays_the_policy_was_not_trained_on(tmp_path):
+    ckpt = tmp_path / "tiny-openvla"
+    assert main(["make-tiny", str(ckpt), "--family", "openvla", "--dtype", "float32"]) == 0
+    out = tmp_path / "eval"
+    code = main(["eval", "--checkpoint", str(ckpt), "--sim", "metaworld", "--tasks", "memory-order", "--episodes", "1",
+                 "--max-steps", "3", "--resolution", "56", "--memory-delays", "90:120", "--no-video", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    assert "memory_delays=(90, 120)" in json.loads((out / "report.json").read_text())["sim_config"]
+    with pytest.raises(SystemExit):
+        main(["eval", "--checkpoint", str(ckpt), "--sim", "metaworld", "--tasks", "memory-order", "--memory-delays", "9:5"])
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -9,7 +9,7 @@ import pytest
 from vla_runtime.sim import MEMORY_TASKS, MetaWorldConfig, MetaWorldEnv
 from vla_runtime.sim.memory import CountingTask, OrderTask, Outcome, ReferenceTask, memory_task
 from vla_runtime.sim.memory.counting import PressStage
-from vla_runtime.sim.memory.reach import DELAY_MAX, DELAY_MIN, SUCCESS_RADIUS
+from vla_runtime.sim.memory.reach import DELAY_MAX, DELAY_MIN, SUCCESS_RADIUS, with_delay
 from vla_runtime.sim.memory.reference import GOAL_HIGH, GOAL_LOW
 
 # find_spec, not importorskip: importing mujoco here would fix its GL backend before the env picks it
@@ -152,9 +152,36 @@ def test_bad_episode_parameters_and_names_are_clear_errors():
         memory_task("memory-x")
     with pytest.raises(ValueError, match=r"`presses` must be one of \(1, 2, 3, 4\), got 5"):
         CountingTask(presses=5, box=(0.0, 0.8))
-    with pytest.raises(ValueError, match=r"`delay` must be in \[20, 60\], got 3"):
-        ReferenceTask(delay=3, goal=(0.0, 0.6))
+    with pytest.raises(ValueError, match=r"`delay` must be >= 1 step, got 0"):
+        ReferenceTask(delay=0, goal=(0.0, 0.6))
     with pytest.raises(ValueError, match="two different pads"):
         OrderTask(delay=30, row=(0.0, 0.6), first=1, second=1)
     with pytest.raises(ValueError, match="seed must be >= 0"):
         ReferenceTask.sample(-1)
+
+
+def test_other_delays_keep_each_seeds_cue_and_layout():
+    for seed in range(50):
+        order, longer = OrderTask.sample(seed), with_delay(OrderTask.sample(seed), seed, (70, 110))
+        assert 70 <= longer.delay <= 110 and longer == replace(order, delay=longer.delay)  # only the delay moves
+        assert longer == with_delay(OrderTask.sample(seed), seed, (70, 110))  # a seed is one episode
+        assert longer.step_limit() == OrderTask.max_steps + longer.delay - DELAY_MAX  # time to answer kept
+    assert {with_delay(ReferenceTask.sample(s), s, (5, 9)).delay for s in range(200)} == set(range(5, 10))
+    counting = CountingTask.sample(3)
+    assert with_delay(counting, 3, (70, 110)) is counting  # no delay to draw
+    with pytest.raises(ValueError, match="memory delays must be 1 <= low <= high steps, got 9:5"):
+        with_delay(OrderTask.sample(0), 0, (9, 5))
+    with pytest.raises(ValueError, match="`memory_delays` must be"):
+        MetaWorldConfig(memory_delays=(0, 5))
+
+
+@needs_metaworld
+@pytest.mark.sim
+def test_a_longer_delay_holds_the_arm_longer_and_the_expert_still_answers():
+    with MetaWorldEnv(MetaWorldConfig(cameras=(), memory_delays=(100, 100))) as env:
+        env.reset("memory-order", 5)
+        episode = env._episode
+        assert episode.delay == 100 and episode.go_step == episode.cue_steps + 100
+        assert [episode.frozen(t) for t in (episode.go_step - 1, episode.go_step)] == [True, False]
+        success, info = run_expert(env)
+        assert success and not info.truncated and info.step > 100

@@ -29,6 +29,9 @@ def add_sim_args(parser: argparse.ArgumentParser, *, sims: tuple[str, ...]) -> N
     parser.add_argument("--resolution", default=None, help="image size N or HxW (Meta-World default 224; RLBench 128)")
     parser.add_argument("--max-steps", type=int, default=None, help="step limit per episode (Meta-World default and maximum 500)")
     parser.add_argument("--seed", type=int, default=0, help="first seed; episode i uses seed+i (Meta-World: seed %% 50 picks the scene variation)")
+    parser.add_argument("--memory-delays", type=parse_delays, default=None, metavar="LOW:HIGH",
+                        help="memory-reference and memory-order: draw the delay per seed over LOW..HIGH steps instead of "
+                             "20..60 (conditions a policy was not trained on; the step limit grows with the delay)")
 
 
 def parse_tasks(text: str, sim: str) -> list[str]:
@@ -38,6 +41,19 @@ def parse_tasks(text: str, sim: str) -> list[str]:
     if sim == "metaworld" and len(items) == 1 and items[0].lower() in METAWORLD_GROUPS:
         return list(METAWORLD_GROUPS[items[0].lower()])
     return items
+
+
+def parse_delays(text: str) -> tuple[int, int]:
+    """``"60:100"`` -> (60, 100); one number N -> (N, N)."""
+    try:
+        parts = [int(p) for p in text.split(":")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--memory-delays {text!r}: expected LOW:HIGH steps, e.g. 60:100") from None
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or not 1 <= parts[0] <= parts[1]:
+        raise argparse.ArgumentTypeError(f"--memory-delays {text!r}: expected LOW:HIGH steps with 1 <= LOW <= HIGH")
+    return parts[0], parts[1]
 
 
 def parse_resolution(text: str) -> tuple[int, int]:
@@ -64,4 +80,8 @@ def sim_config(args: argparse.Namespace, tasks: list[str] | None = None) -> Meta
         kwargs["resolution"] = parse_resolution(args.resolution)
     if args.max_steps is not None:
         kwargs["max_steps"] = args.max_steps
+    if getattr(args, "memory_delays", None) is not None:
+        if args.sim != "metaworld":
+            raise ValueError("--memory-delays applies to Meta-World's memory tasks only")
+        kwargs["memory_delays"] = args.memory_delays
     return MetaWorldConfig(**kwargs) if args.sim == "metaworld" else RLBenchConfig(**kwargs)

@@ -29,6 +29,7 @@ from .base import SimEnv, SimObservation, StepInfo, check_task
 from .gl import import_triton_before_gl, select_gl_backend
 from .memory import MEMORY_TASKS, MemoryTask, Outcome
 from .memory.base import HOLD_ACTION
+from .memory.reach import with_delay
 from .memory.scene import draw_markers
 from .metaworld_tasks import METAWORLD_ALL_TASKS, METAWORLD_INSTRUCTIONS
 
@@ -55,6 +56,9 @@ class MetaWorldConfig:
         flip_images: rotate images 180 degrees so the scene is upright.
         benchmark_seed: seed MT1 uses to generate each task's 50 variations.
         actions: the 7-D -> 4-D action mapping.
+        memory_delays: memory tasks with a delay (reference, order): draw it per seed uniform over (low, high)
+            steps instead of 20..60 (``None``), the cue and layout unchanged; an evaluation under delays the
+            policy was not trained on. The episode's step limit grows with a delay beyond 60.
     """
 
     cameras: tuple[str, ...] = ("corner2",)
@@ -65,6 +69,7 @@ class MetaWorldConfig:
     flip_images: bool = True
     benchmark_seed: int = 0
     actions: MetaWorldActions = field(default_factory=MetaWorldActions)
+    memory_delays: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         self.cameras = tuple(self.cameras)
@@ -76,6 +81,10 @@ class MetaWorldConfig:
             raise ValueError(f"`cameras` lists a camera twice: {list(self.cameras)}")
         if len(self.resolution) != 2 or min(self.resolution) < 1:
             raise ValueError(f"`resolution` must be (height, width) with both >= 1, got {self.resolution}")
+        if self.memory_delays is not None:
+            self.memory_delays = tuple(int(d) for d in self.memory_delays)
+            if len(self.memory_delays) != 2 or not 1 <= self.memory_delays[0] <= self.memory_delays[1]:
+                raise ValueError(f"`memory_delays` must be (low, high) steps with 1 <= low <= high, got {self.memory_delays}")
         if not 1 <= self.max_steps <= METAWORLD_MAX_STEPS:
             raise ValueError(f"`max_steps` must be in [1, {METAWORLD_MAX_STEPS}], got {self.max_steps}")
 
@@ -134,7 +143,10 @@ class MetaWorldEnv(SimEnv):
     def reset(self, task: str, seed: int) -> SimObservation:
         check_task(task, self.tasks, "Meta-World")
         if task in MEMORY_TASKS:
-            return self.reset_memory(MEMORY_TASKS[task].sample(seed))
+            episode = MEMORY_TASKS[task].sample(seed)
+            if self.config.memory_delays is not None:
+                episode = with_delay(episode, seed, self.config.memory_delays)
+            return self.reset_memory(episode)
         sim = self._task_sim(task)
         sim.env.unwrapped.set_task(sim.variations[seed % len(sim.variations)])
         self._raw_obs, _ = sim.env.reset(seed=seed)
@@ -162,7 +174,7 @@ class MetaWorldEnv(SimEnv):
 
     def _start(self, episode: MemoryTask | None, expert: Any) -> None:
         self._episode, self._expert = episode, expert
-        self._limit = min(self.config.max_steps, episode.max_steps) if episode is not None else self.config.max_steps
+        self._limit = min(self.config.max_steps, episode.step_limit()) if episode is not None else self.config.max_steps
         self._steps = 0
         self._done = False
 

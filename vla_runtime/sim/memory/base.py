@@ -136,6 +136,10 @@ class MemoryTask(abc.ABC):
     def sample(cls, seed: int) -> "MemoryTask":
         """The episode of ``seed`` (a new, unjudged object each call)."""
 
+    def step_limit(self) -> int:
+        """This episode's step limit: ``max_steps``, longer for a delay drawn beyond the usual range."""
+        return self.max_steps
+
     @classmethod
     @abc.abstractmethod
     def chance_level(cls) -> float:

@@ -16,7 +16,8 @@ it stays put), so everything the camera shows after the cue is the same for ever
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+import zlib
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -25,7 +26,8 @@ from .base import HOLD_ACTION, Marker, MemoryTask, Outcome, StillnessMonitor, go
 from .scene import remove_body, remove_site
 
 #: the delay D (steps with the arm held after the cue) is uniform over these, per episode: any sliding
-#: window shorter than DELAY_MIN steps has lost the cue when the lamp turns green
+#: window shorter than DELAY_MIN steps has lost the cue when the lamp turns green. Evaluations may draw
+#: other delays (``MetaWorldConfig.memory_delays``, ``with_delay``): conditions a policy was not trained on
 DELAY_MIN, DELAY_MAX = 20, 60
 #: height of the hand (body position, as the state reports it) over a remembered spot
 TARGET_Z = 0.10
@@ -51,8 +53,12 @@ class ReachMemoryTask(MemoryTask):
     _travel: float = field(default=0.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not DELAY_MIN <= self.delay <= DELAY_MAX:
-            raise ValueError(f"`delay` must be in [{DELAY_MIN}, {DELAY_MAX}], got {self.delay}")
+        if self.delay < 1:
+            raise ValueError(f"`delay` must be >= 1 step, got {self.delay}")
+
+    def step_limit(self) -> int:
+        """``max_steps``, plus the steps a delay beyond ``DELAY_MAX`` adds (the time to answer stays the same)."""
+        return self.max_steps + max(0, self.delay - DELAY_MAX)
 
     @property
     def go_step(self) -> int:
@@ -116,3 +122,15 @@ class ReachExpert:
         if t < self.go_step:
             return HOLD_ACTION.copy()
         return move_toward(hand_position(mw), self.target, OPEN)
+
+
+def with_delay(episode: MemoryTask, seed: int, delays: tuple[int, int]) -> MemoryTask:
+    """``episode`` (of ``seed``) with its delay drawn uniform over ``delays`` (inclusive) from the seed, its cue and
+    layout unchanged; an episode without a delay (counting) is returned as it is."""
+    if not isinstance(episode, ReachMemoryTask):
+        return episode
+    low, high = delays
+    if not 1 <= low <= high:
+        raise ValueError(f"memory delays must be 1 <= low <= high steps, got {low}:{high}")
+    rng = np.random.default_rng([seed, zlib.crc32(f"{episode.name}/delay".encode())])
+    return replace(episode, delay=int(rng.integers(low, high + 1)))
