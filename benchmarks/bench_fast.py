@@ -15,8 +15,15 @@ states: max difference reported); the quantized models' agreement is reported, n
 identical action tokens and the largest action difference over ``--agreement-steps`` frames; 7b-layer: the
 hidden state's difference), with the LLM's weight bytes.
 
+``--device cuda`` runs the same questions on a GPU (default dtype bfloat16, compiled = ``reduce-overhead``: CUDA
+graphs) and adds the weight-bandwidth limit of every decode row: the bytes of decoder-layer weights one decode
+token reads, divided by the device's copy bandwidth measured in the same run (a ``--bandwidth-mib`` MiB buffer
+copied on the device), against the measured median: ``x limit`` (1.0 = reading every weight once at the measured
+bandwidth; issue 21's target: <= 1.5). On CPU the same column uses the CPU's copy bandwidth.
+
     python benchmarks/bench_fast.py --threads 1 --repeats 30
     vla-runtime bench fast --geometry 7b-layer --layers 2
+    python benchmarks/bench_fast.py --device cuda --geometry 7b-layer --layers 32 --context 290   # a whole 7B LLM
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch
 
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.bench.harness import (
-    environment, plot_medians, print_ratio_table, ratio_table, seeded_main, time_interleaved, write_json,
+    environment, plot_medians, print_ratio_table, ratio_table, seeded_main, time_interleaved, time_ms, write_json,
 )  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import CompileMode, SessionConfig
@@ -59,12 +66,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=290, help="7b-layer: tokens in the cache (default: %(default)s)")
     p.add_argument("--image", type=Path, default=ASSET, help="small: the frame (default: the bundled test scene)")
     p.add_argument("--agreement-steps", type=int, default=20, help="small: frames the quantized actions are compared on")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="model and cache dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--compile", dest="compile_mode", choices=("default", "reduce-overhead"), default=None,
+                   help="the compiled rows' mode (default: default on CPU, reduce-overhead (CUDA graphs) on CUDA)")
+    p.add_argument("--bandwidth-mib", type=int, default=512, help="buffer copied to measure the copy bandwidth (MiB)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (pinned)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/bench_fast"), help="writes <out>.json and <out>.png")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.device = torch.device(args.device)
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    cuda = args.device.type == "cuda"
+    args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    args.compile_mode = CompileMode(args.compile_mode or ("reduce-overhead" if cuda else "default"))
+    return args
 
 
 @dataclass
@@ -76,6 +96,7 @@ class Group:
     calls: dict[str, Callable[[], object]]
     setup_s: dict[str, float]
     agreement: dict[str, dict]
+    weight_bytes: dict[str, int] | None = None  # decode groups: decoder-layer weight bytes one token reads, per variant
 
 
 def rolled_back(decoder: Callable[..., torch.Tensor], cache, x: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -107,10 +128,11 @@ def hidden_agreement(want: torch.Tensor, got: torch.Tensor) -> dict:
 def small_group(args: argparse.Namespace, tmp: Path) -> list[Group]:
     """The tiny OpenVLA: whole steps, and decode forwards over one step's context."""
     path = make_tiny_openvla(tmp / "tiny-openvla", seed=args.seed)
-    policy = load_policy(path, device="cpu")
+    load = dict(device=args.device, dtype=args.dtype)
+    policy = load_policy(path, **load)
     obs = Observation(images={"primary": read_image(args.image)})
     eager = policy.new_session(INSTRUCTION)
-    compiled, compile_s = timed(lambda: policy.new_session(INSTRUCTION, SessionConfig(compile=CompileMode.DEFAULT)))
+    compiled, compile_s = timed(lambda: policy.new_session(INSTRUCTION, SessionConfig(compile=args.compile_mode)))
     want, got = eager.step(obs), compiled.step(obs)
     if not np.array_equal(eager.last_tokens, compiled.last_tokens):
         raise SystemExit(f"compiled tokens {compiled.last_tokens.tolist()} != eager {eager.last_tokens.tolist()}")
@@ -119,14 +141,14 @@ def small_group(args: argparse.Namespace, tmp: Path) -> list[Group]:
     agreement = {COMPILED: {"tokens_equal": True, "max_abs_action_diff": float(np.abs(got.actions - want.actions).max())}}
     decoders = {}
     for name, mode in QUANTIZED.items():
-        quantized, setup_s[name] = timed(lambda: load_policy(path, device="cpu", quantize=mode))
+        quantized, setup_s[name] = timed(lambda: load_policy(path, quantize=mode, **load))
         sessions[name] = quantized.new_session(INSTRUCTION)
         agreement[name] = action_agreement(eager, sessions[name], args)
         decoders[name] = quantized.vlm.language_model.model
     step = Group("small step", {name: (lambda s=s: s.step(obs)) for name, s in sessions.items()}, setup_s, agreement)
     llm = policy.vlm.language_model.model
     context = eager.cache.stats().tokens_seen
-    return [step, decode_group("small decode", llm, context=context, seed=args.seed, quantized=decoders)]
+    return [step, decode_group("small decode", llm, context=context, args=args, quantized=decoders)]
 
 
 def action_agreement(eager, other, args: argparse.Namespace) -> dict:
@@ -145,20 +167,21 @@ def action_agreement(eager, other, args: argparse.Namespace) -> dict:
             "llm_layer_bytes": layers(other), "float_llm_layer_bytes": layers(eager)}  # fmt: skip
 
 
-def decode_group(name: str, model: LlamaModel, *, context: int, seed: int, quantized: dict[str, LlamaModel]) -> Group:
+def decode_group(name: str, model: LlamaModel, *, context: int, args: argparse.Namespace,
+                 quantized: dict[str, LlamaModel]) -> Group:
     """Decode forwards of ``model`` (and of its ``quantized`` versions) over full caches filled with the same
     ``context`` random tokens (one cache per model: each holds the K/V its own weights computed)."""
     cfg = model.cfg
-    gen = torch.Generator().manual_seed(seed)
-    prompt, x = torch.randn(1, context, cfg.dim, generator=gen), torch.randn(1, 1, cfg.dim, generator=gen)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt, x = (torch.randn(1, n, cfg.dim, generator=gen).to(args.device, args.dtype) for n in (context, 1))
 
     def filled(m: LlamaModel):
-        cache = make_cache(KVConfig(), cfg.geometry, batch=1)
+        cache = make_cache(KVConfig(), cfg.geometry, batch=1, device=args.device, dtype=args.dtype)
         with torch.inference_mode():
             m(inputs_embeds=prompt, cache=cache)
         return cache
 
-    options = compile_options(CompileMode.DEFAULT, torch.device("cpu"))
+    options = compile_options(args.compile_mode, args.device)
     calls = {EAGER: rolled_back(model, filled(model), x)}
     compiled = {COMPILED: model} | {f"{variant} + compiled": m for variant, m in quantized.items()}
     for variant, m in quantized.items():
@@ -173,20 +196,43 @@ def decode_group(name: str, model: LlamaModel, *, context: int, seed: int, quant
     for variant, m in quantized.items():
         agreement[variant]["llm_layer_bytes"] = weight_bytes(m.layers)
     agreement[EAGER] = {"llm_layer_bytes": weight_bytes(model.layers)}
-    return Group(name, calls, setup_s, agreement)
+    read = {EAGER: weight_bytes(model.layers), COMPILED: weight_bytes(model.layers)}
+    for variant, m in quantized.items():
+        read[variant] = read[f"{variant} + compiled"] = weight_bytes(m.layers)
+    return Group(name, calls, setup_s, agreement, read)
 
 
 def layer_group(args: argparse.Namespace) -> list[Group]:
     """``--layers`` LLaMA-2-7B-sized decoder layers (random weights, a 32-row embedding: inputs are embeddings)."""
     torch.manual_seed(args.seed)
     cfg = LlamaConfig.from_name("llama2-7b", n_layers=args.layers, vocab_size=32)
-    with torch.device("cpu"):
-        model = LlamaModel(cfg).eval()
+    with torch.device(args.device):
+        model = LlamaModel(cfg).to(args.dtype).eval()
     quantized = {}
     for name, mode in QUANTIZED.items():
         quantized[name] = copy.deepcopy(model)
         quantize_linears(quantized[name].layers, mode)
-    return [decode_group(f"7b-layer x{args.layers} decode", model, context=args.context, seed=args.seed, quantized=quantized)]
+    return [decode_group(f"7b-layer x{args.layers} decode", model, context=args.context, args=args, quantized=quantized)]
+
+
+def copy_bandwidth(device: torch.device, mib: int, repeats: int = 10) -> float:
+    """Bytes per second a device-to-device copy of ``mib`` MiB moves (read + write counted), median of ``repeats``."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = time_ms(lambda: dst.copy_(src), repeats=repeats, warmup=2, device=device)
+    return 2 * src.numel() / (float(np.median(times)) / 1e3)
+
+
+def bandwidth_limits(groups: list[Group], results: dict, bandwidth: float) -> dict[str, dict]:
+    """Per decode row: the layer weights one token reads, the time reading them once takes at ``bandwidth``
+    (bytes/s), and the measured median against it (``x_limit``)."""
+    limits = {}
+    for group in groups:
+        for variant, nbytes in (group.weight_bytes or {}).items():
+            row = f"{group.name}: {variant}"
+            limit_ms = nbytes / bandwidth * 1e3
+            limits[row] = {"weight_bytes": nbytes, "limit_ms": limit_ms, "x_limit": results[row]["median_ms"] / limit_ms}
+    return limits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,20 +250,27 @@ def run(args: argparse.Namespace) -> int:
             groups += layer_group(args)
         times, baselines = {}, {}
         for group in groups:
-            measured = time_interleaved(group.calls, warmup=args.warmup, repeats=args.repeats)
+            measured = time_interleaved(group.calls, warmup=args.warmup, repeats=args.repeats, device=args.device)
             for variant, t in measured.items():
                 times[f"{group.name}: {variant}"] = t
                 baselines[f"{group.name}: {variant}"] = f"{group.name}: {EAGER}"
     results = ratio_table(times, baselines)
     print_ratio_table(results)
+    bandwidth = copy_bandwidth(args.device, args.bandwidth_mib)
+    limits = bandwidth_limits(groups, results, bandwidth)
+    print(f"copy bandwidth on {args.device}: {bandwidth / 1e9:.1f} GB/s ({args.bandwidth_mib} MiB buffer, median of 10)")
+    for row, limit in limits.items():
+        print(f"{row}: {limit['weight_bytes'] / 2**20:.1f} MiB of layer weights per token, limit {limit['limit_ms']:.3f} ms "
+              f"-> {limit['x_limit']:.2f}x the weight-bandwidth limit")
     for group in groups:
         for variant, seconds in group.setup_s.items():
             print(f"{group.name}: {variant}: prepared in {seconds:.1f} s")
         for variant, agreement in group.agreement.items():
             print(f"{group.name}: {variant}: {agreement}")
-    write_json(args.out.with_suffix(".json"), env=environment(dtype=torch.float32, threads=args.threads), args=args,
-               results=results, setup_s={g.name: g.setup_s for g in groups},
-               agreement={g.name: g.agreement for g in groups})  # fmt: skip
+    write_json(args.out.with_suffix(".json"), env=environment(device=args.device, dtype=args.dtype, threads=args.threads),
+               args=args, results=results, setup_s={g.name: g.setup_s for g in groups},
+               agreement={g.name: g.agreement for g in groups}, copy_bandwidth_bytes_per_s=bandwidth,
+               weight_bandwidth_limits=limits)  # fmt: skip
     plot_medians(results, args.out.with_suffix(".png"), title="eager vs compiled vs quantized", xlabel="ms per call (median, p10-p90)")
     return 0
 

@@ -14,7 +14,8 @@ from vla_runtime.bench.registry import get_benchmark
 @pytest.mark.slow
 def test_bench_fast_small_geometry_writes_every_variant(tmp_path):
     threads = torch.get_num_threads()
-    argv = ["--geometry", "small", "--repeats", "2", "--warmup", "1", "--agreement-steps", "2", "--out", str(tmp_path / "b")]
+    argv = ["--geometry", "small", "--repeats", "2", "--warmup", "1", "--agreement-steps", "2", "--bandwidth-mib", "8",
+            "--out", str(tmp_path / "b")]
     assert get_benchmark("fast").run(argv) == 0  # what `vla-runtime bench fast` runs
     bench = sys.modules["bench_fast"]
     assert torch.get_num_threads() == threads
@@ -31,3 +32,26 @@ def test_bench_fast_small_geometry_writes_every_variant(tmp_path):
     for q in quantized:
         assert 0 <= step[q]["identical_tokens"] <= 1 and step[q]["steps"] == 2
         assert step[q]["llm_layer_bytes"] < step[q]["float_llm_layer_bytes"] / 3
+    limits = record["weight_bandwidth_limits"]
+    assert set(limits) == {name for name in results if name.startswith("small decode")}  # every decode row, no step row
+    assert record["copy_bandwidth_bytes_per_s"] > 0 and all(v["x_limit"] > 0 for v in limits.values())
+    assert limits["small decode: weight-only int8"]["weight_bytes"] < limits["small decode: eager"]["weight_bytes"] / 3
+
+
+def _bench_fast():
+    return get_benchmark("fast").load_script()  # benchmarks/bench_fast.py as a module
+
+
+def test_bench_fast_device_defaults_and_the_weight_bandwidth_limit():
+    bench = _bench_fast()
+    args = bench.parse_args([])
+    assert (args.device.type, args.dtype, args.compile_mode.value) == ("cpu", torch.float32, "default")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="torch sees no CUDA device"):
+            bench.parse_args(["--device", "cuda"])
+    group = bench.Group("g decode", {}, {}, {}, weight_bytes={"eager": 2_000_000, "weight-only int8": 500_000})
+    results = {"g decode: eager": {"median_ms": 4.0}, "g decode: weight-only int8": {"median_ms": 2.0}}
+    limits = bench.bandwidth_limits([group], results, bandwidth=1e9)  # 1 GB/s: 2 MB read once takes 2 ms
+    assert limits["g decode: eager"] == {"weight_bytes": 2_000_000, "limit_ms": pytest.approx(2.0), "x_limit": pytest.approx(2.0)}
+    assert limits["g decode: weight-only int8"]["x_limit"] == pytest.approx(4.0)
+    assert bench.copy_bandwidth(torch.device("cpu"), mib=4, repeats=3) > 1e6  # bytes/s of a real copy

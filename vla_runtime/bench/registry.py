@@ -58,11 +58,12 @@ class Benchmark:
         folder = str(self.source.parent)
         sys.path.insert(0, folder)
         try:
-            return int(self._load_script().main(argv) or 0)
+            return int(self.load_script().main(argv) or 0)
         finally:
             sys.path.remove(folder)
 
-    def _load_script(self) -> ModuleType:
+    def load_script(self) -> ModuleType:
+        """The benchmark file imported as a module (its functions, for tests and notebooks)."""
         spec = importlib.util.spec_from_file_location(self.source.stem, self.source)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # dataclasses look their module up while it executes
