@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1]
 REPO = PACKAGE.parents[2]
 SOURCES = sorted((PACKAGE / "vla_runtime_ros").glob("*.py"))
 NODE_CONFIGS = {"policy_node": PolicyNodeConfig, "sim_node": SimNodeConfig, "planner_node": PlannerNodeConfig}
-CONFIG_FILES = {"sim.yaml": SimNodeConfig, "planner.yaml": PlannerNodeConfig}  # every other config/*.yaml configures the policy node
+CONFIG_FILES = {"sim.yaml": SimNodeConfig, "sim_memory.yaml": SimNodeConfig, "planner.yaml": PlannerNodeConfig}  # every other config/*.yaml configures the policy node
 
 
 def package_xml() -> ET.Element:
