@@ -83,9 +83,12 @@ def test_an_unknown_compile_mode_lists_the_valid_ones():
 def test_a_compiled_cuda_step_never_waits_for_the_host(tiny_openvla, frame):
     """CUDA graphs, full cache, single mode: after the warm-up (which recorded this step's lengths), the vision
     towers, the step's prefill and decode forwards run without a host synchronisation (``set_sync_debug_mode
-    ("error")`` raises on one). Not run in CI here (no CUDA)."""
+    ("error")`` raises on one), and inductor used CUDA graphs for every compiled graph (none skipped: the cache's
+    K/V buffers, which the graphs write, are static addresses). Not run in CI here (no CUDA)."""
     gpu = load_policy(tiny_openvla, device="cuda")
+    skipped = counters["inductor"]["cudagraph_skips"]
     session = gpu.new_session(INSTRUCTION, SessionConfig(compile=CompileMode.REDUCE_OVERHEAD))
+    assert counters["inductor"]["cudagraph_skips"] == skipped, "inductor skipped CUDA graphs (see its warning)"
     session.step(Observation(images={"primary": frame(0)}))
     pixels, _ = session.inputs(Observation(images={"primary": frame(1)}))
     token = torch.tensor([[31800]], device="cuda")
@@ -102,3 +105,33 @@ def test_a_compiled_cuda_step_never_waits_for_the_host(tiny_openvla, frame):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert session.cache.stats().tokens_seen > 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", [CompileMode.DEFAULT, CompileMode.REDUCE_OVERHEAD])
+def test_a_compiled_chunked_forward_never_waits_for_the_host(tiny_openvla, frame, mode):
+    """The chunked cache in history mode, past its first compressions: the cache's plan and the compiled layer
+    pass of a frame's prefill and of decode forwards run without a host synchronisation; only the commit after a
+    forward (``end_forward``: compression, the gate's data-dependent admission) may wait, outside the check.
+    Not run in CI here (no CUDA)."""
+    gpu = load_policy(tiny_openvla, device="cuda")
+    session = gpu.new_session(INSTRUCTION, SessionConfig(kv=KVConfig(mode="chunked"), history="history", compile=mode))
+    for i in range(4):
+        session.step(Observation(images={"primary": frame(i)}))
+    assert session.cache.chunks_formed > 0, "no compression yet: the check would not cover one"
+    pixels, _ = session.inputs(Observation(images={"primary": frame(4)}))
+    token = torch.tensor([[31800]], device="cuda")
+    cache, layers = session.cache, session.modules.decoder.layers
+    with torch.inference_mode():
+        embeds = session.context(session.modules.embed_image(pixels), [], {})
+    for ids, x in [(None, embeds), *[(token, None)] * 3]:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.inference_mode():
+                cache.plan_forward((ids if x is None else x).shape[1])
+                layers(ids, x, cache=cache)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        cache.end_forward()

@@ -10,6 +10,15 @@ import torch
 import torch.nn.functional as F
 
 
+def grouped(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``q`` [B, Hq, ...] has more heads than ``k`` [B, Hkv, ...] (SDPA's ``enable_gqa``), as a plain bool:
+    the branch makes ``torch.compile`` guard on the head counts under dynamic shapes, where the comparison would
+    be a ``SymBool`` that SDPA rejects (torch 2.11: a graph break in every layer)."""
+    if q.shape[1] == k.shape[1]:
+        return False
+    return True
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past: int) -> torch.Tensor:
     """Attention where the last ``T`` keys are the queries' own tokens (causal among them).
 
@@ -17,7 +26,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past:
     Query i sees keys ``0 .. past + i``.
     """
     t = q.shape[2]
-    gqa = q.shape[1] != k.shape[1]
+    gqa = grouped(q, k)
     if t == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     if past == 0:
@@ -34,7 +43,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     q: [B, Hq, T, D] rotated; k, v: [B, Hkv, S, D] (k rotated; the last T are the queries' own tokens).
     Returns [B, Hq, T, D]. What a cache's ``bidirectional_block`` forward uses instead of ``causal_attention``.
     """
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=grouped(q, k))
 
 
 def masked_attention(
@@ -46,7 +55,7 @@ def masked_attention(
     bias: broadcastable to [B, Hq, T, S] (e.g. soft-gate ``log g``). Returns [B, Hq, T, D].
     A query row with no visible key returns zeros rather than NaN.
     """
-    gqa = q.shape[1] != k.shape[1]
+    gqa = grouped(q, k)
     if bias is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     else:

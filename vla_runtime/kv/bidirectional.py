@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .attention import grouped
 from .base import KVStats
 from .rope import RopeConfig, apply_rope, rope_cos_sin
 
@@ -36,7 +37,7 @@ class BidirectionalPass:
         self._tokens = t
         q = apply_rope(q, self._cos, self._sin)
         k = apply_rope(k_raw, self._cos, self._sin)
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=grouped(q, k))
 
     def end_forward(self, *, pin: bool = False) -> None:
         """Forget the positions (nothing is held; ``pin`` has nothing to pin)."""

@@ -92,6 +92,7 @@ class SlotStore:
         # own to torch.compile, which then updates it in place (writing into ``k[layer]``, a view it makes of the
         # whole buffer, makes inductor copy the whole buffer back every forward)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
+        static_addresses(self.k, self.v, *self.k_layers, *self.v_layers)
         self.rope = RopeTable(geometry.rope, slots, device) if rotate_on_read else None
         self.device = torch.device(device)
         self.reset()
@@ -199,6 +200,7 @@ class RotatedView:
         self.k = torch.empty_like(store.k)  # untouched until used
         self.v = torch.empty_like(store.v)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # see ``SlotStore.k_layers``
+        static_addresses(self.k, self.v, *self.k_layers, *self.v_layers)
         self.n = [0] * store.k.shape[0]
         self.version = [-1] * store.k.shape[0]
 
@@ -249,6 +251,17 @@ class RotatedView:
         if not causal:
             return block_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys])
         return causal_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], past=held)
+
+
+def static_addresses(*buffers: torch.Tensor) -> None:
+    """Tell ``torch.compile`` that ``buffers`` (a cache's K/V, allocated once and written in place by the
+    forward) keep their address across calls, like a module's buffers. CUDA graphs (``reduce-overhead``) only
+    replay a graph that mutates an input when the input is static: unmarked, inductor skips CUDA graphs for every
+    layer ("skipping cudagraphs due to mutated inputs", seen on an H100). Eager code is unaffected. Only CUDA
+    buffers are marked (CUDA graphs exist only there), so CPU users do not pay torch._dynamo's import (~1 s)."""
+    for buffer in buffers:
+        if buffer.is_cuda:
+            torch._dynamo.mark_static_address(buffer)
 
 
 def layer_buffers(buffers: "SlotStore | RotatedView", layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,6 +52,7 @@ class CompiledDecoder:
 
     def __init__(self, model: LlamaModel, **options) -> None:
         self.layers = torch.compile(model.layers_forward, **options)
+        self.graphed = options.get("mode") == "reduce-overhead"
 
     def __call__(
         self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None, *,
@@ -61,7 +62,7 @@ class CompiledDecoder:
         cache.plan_forward((input_ids if inputs_embeds is None else inputs_embeds).shape[1])
         hidden = self.layers(input_ids, inputs_embeds, cache=cache)
         cache.end_forward(pin=pin)
-        return hidden
+        return hidden.clone() if self.graphed else hidden  # see ``graph_output``
 
 
 def step_modules(vlm: PrismaticVLM, mode: CompileMode, device: torch.device) -> StepModules:
@@ -71,7 +72,17 @@ def step_modules(vlm: PrismaticVLM, mode: CompileMode, device: torch.device) -> 
         return StepModules(mode, vlm.embed_image, vlm.language_model.model)
     options = compile_options(mode, device)
     vision = torch.compile(vlm.embed_image, **{**options, "dynamic": False})  # one image size: static shapes
+    if mode is CompileMode.REDUCE_OVERHEAD:
+        vision = graph_output(vision)
     return StepModules(mode, vision, CompiledDecoder(vlm.language_model.model, **options))
+
+
+def graph_output(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` returning a copy of its output. A CUDA graph's output lives in the graph's memory pool, which a
+    later replay (of any graph in the pool) overwrites; what a step keeps across calls (image tokens, hidden
+    states) must be copied out. Seen on an H100: "accessing tensor output of CUDAGraphs that has been overwritten
+    by a subsequent run" in a history-mode step. The copy is a few MB at most (image tokens of a 7B model)."""
+    return lambda *args, **kwargs: fn(*args, **kwargs).clone()
 
 
 def compile_options(mode: CompileMode, device: torch.device) -> dict:
