@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -125,8 +126,11 @@ def hidden_agreement(want: torch.Tensor, got: torch.Tensor) -> dict:
     return {"max_abs_diff": diff, "relative": diff / float(want.abs().max())}
 
 
-def small_group(args: argparse.Namespace, tmp: Path) -> list[Group]:
-    """The tiny OpenVLA: whole steps, and decode forwards over one step's context."""
+def small_group(args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
+    """The tiny OpenVLA: whole steps, then (built once the steps are timed) decode forwards over one step's
+    context. Built one after the other so that the decode group's compiled graphs of the same ``layers_forward``
+    are not yet there while the steps run: each adds cache entries whose guards a compiled step's call would
+    then have to tell apart."""
     path = make_tiny_openvla(tmp / "tiny-openvla", seed=args.seed)
     load = dict(device=args.device, dtype=args.dtype)
     policy = load_policy(path, **load)
@@ -145,10 +149,10 @@ def small_group(args: argparse.Namespace, tmp: Path) -> list[Group]:
         sessions[name] = quantized.new_session(INSTRUCTION)
         agreement[name] = action_agreement(eager, sessions[name], args)
         decoders[name] = quantized.vlm.language_model.model
-    step = Group("small step", {name: (lambda s=s: s.step(obs)) for name, s in sessions.items()}, setup_s, agreement)
+    yield Group("small step", {name: (lambda s=s: s.step(obs)) for name, s in sessions.items()}, setup_s, agreement)
     llm = policy.vlm.language_model.model
     context = eager.cache.stats().tokens_seen
-    return [step, decode_group("small decode", llm, context=context, args=args, quantized=decoders)]
+    yield decode_group("small decode", llm, context=context, args=args, quantized=decoders)
 
 
 def action_agreement(eager, other, args: argparse.Namespace) -> dict:
@@ -202,7 +206,7 @@ def decode_group(name: str, model: LlamaModel, *, context: int, args: argparse.N
     return Group(name, calls, setup_s, agreement, read)
 
 
-def layer_group(args: argparse.Namespace) -> list[Group]:
+def layer_group(args: argparse.Namespace) -> Iterator[Group]:
     """``--layers`` LLaMA-2-7B-sized decoder layers (random weights, a 32-row embedding: inputs are embeddings)."""
     torch.manual_seed(args.seed)
     cfg = LlamaConfig.from_name("llama2-7b", n_layers=args.layers, vocab_size=32)
@@ -212,7 +216,7 @@ def layer_group(args: argparse.Namespace) -> list[Group]:
     for name, mode in QUANTIZED.items():
         quantized[name] = copy.deepcopy(model)
         quantize_linears(quantized[name].layers, mode)
-    return [decode_group(f"7b-layer x{args.layers} decode", model, context=args.context, args=args, quantized=quantized)]
+    yield decode_group(f"7b-layer x{args.layers} decode", model, context=args.context, args=args, quantized=quantized)
 
 
 def copy_bandwidth(device: torch.device, mib: int, repeats: int = 10) -> float:
@@ -240,16 +244,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build every geometry's variants, check them against eager, time each group interleaved, report."""
+    """Build each group's variants, check them against eager and time them interleaved (group by group), report."""
     geometries = GEOMETRIES if args.geometry == "both" else (args.geometry,)
     groups: list[Group] = []
+    times, baselines = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        if "small" in geometries:
-            groups += small_group(args, Path(tmp))
-        if "7b-layer" in geometries:
-            groups += layer_group(args)
-        times, baselines = {}, {}
-        for group in groups:
+        built = itertools.chain(
+            small_group(args, Path(tmp)) if "small" in geometries else (),
+            layer_group(args) if "7b-layer" in geometries else (),
+        )
+        for group in built:
+            groups.append(group)
             measured = time_interleaved(group.calls, warmup=args.warmup, repeats=args.repeats, device=args.device)
             for variant, t in measured.items():
                 times[f"{group.name}: {variant}"] = t

@@ -81,6 +81,13 @@ class SessionConfig:
             (``None`` = the whole chunk); only matters for chunk-predicting families.
         seed: seed for sampling-based heads (diffusion noise).
         compile: eager or ``torch.compile``-d step (``CompileMode``; OpenVLA sessions).
+        compile_guards: after the warm-up, evaluate all of ``torch.compile``'s guards on every compiled call
+            (``True``) or only those that pick between the graphs compiled so far (``False``, the default; the
+            warm-up itself always runs them all). What serving stacks do after their warm-up (vLLM calls its
+            compiled graphs without dynamo's guards): about 0.15 ms per compiled call on a CPU, 8 calls a step.
+            The warm-up must then have compiled every graph the episode needs, which ``tests/openvla/
+            test_compiled_session.py`` checks for the stock step and a chunked history episode; set it for any
+            other use you have not checked.
     """
 
     kv: KVConfig = field(default_factory=KVConfig, metadata={"help": "the KV cache"})
@@ -101,6 +108,10 @@ class SessionConfig:
         default=CompileMode.OFF,
         metadata={"help": "off (eager), default (torch.compile, warmed up when the session is created) or "
                           "reduce-overhead (the same with CUDA graphs; CUDA only)"},
+    )
+    compile_guards: bool = field(
+        default=False, metadata={"help": "compiled steps: evaluate every torch.compile guard on each call after the "
+                                         "warm-up (slower; default: only the guards that pick between graphs)"},
     )
 
     def __post_init__(self) -> None:

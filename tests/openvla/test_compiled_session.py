@@ -35,13 +35,27 @@ def test_compiled_session_decodes_the_eager_tokens_and_compiles_nothing_after_cr
     compiled = policy.new_session(INSTRUCTION, replace(config, compile=CompileMode.DEFAULT))
     assert compiled.cache.stats().tokens_seen == 0  # the warm-up's steps were reset away
     before = graphs_compiled()
-    for i in range(6):  # history mode: past the chunked cache's first compressions
+    assert compiled._skip_guards, "the default skips the guards that do not pick a graph after the warm-up"
+    for i in range(8):  # history mode: past the chunked cache's first compressions; then a new, longer instruction
+        if i == 6:
+            eager.reset("open the top drawer and put the bowl inside it")
+            compiled.reset("open the top drawer and put the bowl inside it")
         obs = Observation(images={"primary": frame(i)})
         want, got = eager.step(obs), compiled.step(obs)
         np.testing.assert_array_equal(compiled.last_tokens, eager.last_tokens)
         np.testing.assert_allclose(got.actions, want.actions, rtol=0, atol=1e-6)
         assert got.kv == want.kv
     assert graphs_compiled() == before, "a control step compiled: the warm-up at session creation missed a graph"
+
+
+def test_compile_guards_keeps_every_guard_after_the_warm_up(policy, frame):
+    """``compile_guards=True``: steps run with all of dynamo's guards (no skip), and decode the eager tokens."""
+    eager = policy.new_session(INSTRUCTION)
+    compiled = policy.new_session(INSTRUCTION, SessionConfig(compile=CompileMode.DEFAULT, compile_guards=True))
+    assert not compiled._skip_guards
+    obs = Observation(images={"primary": frame(0)})
+    eager.step(obs), compiled.step(obs)
+    np.testing.assert_array_equal(compiled.last_tokens, eager.last_tokens)
 
 
 @pytest.mark.parametrize("kv", ["full", "chunked"])

@@ -33,6 +33,9 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
                    help="off = eager; default = torch.compile the vision towers and the decoder (compiled when the "
                         "session starts, about a minute on CPU); reduce-overhead = the same with CUDA graphs, CUDA "
                         "only (OpenVLA; default: %(default)s)")
+    p.add_argument("--compile-guards", action="store_true",
+                   help="compiled steps evaluate every torch.compile guard after the warm-up (slower; default: only "
+                        "the guards that pick between the compiled graphs)")
 
 
 def kv_from_args(args: argparse.Namespace) -> KVConfig:
@@ -59,4 +62,5 @@ def load_options(args: argparse.Namespace) -> dict:
 def session_from_args(args: argparse.Namespace, kv: KVConfig | None = None, **fields) -> SessionConfig:
     """The session the options describe (``kv``: a cache built otherwise, e.g. sized to match another)."""
     return SessionConfig(kv=kv or kv_from_args(args), history=args.history, unnorm_key=args.unnorm_key,
-                         center_crop=args.center_crop, compile=args.compile, **fields)
+                         center_crop=args.center_crop, compile=args.compile,
+                         compile_guards=args.compile_guards, **fields)

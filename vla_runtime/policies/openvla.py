@@ -64,8 +64,10 @@ class OpenVLASession(PrismaticSession):
         self._keeps_actions = config.history is not HistoryMode.OBSERVATIONS  # observations: decodes rolled back
         self.last_tokens: np.ndarray | None = None  # [1, action_dim] ids of the last step
         super().__init__(policy, instruction, config)
+        self._skip_guards = False  # set after the warm-up (``SessionConfig.compile_guards``)
         if config.compile is not CompileMode.OFF:
             self.warm_up()
+            self._skip_guards = not config.compile_guards
 
     def warm_up(self, steps: int = WARMUP_STEPS) -> None:
         """Run ``steps`` steps on a blank frame (zero state), then ``reset``: compilation (and CUDA graph capture)
@@ -105,8 +107,14 @@ class OpenVLASession(PrismaticSession):
 
     # ---- one control step ------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self, obs: Observation) -> StepResult:
+        if self._skip_guards:  # compiled and warmed up: only the guards that choose between the compiled graphs
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self._step(obs)
+        return self._step(obs)
+
+    @torch.inference_mode()
+    def _step(self, obs: Observation) -> StepResult:
         start = time.perf_counter()
         timings = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}
         pixels, state = self.inputs(obs)

@@ -197,7 +197,8 @@ class PrismaticSession(EpisodeSession):
     @torch.inference_mode()  # the cache holds inference tensors from the steps; clear them in the same mode
     def reset(self, instruction: str | None = None) -> None:
         if instruction is not None and instruction != self.instruction:
-            self._build(instruction)
+            with torch.inference_mode(False):  # a new cache of normal tensors, like the first one (``__init__``):
+                self._build(instruction)  # compiled graphs guard on the kind, so an inference-mode cache recompiles
         else:
             self.cache.reset()
             self._pinned = False
