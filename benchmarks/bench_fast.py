@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (pinned)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--block", type=int, default=1,
+                   help="calls of one variant in a row per round (default: %(default)s = interleaved call by call; "
+                        "e.g. 40 times consecutive steps, as a control loop runs them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/bench_fast"), help="writes <out>.json and <out>.png")
     args = p.parse_args(argv)
@@ -255,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
         )
         for group in built:
             groups.append(group)
-            measured = time_interleaved(group.calls, warmup=args.warmup, repeats=args.repeats, device=args.device)
+            measured = time_interleaved(group.calls, warmup=args.warmup, repeats=args.repeats, device=args.device,
+                                        block=args.block)
             for variant, t in measured.items():
                 times[f"{group.name}: {variant}"] = t
                 baselines[f"{group.name}: {variant}"] = f"{group.name}: {EAGER}"

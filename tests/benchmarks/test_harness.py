@@ -46,6 +46,16 @@ def test_time_interleaved_warms_every_function_then_alternates_rounds():
     assert times["base"] == pytest.approx([10.0, 30.0, 20.0]) and times["ours"] == pytest.approx([4.0, 5.0, 9.0])
 
 
+def test_time_interleaved_in_blocks_times_consecutive_calls_after_an_untimed_first():
+    work = ScriptedWork({"base": [5.0, 9.0, 0.010, 0.030, 9.0, 0.020, 0.040], "ours": [5.0, 9.0, 0.004, 0.005, 9.0, 0.006, 0.007]})
+    times = harness.time_interleaved({"base": work.fn("base"), "ours": work.fn("ours")}, warmup=1, repeats=2, block=3,
+                                     clock=work.clock)  # fmt: skip
+    assert work.calls == ["base", "ours"] + (["base"] * 3 + ["ours"] * 3) * 2
+    assert times["base"] == pytest.approx([10.0, 30.0, 20.0, 40.0]) and times["ours"] == pytest.approx([4.0, 5.0, 6.0, 7.0])
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        harness.time_interleaved({"base": work.fn("base")}, warmup=0, repeats=1, block=0)
+
+
 def test_ratio_table_divides_the_baseline_median_by_each_row_median():
     results = harness.ratio_table({"base": [10.0, 30.0, 20.0], "ours": [4.0, 5.0, 9.0, 100.0]}, "base")
     assert results["base"]["median_ms"] == 20.0 and results["ours"]["median_ms"] == 7.0

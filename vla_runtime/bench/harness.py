@@ -57,16 +57,22 @@ def time_ms(fn: Callable[[], Any], *, repeats: int, warmup: int = 0, device=None
 
 
 def time_interleaved(
-    fns: Mapping[str, Callable[[], Any]], *, warmup: int, repeats: int, device=None, clock: Clock = time.perf_counter
+    fns: Mapping[str, Callable[[], Any]], *, warmup: int, repeats: int, device=None, clock: Clock = time.perf_counter,
+    block: int = 1,
 ) -> dict[str, list[float]]:
     """Milliseconds per call of every function: ``warmup`` untimed calls each, then ``repeats`` rounds that call
-    every function once, in order, so that drifting load on a shared machine hits all of them alike."""
+    every function ``block`` times in a row, in order, so that drifting load on a shared machine hits all of them
+    alike. ``block`` > 1 times each function the way a loop runs it (its code and data warm in the caches from
+    its own previous call, not evicted by the others'); the first call of each block is untimed."""
+    if block < 1:
+        raise ValueError(f"block must be >= 1 calls, got {block}")
     for fn in fns.values():
         time_ms(fn, repeats=0, warmup=warmup, device=device, clock=clock)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            times[name] += time_ms(fn, repeats=1, device=device, clock=clock)
+            times[name] += time_ms(fn, repeats=block if block == 1 else block - 1, warmup=int(block > 1),
+                                   device=device, clock=clock)  # fmt: skip
     return times
 
 
