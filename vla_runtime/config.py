@@ -86,8 +86,8 @@ class SessionConfig:
             warm-up itself always runs them all). What serving stacks do after their warm-up (vLLM calls its
             compiled graphs without dynamo's guards): about 0.15 ms per compiled call on a CPU, 8 calls a step.
             The warm-up must then have compiled every graph the episode needs, which ``tests/openvla/
-            test_compiled_session.py`` checks for the stock step and a chunked history episode; set it for any
-            other use you have not checked.
+            test_compiled_session.py`` checks for the stock step and a chunked history episode (a step that would
+            still compile raises instead); set it to ``True`` to keep every guard.
     """
 
     kv: KVConfig = field(default_factory=KVConfig, metadata={"help": "the KV cache"})
