@@ -71,8 +71,7 @@ def time_interleaved(
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            times[name] += time_ms(fn, repeats=block if block == 1 else block - 1, warmup=int(block > 1),
-                                   device=device, clock=clock)  # fmt: skip
+            times[name] += time_ms(fn, repeats=max(block - 1, 1), warmup=int(block > 1), device=device, clock=clock)
     return times
 
 

@@ -51,8 +51,8 @@ class CompiledDecoder:
     compiled ``layers_forward`` runs, the cache commits (``end_forward``); planning and committing run eagerly."""
 
     def __init__(self, model: LlamaModel, **options) -> None:
-        self.layers = torch.compile(model.layers_forward, **options)
-        self.graphed = options.get("mode") == "reduce-overhead"
+        layers = torch.compile(model.layers_forward, **options)
+        self.layers = graph_output(layers) if options.get("mode") == "reduce-overhead" else layers
 
     def __call__(
         self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None, *,
@@ -62,7 +62,7 @@ class CompiledDecoder:
         cache.plan_forward((input_ids if inputs_embeds is None else inputs_embeds).shape[1])
         hidden = self.layers(input_ids, inputs_embeds, cache=cache)
         cache.end_forward(pin=pin)
-        return hidden.clone() if self.graphed else hidden  # see ``graph_output``
+        return hidden
 
 
 def step_modules(vlm: PrismaticVLM, mode: CompileMode, device: torch.device) -> StepModules:
