@@ -16,7 +16,8 @@ wall times in ``OUT/recipe.json``):
    ``model-history-full`` gets a chunk gate fitted to it frozen (``--gates-only``, ``model-history-full-gated``),
    then every weight and the gate are fine-tuned through the chunked cache under the budget
    (``model-history-f2c``): a policy trained on raw tokens does not read the aggregated chunks until it is
-   trained through them.
+   trained through them; with ``--widen-chunks N`` that model is fine-tuned once more under a budget of N chunks
+   (``model-history-f2c<N>``), which evaluates at N.
 4. ``vla-runtime eval`` on held-out seeds: (b) single; (a) with the full cache; (a) with a sliding window
    (``sink_window``) holding the KV bytes of the chunked cache at its budget (``--kv-match-chunks``);
    (a) with the chunked cache (``--retention-plots``: what the gate kept, per episode); with ``--full-model`` the
@@ -43,17 +44,19 @@ from .metaworld_demo import add_common_args, eval_args, llm_geometry, run_stage,
 
 # the evaluated conditions, in table order (``eval_flags`` says what each runs)
 CONDITIONS = ("single", "history-full", "history-window", "history-chunked")
+WIDEN_STEPS = 293  # --widen-steps' default: the shipped 128-chunk fine-tune's step count
 CHUNK = 16  # chunk size: KVConfig's default, which `vla-runtime eval --kv chunked` also uses
 
 
-def eval_flags(condition: str, args: argparse.Namespace, window: int) -> list[str]:
-    """The ``vla-runtime eval`` flags of one condition; ``window``: the history model's raw window (tokens)."""
+def eval_flags(condition: str, args: argparse.Namespace, window: int, chunks: int) -> list[str]:
+    """The ``vla-runtime eval`` flags of one condition; ``window``: the history model's raw window (tokens),
+    ``chunks``: the chunk budget it was trained under."""
     capacity = (args.eval_max_steps + 1) * ((args.resolution // 14) ** 2 + 16)  # the full cache holds the episode
     if condition == "single":
         return ["--history", "single", "--kv", "full"]
     if condition == "history-full":
         return ["--history", args.context, "--kv", "full", "--kv-capacity", str(capacity)]
-    budget = [str(window), "--kv-match-chunks" if condition == "history-window" else "--kv-max-chunks", str(args.max_chunks)]
+    budget = [str(window), "--kv-match-chunks" if condition == "history-window" else "--kv-max-chunks", str(chunks)]
     if condition == "history-window":  # the same KV bytes as the chunked cache at its budget
         return ["--history", args.context, "--kv", "sink_window", "--kv-window", *budget]
     return ["--history", args.context, "--kv", "chunked", "--kv-window", *budget, "--retention-plots"]
@@ -112,6 +115,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--f2c-steps", type=int, default=501, help="--from-full: fine-tune steps through the chunked cache (default 501)")
     p.add_argument("--f2c-lr", type=float, default=2e-4, help="--from-full: the fine-tune's policy learning rate (default 2e-4)")
     p.add_argument("--f2c-gate-lr", type=float, default=1e-3, help="--from-full: the fine-tune's gate learning rate (default 1e-3)")
+    p.add_argument("--widen-chunks", type=int, default=0, metavar="N",
+                   help="--from-full: fine-tune model-history-f2c again under a budget of N chunks per layer "
+                        "(model-history-f2c<N>, what the shipped policy is at N=128) and evaluate at N; 0 = no (default)")
+    p.add_argument("--widen-steps", type=int, default=WIDEN_STEPS,
+                   help=f"--widen-chunks: its fine-tune steps (default {WIDEN_STEPS}, the shipped run's)")
     p.add_argument("--batch-size", type=int, default=4, help="whole episodes per step (default 4)")
     p.add_argument("--single-batch-size", type=int, default=64, help="single-frame samples per step (default 64)")
     p.add_argument("--eval-episodes", type=int, default=30, help="evaluation episodes per task and condition; 0 = skip")
@@ -119,6 +127,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-workers", type=int, default=2, help="parallel evaluation processes (default 2)")
     args = p.parse_args(argv)
     args.full_model = args.full_model or args.from_full
+    if args.widen_chunks and not args.from_full:
+        p.error("--widen-chunks continues --from-full's model-history-f2c: give --from-full too")
+    if args.widen_chunks < 0 or (args.widen_chunks and args.widen_chunks <= args.max_chunks):
+        p.error(f"--widen-chunks must exceed --max-chunks ({args.max_chunks}), got {args.widen_chunks}")
     return args
 
 
@@ -196,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         window = json.loads((models["history"] / "kv_config.json").read_text())["kv"]["window"]
         for condition in CONDITIONS:
             model = models[condition if condition in ("single", "history-full") and condition in models else "history"]
-            flags = ["--no-video", *eval_flags(condition, args, window)]
+            flags = ["--no-video", *eval_flags(condition, args, window, args.widen_chunks or args.max_chunks)]
             argv = eval_args(args, model, args.out / f"eval-{condition}", flags, seed=args.eval_seed, workers=args.eval_workers)
             run_stage(f"eval-{condition}", cli + argv, log)
         write_results(args.out, results_table(args.out))
@@ -206,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def from_full(args: argparse.Namespace, cli: list[str], common: list[str], chunked: list[str], full: Path, log: dict) -> Path:
-    """``--from-full``'s two stages after ``model-history-full``; returns ``model-history-f2c``. Flags given here
-    after ``common`` override it (argparse keeps the last value)."""
+    """``--from-full``'s stages after ``model-history-full``; returns ``model-history-f2c`` (or, with
+    ``--widen-chunks N``, ``model-history-f2c<N>``). Flags given here after ``common`` override it (argparse keeps
+    the last value)."""
     gates, gated, f2c = args.out / "gates-history-full", args.out / "model-history-full-gated", args.out / "model-history-f2c"
     if not (gates / "gates.safetensors").is_file():
         argv = [*common, "--gates-only", "--checkpoint", str(full), *chunked, "--max-steps", str(args.gate_steps),
@@ -220,7 +233,16 @@ def from_full(args: argparse.Namespace, cli: list[str], common: list[str], chunk
                 "--lr", str(args.f2c_lr), "--gate-lr", str(args.f2c_gate_lr), "--warmup-steps", "10",
                 "--seed", str(args.seed + 1), "--out", str(f2c)]  # fmt: skip
         run_stage("train-history-f2c", cli + argv, log)
-    return f2c
+    if not args.widen_chunks:
+        return f2c
+    wide = args.out / f"model-history-f2c{args.widen_chunks}"
+    if not (wide / "model.safetensors").is_file():
+        budget = chunked[:chunked.index("--max-chunks") + 1] + [str(args.widen_chunks)] + chunked[chunked.index("--max-chunks") + 2:]
+        argv = [*common, "--from-scratch", "--checkpoint", str(f2c), *budget, "--max-steps", str(args.widen_steps),
+                "--lr", str(args.f2c_lr), "--gate-lr", str(args.f2c_gate_lr), "--warmup-steps", "10",
+                "--seed", str(args.seed + 2), "--out", str(wide)]  # fmt: skip
+        run_stage(f"train-history-f2c{args.widen_chunks}", cli + argv, log)
+    return wide
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """``vla-runtime demo`` (what ``make demo`` runs): one closed-loop Meta-World episode of a shipped policy,
 by default the memory policy (``assets/mw-memory-openvla``, model card beside it: a small OpenVLA-architecture
 model trained from scratch on the memory suite) on ``memory-order`` with the chunked KV cache it was trained
-through (frames-only history, 32 chunks per layer).
+through (frames-only history, 128 chunks per layer).
 
 Prints success (and a memory task's chance level), the step latency and control rate, the KV the cache
 holds against what the full cache would hold, and, with the chunked cache, which control steps the retained
