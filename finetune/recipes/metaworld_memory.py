@@ -237,9 +237,8 @@ def from_full(args: argparse.Namespace, cli: list[str], common: list[str], chunk
         return f2c
     wide = args.out / f"model-history-f2c{args.widen_chunks}"
     if not (wide / "model.safetensors").is_file():
-        budget = chunked[:chunked.index("--max-chunks") + 1] + [str(args.widen_chunks)] + chunked[chunked.index("--max-chunks") + 2:]
-        argv = [*common, "--from-scratch", "--checkpoint", str(f2c), *budget, "--max-steps", str(args.widen_steps),
-                "--lr", str(args.f2c_lr), "--gate-lr", str(args.f2c_gate_lr), "--warmup-steps", "10",
+        argv = [*common, "--from-scratch", "--checkpoint", str(f2c), *chunked, "--max-chunks", str(args.widen_chunks),
+                "--max-steps", str(args.widen_steps), "--lr", str(args.f2c_lr), "--gate-lr", str(args.f2c_gate_lr), "--warmup-steps", "10",
                 "--seed", str(args.seed + 2), "--out", str(wide)]  # fmt: skip
         run_stage(f"train-history-f2c{args.widen_chunks}", cli + argv, log)
     return wide
