@@ -59,6 +59,12 @@ def test_eval_reports_memory_tasks_beside_chance(memory_demos, tmp_path, monkeyp
     for task in TASKS:  # the stored expert actions, replayed through the simulator, answer right
         m = summary["tasks"][task]
         assert m["success_rate"] == 1.0 and m["chance_level"] == pytest.approx(MEMORY_TASKS[task].chance_level())
+    # how each episode answered reaches the summary and the printed table
+    answers = {t: summary["tasks"][t]["answers"] for t in TASKS}
+    n = MEMORY_TASKS["memory-counting"].sample(SEED).presses
+    assert answers["memory-counting"] == {f"N={n} made {n}": 1}
+    assert answers["memory-order"]["first"] == 1 and answers["memory-reference"]["< 6 cm"] == 1
+    assert f"memory-counting answers: N={n} made {n}: 1" in printed
     assert summary["overall"]["chance_level"] == pytest.approx(np.mean([MEMORY_TASKS[t].chance_level() for t in TASKS]))
 
 

@@ -185,3 +185,37 @@ def test_a_longer_delay_holds_the_arm_longer_and_the_expert_still_answers():
         assert [episode.frozen(t) for t in (episode.go_step - 1, episode.go_step)] == [True, False]
         success, info = run_expert(env)
         assert success and not info.truncated and info.step > 100
+
+
+@needs_metaworld
+@pytest.mark.sim
+@pytest.mark.parametrize("task", TASKS)
+def test_answers_tell_the_cue_followed_from_the_one_believed(blind_env, task):
+    """The last step's info records the answer; ``answers`` counts a right one and one given for another cue
+    (the expert acting on a wrong belief) apart: the lure pad, a far miss, a wrong number of presses."""
+    cls = MEMORY_TASKS[task]
+    episode = cls.sample(11)
+    if task == "memory-order":
+        wrong = replace(episode, first=episode.second, second=episode.first)
+    elif task == "memory-reference":  # the corner of the goal area farthest from the spot
+        corners = [(x, y) for x in (GOAL_LOW[0], GOAL_HIGH[0]) for y in (GOAL_LOW[1], GOAL_HIGH[1])]
+        wrong = replace(episode, goal=max(corners, key=lambda c: np.hypot(c[0] - episode.goal[0], c[1] - episode.goal[1])))
+    else:
+        wrong = replace(episode, presses=episode.presses + 1 if episode.presses < 4 else 1)
+    infos = []
+    for belief in (episode, wrong):
+        blind_env.reset_memory(replace(episode), belief=belief)
+        success, info = run_expert(blind_env)
+        assert success == (belief is episode)
+        infos.append(info.extra)
+    counted = cls.answers(infos)
+    if task == "memory-order":
+        assert counted == {"first": 1, "second": 1, "other": 0, "no answer": 0}
+        assert cls.answers([{}])["no answer"] == 1  # an episode cut by the step limit committed nothing
+    elif task == "memory-reference":
+        assert infos[0]["miss_m"] < SUCCESS_RADIUS and infos[1]["miss_m"] >= 3 * SUCCESS_RADIUS
+        assert counted == {"< 6 cm": 1, "6-12 cm": 0, "12-18 cm": 0, ">= 18 cm": 1, "no answer": 0}
+        assert cls.answers([{}])["no answer"] == 1
+    else:
+        n, m = episode.presses, wrong.presses
+        assert counted == dict(sorted({f"N={n} made {n}": 1, f"N={n} made {m}": 1}.items()))

@@ -82,7 +82,9 @@ class EvalConfig:
 @dataclass
 class EpisodeResult:
     """One episode's outcome and timings (milliseconds); ``retention`` when traced; ``cue_steps`` when the
-    task reports them (``StepInfo.extra["cue_steps"]``, memory tasks)."""
+    task reports them (``StepInfo.extra["cue_steps"]``, memory tasks); ``final_info``: the numbers of the last
+    step's ``StepInfo.extra`` (a memory task's answer: presses made and asked, the pad the hand ended over,
+    the miss distance; Meta-World's own info otherwise)."""
 
     task: str
     seed: int
@@ -99,6 +101,7 @@ class EpisodeResult:
     retention: RetentionTrace | None = None
     cue_steps: list[int] | None = None
     control: dict | None = None  # ControlStats of a run on the control loop (``EvalConfig.control``)
+    final_info: dict[str, float] | None = None
 
 
 def run_episode(
@@ -139,6 +142,7 @@ def run_episode(
         step_ms, env_s, steps = list(inference_ms), driver.env_s, info.step if info is not None else 0
         error = error or (info.extra.get("error") if info is not None else None)
     cue_steps = info.extra.get("cue_steps") if info is not None else None
+    final_info = None if info is None else {k: float(v) for k, v in info.extra.items() if np.isscalar(v) and not isinstance(v, str)}
     video = None
     if frames is not None:
         from .media import write_preview
@@ -146,7 +150,7 @@ def run_episode(
         video = str(write_preview(video_path, np.stack(frames), fps=env.fps))
     return EpisodeResult(
         task, seed, success, steps, sum(step_ms) / 1e3, env_s, step_ms, inference_ms, kv["max"], kv["final"], error,
-        video, trace, None if cue_steps is None else [int(c) for c in cue_steps], stats,
+        video, trace, None if cue_steps is None else [int(c) for c in cue_steps], stats, final_info,
     )  # fmt: skip
 
 

@@ -1,7 +1,9 @@
 """Evaluation report: per-task summary, JSON file, console table and a PNG summary plot.
 
 Memory tasks carry their chance level (``memory.chance_level``: the best cue-blind answer's success rate)
-beside the success rate, in the summary, the table and the plot.
+beside the success rate, in the summary, the table and the plot, and how their episodes answered
+(``memory.answers``: presses made per N asked, the pad the hand ended over, the miss distance) in the summary
+and under the table.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 
 from ..data.durable import write_atomic, write_text_atomic
 from .evaluate import EpisodeResult, episode_record
-from .memory import chance_level
+from .memory import answers, chance_level
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,9 @@ def summarize(results: list[EpisodeResult]) -> dict:
         rs = [r for r in results if r.task == task]
         summary["tasks"][task] = metrics(rs)
         summary["tasks"][task]["video"] = next((r.video for r in rs if r.video), None)
+        counted = answers(task, [r.final_info or {} for r in rs])
+        if counted:  # memory tasks: how the episodes answered (a lost memory or a missed reach)
+            summary["tasks"][task]["answers"] = counted
     return summary
 
 
@@ -83,6 +88,9 @@ def format_table(summary: dict) -> str:
             f"{fmt(m['step_latency_ms']['p50'], '8.1f')} {fmt(m['step_latency_ms']['p95'], '8.1f')} "
             f"{m['kv_bytes_max'] / 2**20:8.2f}"
         )
+    for name, m in summary["tasks"].items():
+        if m.get("answers"):
+            lines.append(f"{name} answers: " + ", ".join(f"{k}: {v}" for k, v in m["answers"].items()))
     return "\n".join(lines)
 
 

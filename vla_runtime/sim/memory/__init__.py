@@ -26,6 +26,11 @@ def chance_level(task: str) -> float | None:
     return MEMORY_TASKS[task].chance_level() if task in MEMORY_TASKS else None
 
 
+def answers(task: str, infos: list[dict[str, float]]) -> dict[str, int]:
+    """How the episodes of memory task ``task`` answered (``MemoryTask.answers``); ``{}`` for other tasks."""
+    return MEMORY_TASKS[task].answers(infos) if task in MEMORY_TASKS else {}
+
+
 def memory_task(name: str) -> type[MemoryTask]:
     """The memory task called ``name``; ``KeyError`` listing the known ones otherwise."""
     if name not in MEMORY_TASKS:
@@ -44,6 +49,7 @@ __all__ = [
     "OrderTask",
     "Outcome",
     "ReferenceTask",
+    "answers",
     "chance_level",
     "memory_task",
 ]

@@ -199,3 +199,9 @@ class MemoryTask(abc.ABC):
     def info(self) -> dict[str, float]:
         """Per-step values for ``StepInfo.extra`` (numbers only)."""
         return {}
+
+    @classmethod
+    def answers(cls, infos: list[dict[str, float]]) -> dict[str, int]:
+        """How an evaluation's episodes answered, counted (label -> episodes), from each episode's last
+        ``info()`` (``EpisodeResult.final_info``); what tells a lost memory from a missed reach. Default: none."""
+        return {}

@@ -123,7 +123,18 @@ class CountingTask(MemoryTask):
         return CountingExpert(self.presses, self._top, self._rest)
 
     def info(self) -> dict[str, float]:
-        return {"presses": float(self.count)}
+        """``presses``: presses made so far; ``asked``: N."""
+        return {"presses": float(self.count), "asked": float(self.presses)}
+
+    @classmethod
+    def answers(cls, infos: list[dict[str, float]]) -> dict[str, int]:
+        """``N=n made m``: episodes asked for n presses that made m (success needs m == n and the hold)."""
+        out: dict[str, int] = {}
+        for info in infos:
+            if "asked" in info:
+                key = f"N={int(info['asked'])} made {int(info['presses'])}"
+                out[key] = out.get(key, 0) + 1
+        return dict(sorted(out.items()))
 
 
 class PressStage(enum.Enum):

@@ -81,6 +81,26 @@ class OrderTask(ReachMemoryTask):
     def target(self) -> np.ndarray:
         return np.array([*self.pad_xy(self.first), TARGET_Z])
 
+    def info(self) -> dict[str, float]:
+        """Adds the cue (``first``, ``second``) and, once committed, ``pad``: the pad nearest the hand (a memory
+        that kept only the latest flash answers ``second``)."""
+        out = {**super().info(), "first": float(self.first), "second": float(self.second)}
+        if self._answer is not None:
+            gaps = [np.linalg.norm(np.asarray(self.pad_xy(p)) - self._answer[:2]) for p in range(N_PADS)]
+            out["pad"] = float(np.argmin(gaps))
+        return out
+
+    @classmethod
+    def answers(cls, infos: list[dict[str, float]]) -> dict[str, int]:
+        """Where the hand committed: over the pad that lit ``first``, the ``second`` (the lure), the ``other``
+        one, or ``no answer`` (the step limit came first)."""
+        out = dict.fromkeys(("first", "second", "other", "no answer"), 0)
+        for info in infos:
+            pad = info.get("pad")
+            key = "no answer" if pad is None else next((k for k in ("first", "second") if pad == info[k]), "other")
+            out[key] += 1
+        return out
+
     def layout_markers(self) -> list[Marker]:
         size = (PAD_RADIUS, PAD_HALF_HEIGHT, 0.0)
         return [Marker(MarkerShape.CYLINDER, (*self.pad_xy(p), PAD_HALF_HEIGHT), size, PAD_RGBA) for p in range(N_PADS)]

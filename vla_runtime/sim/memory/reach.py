@@ -51,6 +51,7 @@ class ReachMemoryTask(MemoryTask):
     _monitor: StillnessMonitor = field(default_factory=StillnessMonitor, init=False, repr=False)
     _go_hand: np.ndarray | None = field(default=None, init=False, repr=False)
     _travel: float = field(default=0.0, init=False, repr=False)
+    _answer: np.ndarray | None = field(default=None, init=False, repr=False)  # [3] the hand where it committed
 
     def __post_init__(self) -> None:
         if self.delay < 1:
@@ -101,6 +102,7 @@ class ReachMemoryTask(MemoryTask):
         still = self._monitor.update(hand)
         if not (still and self._travel >= MIN_TRAVEL):
             return Outcome.RUNNING
+        self._answer = hand
         hit = np.linalg.norm(hand - self.target()) < SUCCESS_RADIUS
         return Outcome.SUCCESS if hit else Outcome.FAILURE
 
@@ -108,7 +110,11 @@ class ReachMemoryTask(MemoryTask):
         return ReachExpert(self.target(), self.go_step)
 
     def info(self) -> dict[str, float]:
-        return {"go_step": float(self.go_step)}
+        """``go_step``; once the answer is committed, ``miss_m``: the hand's distance from the target (metres)."""
+        out = {"go_step": float(self.go_step)}
+        if self._answer is not None:
+            out["miss_m"] = float(np.linalg.norm(self._answer - self.target()))
+        return out
 
 
 @dataclass

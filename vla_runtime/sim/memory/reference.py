@@ -59,6 +59,18 @@ class ReferenceTask(ReachMemoryTask):
     def instruction(self) -> str:
         return "Remember where the blue ball appears; when the lamp turns green, put the hand there and hold still"
 
+    @classmethod
+    def answers(cls, infos: list[dict[str, float]]) -> dict[str, int]:
+        """How far from the spot the hand committed, in success radii (under one: success), or ``no answer``."""
+        cm = 100 * SUCCESS_RADIUS
+        bins = ((f"< {cm:.0f} cm", SUCCESS_RADIUS), (f"{cm:.0f}-{2 * cm:.0f} cm", 2 * SUCCESS_RADIUS),
+                (f"{2 * cm:.0f}-{3 * cm:.0f} cm", 3 * SUCCESS_RADIUS), (f">= {3 * cm:.0f} cm", float("inf")))  # fmt: skip
+        out = dict.fromkeys([b for b, _ in bins] + ["no answer"], 0)
+        for info in infos:
+            miss = info.get("miss_m")
+            out["no answer" if miss is None else next(b for b, top in bins if miss < top)] += 1
+        return out
+
     def target(self) -> np.ndarray:
         return np.array([self.goal[0], self.goal[1], TARGET_Z])
 
