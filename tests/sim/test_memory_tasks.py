@@ -42,9 +42,13 @@ def test_expert_succeeds_on_fixed_seeds(blind_env, task):
         success, info = run_expert(blind_env)
         assert success and not info.truncated, (task, seed, blind_env._episode)
         assert info.step < MEMORY_TASKS[task].max_steps and info.extra["success"] == 1.0
-        # the steps whose frames show the cue reach the episode's result (retention pictures mark them)
-        shown = [t for t in range(20) if getattr(blind_env._episode, "cue_markers", lambda t: [])(t)]
-        assert info.extra.get("cue_steps", []) == shown and (task == "memory-counting") == (shown == [])
+        # the steps whose frames show the cue (counting: where each press was counted) reach the episode's result
+        # (retention pictures mark them)
+        if task == "memory-counting":
+            assert len(info.extra["cue_steps"]) == info.extra["presses"] == blind_env._episode.presses
+        else:
+            shown = [t for t in range(20) if blind_env._episode.cue_markers(t)]
+            assert info.extra["cue_steps"] == shown and shown
 
 
 def frames_and_states(env: MetaWorldEnv, episode, steps: int):
@@ -94,16 +98,18 @@ def test_counting_leaves_no_trace_in_the_scene(blind_env):
     blind_env.reset_memory(episode)
     mw = blind_env._sim.env.unwrapped
     rest = float(mw.data.joint(BUTTON_JOINT).qpos[0])
-    seen, released = [], []
+    seen, released, pressed_at = [], [], []
     done = False
     while not done:
         _, done, success, info = blind_env.step(blind_env.expert_action())
         count = int(info.extra["presses"])
         if count > len(seen):
             seen.append(count)
+            pressed_at.append(info.step)
         if len(released) < len(seen) and abs(float(mw.data.joint(BUTTON_JOINT).qpos[0]) - rest) < 1e-3:
             released.append(info.step)
     assert success and seen == [1, 2, 3] and len(released) == 3
+    assert info.extra["cue_steps"] == pressed_at  # the observations each press was counted at: what to remember
 
 
 @needs_metaworld

@@ -192,8 +192,8 @@ class MemoryTask(abc.ABC):
         return self.outcome
 
     def cue_shown(self) -> list[int]:
-        """The observations the cue is drawn into (retention pictures mark them); default: none (a cue
-        that is not a picture, e.g. counting's presses so far)."""
+        """The observations the cue is drawn into, or the events to remember happened in (counting's presses
+        so far); retention pictures mark them. Default: none."""
         return []
 
     def info(self) -> dict[str, float]:

@@ -61,6 +61,7 @@ class CountingTask(MemoryTask):
     _rest: float = field(default=0.0, init=False, repr=False)
     _top: np.ndarray | None = field(default=None, init=False, repr=False)
     _monitor: StillnessMonitor = field(default_factory=StillnessMonitor, init=False, repr=False)
+    _press_steps: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.presses not in PRESS_COUNTS:
@@ -108,6 +109,7 @@ class CountingTask(MemoryTask):
         if self._armed and depth > COUNT_DEPTH:
             self.count += 1
             self._armed = False
+            self._press_steps.append(t)
         elif depth < RELEASE_DEPTH:
             self._armed = True
         if self.count > self.presses:
@@ -121,6 +123,11 @@ class CountingTask(MemoryTask):
 
     def expert(self) -> "CountingExpert":
         return CountingExpert(self.presses, self._top, self._rest)
+
+    def cue_shown(self) -> list[int]:
+        """The observations where a press was counted so far: what a counting memory must keep (retention
+        pictures mark them)."""
+        return list(self._press_steps)
 
     def info(self) -> dict[str, float]:
         """``presses``: presses made so far; ``asked``: N."""
