@@ -52,3 +52,37 @@ def test_quantize_becomes_a_load_option_of_openvla_checkpoints_only(tmp_path):
     ckpt = make_tiny_openvla(tmp_path / "tiny-openvla", seed=0)
     args = build_parser().parse_args(["serve", "--checkpoint", str(ckpt), "--quantize", "int4"])
     assert load_options(args) == {"quantize": QuantMode.INT4}
+
+
+@pytest.mark.parametrize("command", sorted(REQUIRED))
+def test_chunked_takes_the_chunk_size_of_the_checkpoints_trained_gate(command, tmp_path):
+    """A gate trained with 8-token chunks fits only 8-token chunks: ``--kv chunked`` on its checkpoint takes them
+    (and its widths); without a gate the cache's default stays."""
+    from vla_runtime.kv import ChunkGate, ChunkGateConfig, KVConfig, save_gate
+
+    plain = session_from_args(parse(command, *COMMON)).kv.params
+    assert plain.chunk == 16
+    ckpt = tmp_path / "ckpt"
+    gate = ChunkGate(ChunkGateConfig(n_layers=2, head_dim=8, chunk=8, aggregator_hidden=24, gate_hidden=12))
+    save_gate(gate, ckpt, KVConfig.of(KVMode.CHUNKED, chunk=8, aggregator_hidden=24, gate_hidden=12))
+    args = build_parser().parse_args([command, *REQUIRED[command], *COMMON])
+    args.checkpoint = str(ckpt)
+    params = session_from_args(args).kv.params
+    assert (params.chunk, params.aggregator_hidden, params.gate_hidden) == (8, 24, 12)
+    assert (params.window, params.max_chunks) == (48, 3)  # the flags still set the rest
+
+
+def test_a_window_matched_to_a_chunked_budget_uses_the_gates_chunk_size(tmp_path, capsys):
+    """``eval --kv-match-chunks M`` sizes the window to a chunked cache of the checkpoint's own chunk size."""
+    from vla_runtime.cli.eval import kv_config
+    from vla_runtime.kv import ChunkGate, ChunkGateConfig, KVConfig, save_gate
+
+    flags = ["--kv", "sink_window", "--kv-window", "47", "--kv-match-chunks", "256"]
+    default = kv_config(parse("eval", *flags)).params.window
+    ckpt = tmp_path / "ckpt"
+    save_gate(ChunkGate(ChunkGateConfig(n_layers=2, head_dim=8, chunk=8, aggregator_hidden=24, gate_hidden=12)), ckpt,
+              KVConfig.of(KVMode.CHUNKED, chunk=8, aggregator_hidden=24, gate_hidden=12))  # fmt: skip
+    args = parse("eval", *flags)
+    args.checkpoint = str(ckpt)
+    assert default - kv_config(args).params.window == 16 - 8  # a chunk's waiting raw tokens: C - 1
+    assert "chunk 8, 256 chunks" in capsys.readouterr().out

@@ -22,6 +22,7 @@ from pathlib import Path
 from ..api import detect_family, load_policy
 from ..control import Blend, ControlConfig, Fallback
 from ..kv.config import KVConfig, matching_sink_window
+from ..kv.gate_io import saved_gate_geometry
 from ..kv.registry import KVMode
 from ..sim import METAWORLD_ALL_TASKS, make_env
 from ..sim.base import check_task
@@ -149,7 +150,8 @@ def kv_config(args: argparse.Namespace) -> KVConfig:
         raise ValueError(f"--kv-match-chunks sizes a sink_window cache; got --kv {args.kv}")
     if args.kv_window is None:
         raise ValueError("--kv-match-chunks needs --kv-window: the raw window W (tokens) of the chunked cache to match")
-    chunked = KVConfig.of(KVMode.CHUNKED, capacity=args.kv_capacity, window=args.kv_window, max_chunks=args.kv_match_chunks)
+    chunked = KVConfig.of(KVMode.CHUNKED, capacity=args.kv_capacity, window=args.kv_window, max_chunks=args.kv_match_chunks,
+                          **saved_gate_geometry(args.checkpoint))  # the chunk size of the checkpoint's gate, if any
     kv = matching_sink_window(chunked)
     c, s = chunked.params, kv.params
     print(f"sink_window: window {s.window} tokens holds the KV bytes of chunked (window {c.window}, "

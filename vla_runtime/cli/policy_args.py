@@ -7,7 +7,7 @@ import argparse
 
 from ..config import COMPILE_MODES, HISTORY_MODES, SessionConfig
 from ..device import DTYPES
-from ..kv import CACHES, KVConfig
+from ..kv import CACHES, KVConfig, KVMode, saved_gate_geometry
 from ..models.quantize import QUANT_MODES, QuantMode
 
 
@@ -39,8 +39,11 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def kv_from_args(args: argparse.Namespace) -> KVConfig:
-    """The cache the ``--kv*`` options describe (options of another cache left unset)."""
+    """The cache the ``--kv*`` options describe (options of another cache left unset). ``--kv chunked`` on a
+    checkpoint with a trained gate takes the gate's chunk size and widths (the only ones its weights fit)."""
     flags = {"capacity": args.kv_capacity, "window": args.kv_window, "max_chunks": args.kv_max_chunks}
+    if KVMode(args.kv) is KVMode.CHUNKED:
+        flags |= saved_gate_geometry(args.checkpoint)
     return KVConfig.from_dict({"mode": args.kv, **flags})
 
 

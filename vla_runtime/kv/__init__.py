@@ -22,7 +22,7 @@ from .chunked_gated import ChunkedGatedCache, ChunkedGatedParams
 from .config import KVConfig, matching_sink_window
 from .full import FullCache, FullParams
 from .gate import ChunkGate, ChunkGateConfig
-from .gate_io import has_gate, load_gate, save_gate
+from .gate_io import has_gate, load_gate, save_gate, saved_gate_geometry
 from .geometry import CacheGeometry
 from .registry import CACHES, KVMode, make_cache
 from .sink_window import SinkWindowCache, SinkWindowParams
@@ -51,4 +51,5 @@ __all__ = [
     "make_cache",
     "matching_sink_window",
     "save_gate",
+    "saved_gate_geometry",
 ]

@@ -38,6 +38,19 @@ def has_gate(directory: str | Path) -> bool:
     return (directory / GATE_WEIGHTS).is_file() and (directory / GATE_CONFIG).is_file()
 
 
+def saved_gate_geometry(directory: str | Path) -> dict[str, int]:
+    """The chunked cache's geometry a saved gate needs (``chunk``, ``aggregator_hidden``, ``gate_hidden``), read
+    from ``kv_config.json`` without loading weights; ``{}`` when ``directory`` holds no readable gate (loading
+    then reports what is wrong)."""
+    if not has_gate(directory):
+        return {}
+    try:
+        gate = json.loads((Path(directory) / GATE_CONFIG).read_text())["gate"]
+        return {k: int(gate[k]) for k in ("chunk", "aggregator_hidden", "gate_hidden")}
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return {}
+
+
 def load_gate(directory: str | Path, *, device: torch.device | str = "cpu") -> tuple[ChunkGate, KVConfig]:
     """Read a gate written by ``save_gate``. Raises ``FileNotFoundError`` naming a missing file and
     ``ValueError`` naming missing, unexpected or mis-shaped tensors."""
