@@ -45,7 +45,7 @@ from .metaworld_demo import add_common_args, eval_args, llm_geometry, run_stage,
 # the evaluated conditions, in table order (``eval_flags`` says what each runs)
 CONDITIONS = ("single", "history-full", "history-window", "history-chunked")
 WIDEN_STEPS = 293  # --widen-steps' default: the shipped 128-chunk fine-tune's step count
-CHUNK = 16  # chunk size: KVConfig's default, which `vla-runtime eval --kv chunked` also uses
+CHUNK = 16  # chunk size (KVConfig's default); `vla-runtime eval --kv chunked` takes it from the trained gate
 
 
 def eval_flags(condition: str, args: argparse.Namespace, window: int, chunks: int) -> list[str]:

@@ -9,7 +9,7 @@ from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import SessionConfig
 from vla_runtime.kv import ChunkGate, KVConfig, KVMode
 from vla_runtime.sim.evaluate import EpisodeResult, episode_record
-from vla_runtime.sim.retention import RetentionTrace, describe_sources, plot_episodes
+from vla_runtime.sim.retention import RetentionTrace, describe_sources, format_steps, plot_episodes
 
 STEPS = 12
 
@@ -62,6 +62,7 @@ def test_trace_maps_the_held_chunks_to_their_source_steps(traced):
 
 def test_held_sources_are_described_as_runs_of_steps_with_cues_flagged():
     held = {0: 0.5, 1: 1.0, 2: 0.25, 3: 2.0, 7: 1.0, 8: 0.5}
+    assert format_steps([9, 0, 1, 2, 3, 6, 7, 8]) == "0-3, 6-9" and format_steps([27, 45, 63]) == "27, 45, 63"
     text = describe_sources(held, cue_steps=[1, 2])
     assert text == "step 0: 0.5 chunks; steps 1-2 (cue): 1.2 chunks; step 3: 2.0 chunks; steps 7-8: 1.5 chunks"
     assert describe_sources({}) == "no chunks held"

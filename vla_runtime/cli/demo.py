@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from ..api import load_policy
     from ..sim import MEMORY_TASKS, MetaWorldConfig, make_env
     from ..sim.evaluate import run_episode
-    from ..sim.retention import describe_sources, plot_retention
+    from ..sim.retention import describe_sources, format_steps, plot_retention
 
     if not (args.checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"no checkpoint at {args.checkpoint} (expected a policy's config.json there)")
@@ -77,9 +77,7 @@ def run(args: argparse.Namespace) -> int:
     _print_kv(result.kv_final, info["llm"]["layers"])
     if result.retention is not None:
         cues = result.cue_steps or []
-        contiguous = cues == list(range(cues[0], cues[-1] + 1)) if cues else False
-        steps = f"{cues[0]}-{cues[-1]}" if contiguous and len(cues) > 1 else ", ".join(map(str, cues))
-        cue_text = f"cue at steps {steps}" if cues else "no cue steps reported"  # counting: the presses
+        cue_text = f"cue at steps {format_steps(cues)}" if cues else "no cue steps reported"  # counting: the presses
         print(f"retained chunks at the end come from ({cue_text}): {describe_sources(result.retention.held_sources(), cues)}")
         title = f"{args.task}, seed {args.seed}: {verdict.lower()} after {result.steps} steps"
         picture = plot_retention(result.retention, args.out / f"{args.task}-seed{args.seed}-retention.png", cue_steps=cues, title=title)

@@ -77,6 +77,17 @@ class RetentionTrace:
         return sum(any(self.source_step(s) == cue_step for s in starts) for starts in layers) / len(layers)
 
 
+def format_steps(steps: Sequence[int]) -> str:
+    """Steps as runs of consecutive ones, e.g. ``0-3, 6-9`` or ``27, 45, 63``."""
+    runs: list[list[int]] = []
+    for step in sorted(steps):
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def describe_sources(held: dict[int, float], cue_steps: Sequence[int] = ()) -> str:
     """One line: runs of consecutive source steps with the chunks held from them, cue steps flagged,
     e.g. ``steps 0-5 (cue): 3.5 chunks; steps 40-47: 8.0 chunks``."""
