@@ -77,7 +77,7 @@ def fidelity(args) -> dict:
     from vla_runtime.sim.collect import run_expert_episode
 
     with MetaWorldEnv(MetaWorldConfig(resolution=(args.resolution, args.resolution))) as env:
-        episode, _ = run_expert_episode(env, args.task, args.seed)
+        episode = run_expert_episode(env, args.task, args.seed).episode
         features = DatasetFeatures({"corner2": (args.resolution,) * 2}, env.state_names, list(POLICY_ACTION_NAMES))
     out = {}
     tmp = Path(tempfile.mkdtemp())

@@ -80,6 +80,9 @@ FLAGS: list[tuple[str, str, dict, str]] = [
      "history: weight of action tokens that differ from the previous step's (default 1; against copying past actions)"),
     ("--goal-weight", "goal_weight", _FLOAT,
      "weight of the auxiliary loss regressing the episode's final robot state at every step (default 0 = off)"),
+    ("--cue-weight", "cue_weight", _FLOAT,
+     "weight of the auxiliary loss regressing how many of the episode's recorded cue steps (counting: presses) "
+     "came so far, at every step (default 0 = off)"),
     ("--seed", "seed", _OPT_INT, "seed of initialisation, data order and augmentation (default 0)"),
     ("--device", "device", {"metavar": "DEV"}, "cpu / cuda (default: cuda:LOCAL_RANK if available)"),
     ("--precision", "precision", {"choices": PRECISIONS}, "auto (bf16 autocast on CUDA; default), fp32, bf16"),

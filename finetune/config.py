@@ -208,6 +208,12 @@ class FinetuneConfig:
             normalised robot state of its episode's last frame (where the demonstration ends: the remembered
             spot, the pad that lit first). A dense target for what the action tokens teach only in the last
             steps: see the cue, keep it, carry it to the end. The probe is a training aid: it is not saved.
+        cue_weight: weight of the auxiliary cue-count loss (0 = off; needs a dataset that records
+            ``episode_cue_steps``, as ``collect`` does for the memory tasks): at every step, a second probe at the
+            goal probe's position regresses how many of its episode's cue steps are at or before the step
+            (standardised over the dataset's frames)
+            (``memory-counting``: the presses made so far; the cue tasks: the frames the cue was drawn into). A
+            dense target for a memory the final state does not show (how many presses), not saved either.
         seed: seeds initialisation, data order and augmentation (resumed runs repeat them exactly).
         device: ``None`` = CUDA if available (``cuda:LOCAL_RANK`` under torchrun), else CPU.
         precision: ``auto`` = bf16 autocast on CUDA, float32 on CPU; ``fp32``; ``bf16`` (autocast).
@@ -242,6 +248,7 @@ class FinetuneConfig:
     action_vocab_loss: bool = True
     change_weight: float = 1.0
     goal_weight: float = 0.0
+    cue_weight: float = 0.0
     seed: int = 0
     device: str | None = None
     precision: str = "auto"
@@ -282,6 +289,8 @@ class FinetuneConfig:
             raise ValueError(f"`change_weight` must be >= 1 (1 = plain cross-entropy), got {self.change_weight}")
         if not self.goal_weight >= 0:
             raise ValueError(f"`goal_weight` must be >= 0 (0 = no goal loss), got {self.goal_weight}")
+        if not self.cue_weight >= 0:
+            raise ValueError(f"`cue_weight` must be >= 0 (0 = no cue-count loss), got {self.cue_weight}")
         if self.warmup_steps < 0 or self.weight_decay < 0:
             raise ValueError(
                 f"`warmup_steps` and `weight_decay` must be >= 0, got {self.warmup_steps}, {self.weight_decay}"

@@ -57,6 +57,29 @@ class Window:
     steps: int
 
 
+def recorded_cue_steps(ds: LeRobotDataset) -> list[list[int]]:
+    """The per-episode ``episode_cue_steps`` ``collect`` records in ``meta/vla_runtime.json`` (the cue-count loss's
+    targets); a clear error for a dataset without them."""
+    cue_steps = ds.extra.get(lerobot.PER_EPISODE_KEY, {}).get("episode_cue_steps")
+    if cue_steps is None or len(cue_steps) != len(ds):
+        raise ValueError(
+            f"{ds.root} records no cue steps for its episodes (`episode_cue_steps` in meta/vla_runtime.json), which "
+            "the cue-count loss (`cue_weight` > 0) regresses: collect it again with this version, or add them to a "
+            "Meta-World dataset with `python scripts/record_cue_steps.py DATASET`"
+        )
+    return cue_steps
+
+
+def cue_counts(cue_steps: list[list[int]], lengths: list[int]) -> np.ndarray:
+    """Per episode, the sorted frame indices of its cue steps -> float32 [F]: at each frame, how many of its
+    episode's cue steps are at or before it."""
+    if len(cue_steps) != len(lengths):
+        raise ValueError(f"{len(cue_steps)} episodes' cue steps for {len(lengths)} episodes")
+    return np.concatenate(
+        [np.searchsorted(np.sort(steps), np.arange(n), side="right") for steps, n in zip(cue_steps, lengths)]
+    ).astype(np.float32)
+
+
 def task_segments(decoded: DecodedDataset) -> list[tuple[int, int, str]]:
     """(first frame, length, task) of every run of frames with one task inside one episode, in order."""
     segments = []
@@ -131,6 +154,7 @@ class TrainingData:
         action_mask: list[bool],
         image_aug: bool,
         goal_targets: bool = False,
+        cue_steps: list[list[int]] | None = None,
     ) -> None:
         cfg = policy.config
         self.decoded = decoded
@@ -144,6 +168,10 @@ class TrainingData:
         if goal_targets and not self.has_proprio:
             raise ValueError("the goal loss (`goal_weight` > 0) regresses the robot state: it needs a policy with a proprio input")
         self.goal_targets = goal_targets  # each batch carries ``goal``: the normalised state of the segment's last frame
+        self.cue_count = None  # [F], standardised over the dataset's frames (a target of scale 1, as the goal's)
+        if cue_steps is not None:
+            counts = cue_counts(cue_steps, decoded.lengths)
+            self.cue_count = (counts - counts.mean()) / max(float(counts.std()), 1e-6)
         self.n_image_tokens = cfg.vision.num_patches
         self.action_dim = decoded.actions.shape[1]
         self.dataset_name = dataset_name
@@ -220,6 +248,7 @@ class TrainingData:
             action_mask=mask,
             image_aug=cfg.data.image_aug,
             goal_targets=cfg.goal_weight > 0,
+            cue_steps=recorded_cue_steps(ds) if cfg.cue_weight > 0 else None,
         )
 
     # ---- windows -----------------------------------------------------------------------------------
@@ -275,12 +304,13 @@ class TrainingData:
         """Windows (of one bucket) -> tensors: ``frames`` uint8 [B, S, H, W, 3] (or ``pixels`` [B, S, C, H, W]
         for frames the model's transform must resize: ``pixels``), ``proprio`` [B, S, P] (if any),
         ``text_ids`` [B, Nt], ``labels`` [B, S * A] (``IGNORE`` on padded steps), ``tokens`` (the
-        windows' real tokens, padding excluded), the bucket ``key`` and, with ``goal_targets``, ``goal`` [B, P]
-        (the normalised state of each window's segment at its last frame)."""
+        windows' real tokens, padding excluded), the bucket ``key``, with ``goal_targets`` ``goal`` [B, P]
+        (the normalised state of each window's segment at its last frame) and with ``cue_steps`` ``cue_count``
+        [B, S] (the episode's cue steps at or before each step, standardised over the dataset's frames)."""
         windows = [self.windows[i] for i in indices]
         key = self.bucket_key(windows[0])
         layout = self.layouts[key]
-        pixels, text, labels, proprio, goal, tokens = [], [], [], [], [], 0
+        pixels, text, labels, proprio, goal, cues, tokens = [], [], [], [], [], [], 0
         for w in windows:
             own, ids = self._layout(w)
             if not same_positions(own, layout):
@@ -298,6 +328,8 @@ class TrainingData:
             if self.goal_targets:
                 first, length, _ = self.segments[w.episode]
                 goal.append(torch.from_numpy(self.proprio[first + length - 1]))
+            if self.cue_count is not None:
+                cues.append(torch.from_numpy(self.cue_count[rows]))
         out = {
             "key": key,
             "tokens": tokens,
@@ -309,6 +341,8 @@ class TrainingData:
             out["proprio"] = torch.stack(proprio)
         if goal:
             out["goal"] = torch.stack(goal)
+        if cues:
+            out["cue_count"] = torch.stack(cues)
         return out
 
 

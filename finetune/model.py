@@ -69,7 +69,8 @@ class LossSettings:
     batch_size: the nominal rows per micro-batch (a smaller last micro-batch of a bucket weighs less);
     retention_target / retention_weight: the pull of the mean keep probability; budget: how the soft
     form treats chunks the budget evicts; change_weight: the weight of action tokens that differ from the
-    step before's; goal_weight: the weight of the goal probe's squared error (0 = no probe)."""
+    step before's; goal_weight: the weight of the goal probe's squared error (0 = no probe); cue_weight: the
+    weight of the cue-count probe's squared error (0 = no probe)."""
 
     action_range: tuple[int, int]
     action_vocab_loss: bool
@@ -79,12 +80,14 @@ class LossSettings:
     budget: BudgetMode = BudgetMode.HARD
     change_weight: float = 1.0
     goal_weight: float = 0.0
+    cue_weight: float = 0.0
 
 
 class PolicyTrainModule(nn.Module):
     """``vla`` (an ``OpenVLA``) + optional ``gate``; ``forward(batch, layout)`` returns the loss terms. With
     ``loss.goal_weight`` > 0, ``goal_head`` (a linear probe from the hidden state to a ``goal_dim`` state,
-    trained here and never saved with the policy) adds the goal loss."""
+    trained here and never saved with the policy) adds the goal loss; with ``loss.cue_weight`` > 0,
+    ``cue_head`` (a linear probe to one number, likewise not saved) adds the cue-count loss."""
 
     def __init__(
         self,
@@ -109,6 +112,7 @@ class PolicyTrainModule(nn.Module):
             if goal_dim is None:
                 raise ValueError("the goal loss needs `goal_dim`, the size of the state it regresses")
             self.goal_head = nn.Linear(vla.language_model.cfg.dim, goal_dim)
+        self.cue_head = nn.Linear(vla.language_model.cfg.dim, 1) if loss.cue_weight > 0 else None
         self.chunked = None
         if gate is not None:
             geometry = vla.language_model.cfg.geometry
@@ -203,11 +207,14 @@ class PolicyTrainModule(nn.Module):
             steps = batch["pixels" if "pixels" in batch else "frames"].shape[1]
             weight = change_weights(labels, steps=steps, weight=self.loss.change_weight) * valid
             loss = rows * (ce * weight).sum() / weight.sum().clamp(min=1)
-        goal_mse = torch.zeros((), device=x.device)
+        steps = batch["pixels" if "pixels" in batch else "frames"].shape[1]
+        goal_mse = cue_mse = torch.zeros((), device=x.device)
         if self.loss.goal_weight:
-            steps = batch["pixels" if "pixels" in batch else "frames"].shape[1]
-            goal_mse = self.goal_error(hidden, batch["goal"], valid, steps=steps)
+            goal_mse = probe_error(self.goal_head, hidden, batch["goal"][:, None], valid, steps=steps)
             loss = loss + rows * self.loss.goal_weight * goal_mse
+        if self.loss.cue_weight:
+            cue_mse = probe_error(self.cue_head, hidden, batch["cue_count"][..., None], valid, steps=steps)
+            loss = loss + rows * self.loss.cue_weight * cue_mse
         one = torch.ones((), device=x.device)
         kept, hard = one, one
         if self.gate is not None:
@@ -224,17 +231,22 @@ class PolicyTrainModule(nn.Module):
             "kept_ratio": kept.detach().float(),
             "hard_kept": hard.detach().float(),
             "goal_mse": goal_mse.detach().float(),
+            "cue_mse": cue_mse.detach().float(),
         }
 
-    def goal_error(self, hidden: torch.Tensor, goal: torch.Tensor, valid: torch.Tensor, *, steps: int) -> torch.Tensor:
-        """hidden: [B, S * A, dim] at the action targets' positions (step-major, as ``labels``); goal: [B, P];
-        valid: [B, S * A]; steps: S -> the mean over real steps of the probe's squared error (mean over P), read at the
-        position that predicts each step's first action token (it has seen the step's frame, not its action)."""
-        b = goal.shape[0]
-        first = hidden.view(b, steps, -1, hidden.shape[-1])[:, :, 0]  # [B, S, dim]
-        real = valid.view(b, steps, -1)[:, :, 0].float()  # [B, S]
-        err = (self.goal_head(first).float() - goal[:, None].float()).pow(2).mean(-1)  # [B, S]
-        return (err * real).sum() / real.sum().clamp(min=1)
+
+def probe_error(
+    head: nn.Module, hidden: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, *, steps: int
+) -> torch.Tensor:
+    """head: a probe from the hidden state to P numbers; hidden: [B, S * A, dim] at the action targets' positions
+    (step-major, as ``labels``); target: [B, S, P] (or [B, 1, P], one target for every step); valid: [B, S * A];
+    steps: S -> the mean over real steps of the probe's squared error (mean over P), read at the position that
+    predicts each step's first action token (it has seen the step's frame, not its action)."""
+    b = hidden.shape[0]
+    first = hidden.view(b, steps, -1, hidden.shape[-1])[:, :, 0]  # [B, S, dim]
+    real = valid.view(b, steps, -1)[:, :, 0].float()  # [B, S]
+    err = (head(first).float() - target.float()).pow(2).mean(-1)  # [B, S]
+    return (err * real).sum() / real.sum().clamp(min=1)
 
 
 def change_weights(labels: torch.Tensor, *, steps: int, weight: float) -> torch.Tensor:

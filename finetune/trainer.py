@@ -38,7 +38,7 @@ from .model import LossSettings, PolicyTrainModule
 
 log = logging.getLogger(__name__)
 
-METRICS = ("loss", "ce_sum", "correct", "targets", "kept_ratio", "hard_kept", "goal_mse", "micro", "windows", "tokens")
+METRICS = ("loss", "ce_sum", "correct", "targets", "kept_ratio", "hard_kept", "goal_mse", "cue_mse", "micro", "windows", "tokens")
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class Trainer:
         first, last = self.policy.config.action_token_range
         loss = LossSettings(
             (first, last), cfg.action_vocab_loss, cfg.batch_size, cfg.gate.retention_target, cfg.gate.retention_weight,
-            cfg.gate.budget, cfg.change_weight, cfg.goal_weight,
+            cfg.gate.budget, cfg.change_weight, cfg.goal_weight, cfg.cue_weight,
         )  # fmt: skip
         module = PolicyTrainModule(
             self.policy.model,
@@ -252,7 +252,7 @@ class Trainer:
         return {
             "loss": out["loss"].detach(), "ce_sum": out["ce_sum"], "correct": out["correct"], "targets": out["targets"],
             "kept_ratio": out["kept_ratio"] * b, "hard_kept": out["hard_kept"] * b, "goal_mse": out["goal_mse"] * b,
-            "micro": 1.0, "windows": float(b),
+            "cue_mse": out["cue_mse"] * b, "micro": 1.0, "windows": float(b),
             "tokens": tokens,
         }  # fmt: skip
 
@@ -274,6 +274,7 @@ class Trainer:
             "kept_ratio": m["kept_ratio"] / m["windows"],
             "hard_kept": m["hard_kept"] / m["windows"],
             "goal_mse": m["goal_mse"] / m["windows"],
+            "cue_mse": m["cue_mse"] / m["windows"],
             "lr": lrs.get("policy", 0.0),
             "gate_lr": lrs.get("gate", 0.0),
             "temperature": temperature,
@@ -369,7 +370,9 @@ class Trainer:
         bar.set_postfix(ce=f"{r['ce']:.3f}", acc=f"{r['accuracy']:.2f}", **kept)
         kept_text = (
             f"  kept {r['kept_ratio']:.3f} (hard {r['hard_kept']:.3f})  T {r['temperature']:.3g}" if gate else ""
-        ) + (f"  goal {r['goal_mse']:.4f}" if self.module.goal_head is not None else "")
+        ) + (f"  goal {r['goal_mse']:.4f}" if self.module.goal_head is not None else "") + (
+            f"  cue {r['cue_mse']:.4f}" if self.module.cue_head is not None else ""
+        )
         log.info(
             "step %d/%d  loss %.4f  ce %.4f  acc %.3f%s  lr %.2e  %.2f steps/s  %.1f windows/s",
             r["step"], self.cfg.max_steps, r["loss"], r["ce"], r["accuracy"], kept_text, r["lr"], r["steps_per_s"], r["windows_per_s"],

@@ -58,7 +58,9 @@ def write_dataset(
     gripper_max: float = 1.0,
     seed: int = 0,
     size: int = 32,
+    cue_steps: list[list[int]] | None = None,
 ) -> Path:
+    """A random dataset; ``cue_steps``: per episode, recorded as ``episode_cue_steps`` (as ``collect`` does)."""
     rng = np.random.default_rng(seed)
     features = DatasetFeatures(
         cameras={"front": (size, size)},
@@ -68,7 +70,8 @@ def write_dataset(
     with LeRobotWriter(root, features, WriterConfig(fps=10)) as writer:
         for i, n in enumerate(lengths):
             writer.add_episode(
-                episode(rng, n, TASKS[i % 2], action_dim=action_dim, state_dim=state_dim, gripper_max=gripper_max, size=size)
+                episode(rng, n, TASKS[i % 2], action_dim=action_dim, state_dim=state_dim, gripper_max=gripper_max, size=size),
+                per_episode=None if cue_steps is None else {"episode_cue_steps": cue_steps[i]},
             )
     return root
 

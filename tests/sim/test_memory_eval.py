@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from vla_runtime import api
 from vla_runtime.cli import main
 from vla_runtime.data import LeRobotDataset
 from vla_runtime.sim import MEMORY_TASKS
+from vla_runtime.sim.collect import record_cue_steps
 
 from replay_policy import make_replay_policy
 
@@ -44,6 +46,30 @@ def test_collect_writes_the_memory_suite(memory_demos):
         go = getattr(MEMORY_TASKS[task].sample(SEED), "go_step", 0)
         # the expert holds still while the arm is held, so the stored actions teach waiting for the lamp
         assert np.all(ep.action[:go, :3] == 0) and np.abs(ep.action[go:, :3]).max() > 0
+
+
+def test_collect_records_the_cue_steps_and_a_replay_recovers_them(memory_demos, tmp_path):
+    recorded = LeRobotDataset(memory_demos).extra["per_episode"]["episode_cue_steps"]
+    for task, steps in zip(TASKS, recorded):
+        episode = MEMORY_TASKS[task].sample(SEED)
+        if task == "memory-counting":  # the expert's presses, one step each
+            assert len(steps) == episode.presses
+        else:  # the frames the cue was drawn into, all before the lamp turns green
+            assert steps and max(steps) < episode.go_step
+        assert steps == sorted(set(steps))
+    copy = tmp_path / "demos"
+    shutil.copytree(memory_demos, copy)
+    extra_path = copy / "meta/vla_runtime.json"
+    extra = json.loads(extra_path.read_text())
+    del extra["per_episode"]["episode_cue_steps"]  # as collect wrote datasets before it recorded them
+    extra_path.write_text(json.dumps(extra))
+    assert record_cue_steps(copy, progress=False) == recorded
+    assert LeRobotDataset(copy).extra["per_episode"]["episode_cue_steps"] == recorded
+    extra = json.loads(extra_path.read_text())  # a replay that does not reproduce the stored states is refused
+    extra["per_episode"]["episode_seeds"][0] += 1
+    extra_path.write_text(json.dumps(extra))
+    with pytest.raises(ValueError, match="episode 0 .* does not reproduce the stored states"):
+        record_cue_steps(copy, progress=False)
 
 
 def test_eval_reports_memory_tasks_beside_chance(memory_demos, tmp_path, monkeypatch, capsys):

@@ -14,9 +14,10 @@ same episodes.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -77,27 +78,40 @@ class TaskCollection:
     frames: int = 0
 
 
-def run_expert_episode(env: MetaWorldEnv, task: str, seed: int) -> tuple[Episode, bool]:
-    """One expert rollout -> (episode of the observed frames and stored actions, success)."""
+@dataclass
+class ExpertRollout:
+    """One expert rollout: ``episode`` (the observed frames and stored actions), ``success``, and ``cue_steps``:
+    the frames a memory task drew its cue into or counted its events at (``MemoryTask.cue_shown``; ``[]``
+    for other tasks), recorded per episode as ``episode_cue_steps``."""
+
+    episode: Episode
+    success: bool
+    cue_steps: list[int]
+
+
+def run_expert_episode(env: MetaWorldEnv, task: str, seed: int) -> ExpertRollout:
+    """One expert rollout of ``task`` from ``seed`` (``env`` without cameras records states only)."""
     obs = env.reset(task, seed)
     images = {cam: [] for cam in env.cameras}
     states, actions = [], []
     success = False
     done = False
+    cue_steps: list[int] = []
     while not done:
         action = env.expert_action().astype(np.float32)  # the stored value is the executed value
         for cam in env.cameras:
             images[cam].append(obs.images[cam])
         states.append(obs.state)
         actions.append(action)
-        obs, done, success, _ = env.step(action)
+        obs, done, success, info = env.step(action)
+        cue_steps = [int(t) for t in info.extra.get("cue_steps", [])]
     episode = Episode(
         images={cam: np.stack(frames) for cam, frames in images.items()},
         state=np.stack(states),
         action=np.stack(actions),
         task=obs.instruction,
     )
-    return episode, success
+    return ExpertRollout(episode, success, cue_steps)
 
 
 def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCollection]:
@@ -126,13 +140,17 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
                     if result.kept == config.episodes:
                         break
                     seed = config.seed + attempt
-                    episode, success = run_expert_episode(env, task, seed)
-                    if not success:
+                    rollout = run_expert_episode(env, task, seed)
+                    episode = rollout.episode
+                    if not rollout.success:
                         result.failed += 1
                         log.info("expert failed %s seed %d within %d steps; skipped", task, seed, env.max_steps)
                         bar.set_postfix(failed=sum(r.failed for r in results.values()))
                         continue
-                    writer.add_episode(episode, per_episode={"episode_seeds": seed, "episode_sim_tasks": task})
+                    writer.add_episode(
+                        episode,
+                        per_episode={"episode_seeds": seed, "episode_sim_tasks": task, "episode_cue_steps": rollout.cue_steps},
+                    )
                     result.kept += 1
                     result.frames += len(episode)
                     bar.update(1)
@@ -159,3 +177,32 @@ def _restore_progress(writer: LeRobotWriter, config: CollectConfig, results: dic
         results[task].frames += length
         first[task] = seed - config.seed + 1
     return first
+
+
+def record_cue_steps(root: Path, config: MetaWorldConfig | None = None, *, progress: bool = True) -> list[list[int]]:
+    """Add ``episode_cue_steps`` to a dataset ``collect`` wrote before it recorded them: every episode's expert is
+    run again from its recorded task and seed without cameras, its states checked against the stored ones
+    (the rollouts are deterministic), and the cue steps written to ``meta/vla_runtime.json`` (atomically).
+    ``config``: the simulator settings the dataset was collected with (default: ``collect``'s)."""
+    from tqdm.auto import tqdm
+
+    from ..data import LeRobotDataset, layout
+    from ..data.durable import write_text_atomic
+
+    ds = LeRobotDataset(root)
+    recorded = ds.extra.get(layout.PER_EPISODE_KEY, {})
+    tasks, seeds = recorded.get("episode_sim_tasks", []), recorded.get("episode_seeds", [])
+    if len(tasks) != len(ds) or len(seeds) != len(ds):
+        raise ValueError(f"{root}: meta/vla_runtime.json does not record the task and seed of each of its {len(ds)} episodes")
+    cue_steps = []
+    with MetaWorldEnv(replace(config or MetaWorldConfig(), cameras=())) as env:
+        for i in tqdm(range(len(ds)), desc="replaying experts", unit="ep", disable=not progress):
+            rollout = run_expert_episode(env, tasks[i], seeds[i])
+            stored = ds.episode(i).state
+            if stored is None or rollout.episode.state.shape != stored.shape or not np.allclose(rollout.episode.state, stored, atol=1e-5):
+                raise ValueError(f"episode {i} ({tasks[i]}, seed {seeds[i]}): the expert's replay does not reproduce the stored states")
+            cue_steps.append(rollout.cue_steps)
+    extra = json.loads((root / layout.EXTRA_PATH).read_text())
+    extra[layout.PER_EPISODE_KEY]["episode_cue_steps"] = cue_steps
+    write_text_atomic(root / layout.EXTRA_PATH, json.dumps(extra, indent=2))
+    return cue_steps
