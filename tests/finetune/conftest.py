@@ -89,6 +89,14 @@ def tiny_dataset(tmp_path_factory) -> Path:
     return write_dataset(tmp_path_factory.mktemp("data") / "tiny-reach")
 
 
+def training_batch(trainer, windows: list[int]) -> tuple[dict, object]:
+    """The trainer's batch of ``windows`` (fixed augmentation seed) and its token layout, as a forward takes them."""
+    batch = trainer.data.batch(windows, np.random.default_rng(0))
+    layout = trainer.data.layouts[batch.pop("key")]
+    batch.pop("tokens")
+    return batch, layout
+
+
 def make_config(ckpt: Path, dataset: Path, out: Path, **overrides) -> FinetuneConfig:
     """Small, fast runs: 3-step windows, batches of 2, chunk 4 (chunks form every step). A nested override
     whose value is ``None`` removes that default (``kv={"mode": "full", "chunk": None}``)."""

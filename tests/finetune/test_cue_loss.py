@@ -13,7 +13,7 @@ from vla_finetune.config import FinetuneConfig
 from vla_finetune.data import IGNORE, cue_counts
 from vla_finetune.trainer import Trainer
 
-from .conftest import make_config, write_dataset
+from .conftest import make_config, training_batch, write_dataset
 
 WHOLE = {"data": {"window": 0, "length_bucket": 4}, "kv": {"chunk": 4, "max_chunks": 2}}
 CUE_STEPS = [[2, 5], [], [8, 0, 1], [9]]  # per episode of lengths 10, 10, 9, 10 (unsorted on purpose)
@@ -49,9 +49,7 @@ def test_cue_counts_count_the_cue_steps_at_or_before_each_frame():
 def test_batches_carry_each_steps_cue_count_and_the_probe_adds_its_error(trained, monkeypatch):
     trainer, _ = trained
     data, module = trainer.data, trainer.module
-    batch = data.batch([0, 2], np.random.default_rng(0))
-    layout = data.layouts[batch.pop("key")]
-    batch.pop("tokens")
+    batch, layout = training_batch(trainer, [0, 2])
     every = cue_counts(CUE_STEPS, [10, 10, 9, 10])  # standardised over the dataset's frames
     mean, std = every.mean(), every.std()
     for row, w in enumerate([data.windows[0], data.windows[2]]):
@@ -85,9 +83,7 @@ def test_batches_carry_each_steps_cue_count_and_the_probe_adds_its_error(trained
 def test_the_cue_loss_trains_the_decoder_and_the_probe(trained, monkeypatch):
     trainer, _ = trained
     module = trainer.module
-    batch = trainer.data.batch([1], np.random.default_rng(0))
-    layout = trainer.data.layouts[batch.pop("key")]
-    batch.pop("tokens")
+    batch, layout = training_batch(trainer, [1])
     with_cue = module(batch, layout, temperature=0.5)["loss"]
     monkeypatch.setattr(module, "loss", replace(module.loss, cue_weight=0.0))
     cue_only = with_cue - module(batch, layout, temperature=0.5)["loss"]

@@ -14,7 +14,7 @@ from vla_finetune.config import FinetuneConfig
 from vla_finetune.data import IGNORE
 from vla_finetune.trainer import Trainer
 
-from .conftest import make_config
+from .conftest import make_config, training_batch
 
 WHOLE = {"data": {"window": 0, "length_bucket": 4}, "kv": {"chunk": 4, "max_chunks": 2}}
 
@@ -28,17 +28,10 @@ def trained(tiny_ckpt, tiny_dataset, tmp_path_factory):
     return trainer, out
 
 
-def _batch(trainer, windows):
-    batch = trainer.data.batch(windows, np.random.default_rng(0))
-    layout = trainer.data.layouts[batch.pop("key")]
-    batch.pop("tokens")
-    return batch, layout
-
-
 def test_the_goal_is_the_normalised_state_of_each_episodes_last_frame(trained):
     trainer, _ = trained
     data = trainer.data
-    batch, _ = _batch(trainer, [0, 2])
+    batch, _ = training_batch(trainer, [0, 2])
     for row, w in enumerate([data.windows[0], data.windows[2]]):
         first, length, _ = data.segments[w.episode]
         torch.testing.assert_close(batch["goal"][row], torch.from_numpy(data.proprio[first + length - 1]))
@@ -48,7 +41,7 @@ def test_the_goal_is_the_normalised_state_of_each_episodes_last_frame(trained):
 def test_the_probe_reads_each_steps_first_action_position_and_adds_its_error(trained, monkeypatch):
     trainer, _ = trained
     module = trainer.module
-    batch, layout = _batch(trainer, [0, 2])
+    batch, layout = training_batch(trainer, [0, 2])
     seen = {}
     decoder_hook = module.vla.language_model.model.register_forward_hook(lambda m, a, out: seen.update(hidden=out))
     probe_hook = module.goal_head.register_forward_hook(lambda m, a, out: seen.update(probe_in=a[0], probe_out=out))
@@ -77,7 +70,7 @@ def test_the_probe_reads_each_steps_first_action_position_and_adds_its_error(tra
 def test_the_goal_loss_trains_the_vision_towers_and_the_probe(trained, monkeypatch):
     trainer, _ = trained
     module = trainer.module
-    batch, layout = _batch(trainer, [1])
+    batch, layout = training_batch(trainer, [1])
     goal_only = module(batch, layout, temperature=0.5)["loss"]
     head = module.goal_head
     monkeypatch.setattr(module, "loss", replace(module.loss, goal_weight=0.0))

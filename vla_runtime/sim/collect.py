@@ -96,7 +96,7 @@ def run_expert_episode(env: MetaWorldEnv, task: str, seed: int) -> ExpertRollout
     states, actions = [], []
     success = False
     done = False
-    cue_steps: list[int] = []
+    info = None
     while not done:
         action = env.expert_action().astype(np.float32)  # the stored value is the executed value
         for cam in env.cameras:
@@ -104,13 +104,13 @@ def run_expert_episode(env: MetaWorldEnv, task: str, seed: int) -> ExpertRollout
         states.append(obs.state)
         actions.append(action)
         obs, done, success, info = env.step(action)
-        cue_steps = [int(t) for t in info.extra.get("cue_steps", [])]
     episode = Episode(
         images={cam: np.stack(frames) for cam, frames in images.items()},
         state=np.stack(states),
         action=np.stack(actions),
         task=obs.instruction,
     )
+    cue_steps = [int(t) for t in info.extra.get("cue_steps", [])] if info is not None else []
     return ExpertRollout(episode, success, cue_steps)
 
 
