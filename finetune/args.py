@@ -83,6 +83,9 @@ FLAGS: list[tuple[str, str, dict, str]] = [
     ("--cue-weight", "cue_weight", _FLOAT,
      "weight of the auxiliary loss regressing how many of the episode's recorded cue steps (counting: presses) "
      "came so far, at every step (default 0 = off)"),
+    ("--decision-weight", "decision_weight", _FLOAT,
+     "weight of the action tokens of the --decision-span steps after each recorded cue step (default 1 = off)"),
+    ("--decision-span", "decision_span", _OPT_INT, "steps after each cue step that --decision-weight covers (default 12)"),
     ("--seed", "seed", _OPT_INT, "seed of initialisation, data order and augmentation (default 0)"),
     ("--device", "device", {"metavar": "DEV"}, "cpu / cuda (default: cuda:LOCAL_RANK if available)"),
     ("--precision", "precision", {"choices": PRECISIONS}, "auto (bf16 autocast on CUDA; default), fp32, bf16"),

@@ -214,6 +214,9 @@ class FinetuneConfig:
             (standardised over the dataset's frames)
             (``memory-counting``: the presses made so far; the cue tasks: the frames the cue was drawn into). A
             dense target for a memory the final state does not show (how many presses), not saved either.
+        decision_weight / decision_span: weight of every action token of the ``decision_span`` steps after each
+            recorded cue step (1 = off; needs ``episode_cue_steps`` too). ``memory-counting``: the steps after
+            each press, where the expert presses again or backs off, the only ones whose action reads the count.
         seed: seeds initialisation, data order and augmentation (resumed runs repeat them exactly).
         device: ``None`` = CUDA if available (``cuda:LOCAL_RANK`` under torchrun), else CPU.
         precision: ``auto`` = bf16 autocast on CUDA, float32 on CPU; ``fp32``; ``bf16`` (autocast).
@@ -249,6 +252,8 @@ class FinetuneConfig:
     change_weight: float = 1.0
     goal_weight: float = 0.0
     cue_weight: float = 0.0
+    decision_weight: float = 1.0
+    decision_span: int = 12
     seed: int = 0
     device: str | None = None
     precision: str = "auto"
@@ -291,6 +296,9 @@ class FinetuneConfig:
             raise ValueError(f"`goal_weight` must be >= 0 (0 = no goal loss), got {self.goal_weight}")
         if not self.cue_weight >= 0:
             raise ValueError(f"`cue_weight` must be >= 0 (0 = no cue-count loss), got {self.cue_weight}")
+        if self.decision_weight < 1:
+            raise ValueError(f"`decision_weight` must be >= 1 (1 = off), got {self.decision_weight}")
+        _check_positive(self, "decision_span")
         if self.warmup_steps < 0 or self.weight_decay < 0:
             raise ValueError(
                 f"`warmup_steps` and `weight_decay` must be >= 0, got {self.warmup_steps}, {self.weight_decay}"

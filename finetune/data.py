@@ -37,6 +37,7 @@ from vla_runtime.models.prismatic.processing_prismatic import ActionStats, crop_
 from vla_runtime.models.prismatic.prompt_prismatic import PromptIds
 
 from .config import FinetuneConfig
+from .cue_targets import cue_counts, decision_weights, recorded_cue_steps
 from .frames import DecodedDataset, cached_dataset
 from .layout import FlatLayout, flatten, same_positions, window_forwards
 from .statistics import dataset_statistics, default_action_mask
@@ -55,29 +56,6 @@ class Window:
     episode: int
     start: int
     steps: int
-
-
-def recorded_cue_steps(ds: LeRobotDataset) -> list[list[int]]:
-    """The per-episode ``episode_cue_steps`` ``collect`` records in ``meta/vla_runtime.json`` (the cue-count loss's
-    targets); a clear error for a dataset without them."""
-    cue_steps = ds.extra.get(lerobot.PER_EPISODE_KEY, {}).get("episode_cue_steps")
-    if cue_steps is None or len(cue_steps) != len(ds):
-        raise ValueError(
-            f"{ds.root} records no cue steps for its episodes (`episode_cue_steps` in meta/vla_runtime.json), which "
-            "the cue-count loss (`cue_weight` > 0) regresses: collect it again with this version, or add them to a "
-            "Meta-World dataset with `python scripts/record_cue_steps.py DATASET`"
-        )
-    return cue_steps
-
-
-def cue_counts(cue_steps: list[list[int]], lengths: list[int]) -> np.ndarray:
-    """Per episode, the sorted frame indices of its cue steps -> float32 [F]: at each frame, how many of its
-    episode's cue steps are at or before it."""
-    if len(cue_steps) != len(lengths):
-        raise ValueError(f"{len(cue_steps)} episodes' cue steps for {len(lengths)} episodes")
-    return np.concatenate(
-        [np.searchsorted(np.sort(steps), np.arange(n), side="right") for steps, n in zip(cue_steps, lengths)]
-    ).astype(np.float32)
 
 
 def task_segments(decoded: DecodedDataset) -> list[tuple[int, int, str]]:
@@ -155,6 +133,7 @@ class TrainingData:
         image_aug: bool,
         goal_targets: bool = False,
         cue_steps: list[list[int]] | None = None,
+        decision: tuple[int, float] | None = None,
     ) -> None:
         cfg = policy.config
         self.decoded = decoded
@@ -172,6 +151,11 @@ class TrainingData:
         if cue_steps is not None:
             counts = cue_counts(cue_steps, decoded.lengths)
             self.cue_count = (counts - counts.mean()) / max(float(counts.std()), 1e-6)
+        self.step_weight = None  # [F] action-loss weight of each frame (``decision``: (span, weight) after cue steps)
+        if decision is not None:
+            if cue_steps is None:
+                raise ValueError("decision weights are drawn from the cue steps: pass `cue_steps` too")
+            self.step_weight = decision_weights(cue_steps, decoded.lengths, span=decision[0], weight=decision[1])
         self.n_image_tokens = cfg.vision.num_patches
         self.action_dim = decoded.actions.shape[1]
         self.dataset_name = dataset_name
@@ -233,6 +217,10 @@ class TrainingData:
             ds, camera=cfg.data.camera, action_dim=policy.action_dim, proprio_dim=policy.config.proprio_dim
         )
         decoded = cached_dataset(ds, camera, cache_dir, build=build_cache, progress=progress)
+        cue_options = " and ".join(
+            name for name, on in (("the cue-count loss (`cue_weight` > 0)", cfg.cue_weight > 0),
+                                  ("the decision weights (`decision_weight` != 1)", cfg.decision_weight != 1)) if on
+        )  # fmt: skip
         mask = (
             cfg.data.action_mask if cfg.data.action_mask is not None else default_action_mask(decoded.actions.shape[1])
         )
@@ -248,7 +236,8 @@ class TrainingData:
             action_mask=mask,
             image_aug=cfg.data.image_aug,
             goal_targets=cfg.goal_weight > 0,
-            cue_steps=recorded_cue_steps(ds) if cfg.cue_weight > 0 else None,
+            cue_steps=recorded_cue_steps(ds, wanted_by=cue_options) if cue_options else None,
+            decision=(cfg.decision_span, cfg.decision_weight) if cfg.decision_weight != 1 else None,
         )
 
     # ---- windows -----------------------------------------------------------------------------------
@@ -306,11 +295,12 @@ class TrainingData:
         ``text_ids`` [B, Nt], ``labels`` [B, S * A] (``IGNORE`` on padded steps), ``tokens`` (the
         windows' real tokens, padding excluded), the bucket ``key``, with ``goal_targets`` ``goal`` [B, P]
         (the normalised state of each window's segment at its last frame) and with ``cue_steps`` ``cue_count``
-        [B, S] (the episode's cue steps at or before each step, standardised over the dataset's frames)."""
+        [B, S] (the episode's cue steps at or before each step, standardised over the dataset's frames); with
+        ``decision`` ``step_weight`` [B, S] (each step's action-loss weight)."""
         windows = [self.windows[i] for i in indices]
         key = self.bucket_key(windows[0])
         layout = self.layouts[key]
-        pixels, text, labels, proprio, goal, cues, tokens = [], [], [], [], [], [], 0
+        pixels, text, labels, proprio, goal, cues, weights, tokens = [], [], [], [], [], [], [], 0
         for w in windows:
             own, ids = self._layout(w)
             if not same_positions(own, layout):
@@ -330,6 +320,8 @@ class TrainingData:
                 goal.append(torch.from_numpy(self.proprio[first + length - 1]))
             if self.cue_count is not None:
                 cues.append(torch.from_numpy(self.cue_count[rows]))
+            if self.step_weight is not None:
+                weights.append(torch.from_numpy(self.step_weight[rows]))
         out = {
             "key": key,
             "tokens": tokens,
@@ -343,6 +335,8 @@ class TrainingData:
             out["goal"] = torch.stack(goal)
         if cues:
             out["cue_count"] = torch.stack(cues)
+        if weights:
+            out["step_weight"] = torch.stack(weights)
         return out
 
 

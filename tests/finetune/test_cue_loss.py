@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 from vla_finetune.config import FinetuneConfig
-from vla_finetune.data import IGNORE, cue_counts
+from vla_finetune.cue_targets import cue_counts
+from vla_finetune.data import IGNORE
 from vla_finetune.trainer import Trainer
 
 from .conftest import make_config, training_batch, write_dataset

@@ -1,0 +1,56 @@
+"""Per-frame training targets drawn from the cue steps ``collect`` records (``episode_cue_steps`` in
+``meta/vla_runtime.json``): the cue count the cue-count probe regresses, and the action-loss weight of the decision
+steps that follow each cue step.
+
+    cue_steps = recorded_cue_steps(ds)             # per episode, the frame indices of its cue steps
+    cue_counts(cue_steps, lengths)                 # [F]: cue steps at or before each frame
+    decision_weights(cue_steps, lengths, span=12, weight=5.0)   # [F]: 5 on the 12 frames after each, else 1
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vla_runtime.data import LeRobotDataset
+from vla_runtime.data import layout as lerobot
+
+
+def recorded_cue_steps(ds: LeRobotDataset, *, wanted_by: str) -> list[list[int]]:
+    """The per-episode ``episode_cue_steps`` of ``ds``; a clear error naming ``wanted_by`` (the option that needs
+    them) for a dataset without them."""
+    cue_steps = ds.extra.get(lerobot.PER_EPISODE_KEY, {}).get("episode_cue_steps")
+    if cue_steps is None or len(cue_steps) != len(ds):
+        raise ValueError(
+            f"{ds.root} records no cue steps for its episodes (`episode_cue_steps` in meta/vla_runtime.json), which "
+            f"{wanted_by} needs: collect it again with this version, or add them to a Meta-World dataset with "
+            "`python scripts/record_cue_steps.py DATASET`"
+        )
+    return cue_steps
+
+
+def _check(cue_steps: list[list[int]], lengths: list[int]) -> None:
+    if len(cue_steps) != len(lengths):
+        raise ValueError(f"{len(cue_steps)} episodes' cue steps for {len(lengths)} episodes")
+
+
+def cue_counts(cue_steps: list[list[int]], lengths: list[int]) -> np.ndarray:
+    """Per episode, the frame indices of its cue steps -> float32 [F]: at each frame, how many of its episode's
+    cue steps are at or before it."""
+    _check(cue_steps, lengths)
+    return np.concatenate(
+        [np.searchsorted(np.sort(steps), np.arange(n), side="right") for steps, n in zip(cue_steps, lengths)]
+    ).astype(np.float32)
+
+
+def decision_weights(cue_steps: list[list[int]], lengths: list[int], *, span: int, weight: float) -> np.ndarray:
+    """-> float32 [F]: ``weight`` on the ``span`` frames after each cue step (frames t with 0 < t - c <= span for
+    some cue step c of the episode), 1 elsewhere. For ``memory-counting`` these are the frames after each press,
+    where the expert either presses again or backs off: the only frames whose action depends on the count."""
+    _check(cue_steps, lengths)
+    out = []
+    for steps, n in zip(cue_steps, lengths):
+        near = np.zeros(n, dtype=bool)
+        for c in steps:
+            near[c + 1 : c + 1 + span] = True
+        out.append(np.where(near, weight, 1.0))
+    return np.concatenate(out).astype(np.float32) if out else np.zeros(0, dtype=np.float32)
