@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv", choices=["full", "sink_window", "chunked"], default="chunked")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--window-ms", type=float, default=2.0)
+    p.add_argument("--rejoin-fraction", type=float, default=0.1,
+                   help="the batched server's wait for robots expected back, as a fraction of its batch time (0: off)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads of the server (pinned)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
@@ -242,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     # the load average matters on a shared machine
     env = environment(device=args.device, threads=args.threads, cpus=os.cpu_count(), loadavg_start=os.getloadavg())
     session = SessionConfig(history=args.history, kv=KVConfig(mode=args.kv))
-    variants = {"batched": BatchConfig(max_batch=args.max_batch, window_ms=args.window_ms), "one-at-a-time": BatchConfig(max_batch=1)}
+    variants = {"batched": BatchConfig(max_batch=args.max_batch, window_ms=args.window_ms, rejoin_fraction=args.rejoin_fraction), "one-at-a-time": BatchConfig(max_batch=1)}
     with tempfile.TemporaryDirectory() as tmp:
         policy = make_policy(args, Path(tmp))
         servers = {}
@@ -278,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
                             "p95_ms": float(np.percentile(lat, 95)),
                         })  # fmt: skip
                         logging.warning("%d clients, %s: %.1f actions/s, p50 %.1f ms", n, name, *list(rounds[(n, name)][-1].values())[:2])
-            batch_sizes = servers["batched"][0].engine.batch_sizes
+            engine = servers["batched"][0].engine
+            batch_sizes, rejoin = engine.batch_sizes, {"waits": engine.rejoin_waits, "rejoined": engine.rejoined}
         finally:
             for _, thread, _ in servers.values():
                 thread.stop()
@@ -302,10 +305,11 @@ def run(args: argparse.Namespace) -> int:
               f"({'met' if targets['throughput_ratio_8'] >= 3 else 'missed'}); "
               f"p95 <= 2x a single robot's: {targets['p95_ratio_8_vs_1']:.2f}x ({'met' if targets['p95_ratio_8_vs_1'] <= 2 else 'missed'}); "
               f"a robot alone, batched server p50 / one-at-a-time p50: {targets['single_robot_p50_batched_vs_one']:.2f}")  # fmt: skip
-    print(f"batch sizes run by the batched server (size: forwards): {dict(sorted(batch_sizes.items()))}")
+    print(f"batch sizes run by the batched server (size: forwards): {dict(sorted(batch_sizes.items()))}; "
+          f"waits for robots expected back: {rejoin['waits']}, steps that joined in them: {rejoin['rejoined']}")
     env["loadavg_end"] = os.getloadavg()
     print(f"load average at start / end: {env['loadavg_start'][0]:.1f} / {env['loadavg_end'][0]:.1f} on {env['cpus']} CPUs")
-    write_json(args.out, env=env, args=args, summary=summary, targets=targets, batch_sizes=batch_sizes,
+    write_json(args.out, env=env, args=args, summary=summary, targets=targets, batch_sizes=batch_sizes, rejoin=rejoin,
                rounds={f"{n}|{name}": rs for (n, name), rs in rounds.items()})  # fmt: skip
     return 0
 

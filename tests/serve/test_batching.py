@@ -1,5 +1,7 @@
 """Micro-batching: several sessions' steps as one batched forward give each session what it gets alone;
-a refused input fails alone; a failing batch resets the episodes it touched."""
+a refused input fails alone; a failing batch resets the episodes it touched; robots expected back are waited for."""
+
+import time
 
 import numpy as np
 import pytest
@@ -129,3 +131,76 @@ def test_a_failing_batch_resets_the_episodes_it_touched(tiny_policy, frame):
         assert all(r.episode_session is None and r.episode == 1 for r in robots)
     finally:
         engine.stop()
+
+
+def rejoin_engine(policy, n):
+    """Two-plus robots stepped twice as one batch: each has answered steps and a short round trip. Window 0 and a
+    rejoin wait of up to 1000 batch times: a wait ends when the robots expected back arrive, not at its end."""
+    registry = SessionRegistry(max_sessions=8, idle_timeout_s=60)
+    engine = PolicyEngine(policy, SessionConfig(history="history"), registry, BatchConfig(window_ms=0, rejoin_fraction=1000))
+    robots = [registry.open(f"robot{i}") for i in range(n)]
+    return engine, robots
+
+
+def step_all(engine, robots, frame, t):
+    futures = [engine.submit(r, step(frame(10 * i + t), PROMPTS[i])) for i, r in enumerate(robots)]
+    return [f.result() for f in futures]
+
+
+def taken(engine) -> None:
+    """Until the worker has taken every queued request (generous bound: a slow machine is slower, not red)."""
+    deadline = time.monotonic() + 120
+    while not engine._queue.empty():
+        assert time.monotonic() < deadline, "the worker never took the queued request"
+        time.sleep(0.001)
+
+
+def test_robots_expected_back_are_waited_for_and_batched_together(tiny_policy, frame):
+    engine, robots = rejoin_engine(tiny_policy, 2)
+    first = [engine.submit(r, step(frame(i), PROMPTS[i])) for i, r in enumerate(robots)]
+    engine.start()  # the first batch takes both
+    try:
+        assert [f.result()["step"] for f in first] == [0, 0]
+        step_all(engine, robots, frame, 1)  # both have a round trip now
+        assert all(r.expected_back() is not None for r in robots)
+        before = dict(engine.batch_sizes)
+        late = engine.submit(robots[0], step(frame(2), PROMPTS[0]))
+        taken(engine)  # the worker holds robot 0's step ...
+        other = engine.submit(robots[1], step(frame(12), PROMPTS[1]))  # ... and robot 1 comes back after it
+        assert (late.result()["step"], other.result()["step"]) == (2, 2)
+    finally:
+        engine.stop()
+    assert engine.batch_sizes.get(2, 0) == before.get(2, 0) + 1 and engine.batch_sizes.get(1, 0) == before.get(1, 0)
+    assert engine.rejoin_waits >= 1 and engine.rejoined >= 1
+
+
+def test_a_robot_not_due_back_soon_is_not_waited_for(tiny_policy, frame):
+    engine, robots = rejoin_engine(tiny_policy, 2)
+    engine.start()
+    try:
+        step_all(engine, robots, frame, 0)
+        step_all(engine, robots, frame, 1)
+        robots[1].round_trips.clear()
+        robots[1].round_trips.append(1e6)  # it steps once in eleven days
+        before, waits = dict(engine.batch_sizes), engine.rejoin_waits
+        assert engine.submit(robots[0], step(frame(2), PROMPTS[0])).result()["step"] == 2
+    finally:
+        engine.stop()
+    assert engine.batch_sizes.get(1, 0) == before.get(1, 0) + 1
+    assert engine.rejoin_waits == waits and engine.rejoined == 0
+
+
+def test_a_robot_is_expected_back_only_between_an_answer_and_its_next_request():
+    registry = SessionRegistry(max_sessions=2, idle_timeout_s=60)
+    robot = registry.open("robot")
+    assert robot.expected_back() is None  # never answered
+    robot.answered_at, robot.submitted_at = 10.0, 9.0
+    assert robot.expected_back() is None  # answered, but no round trip seen yet
+    robot.round_trips.extend([0.02, 0.05, 0.03])
+    assert robot.expected_back() == pytest.approx(10.05)  # its slowest recent round trip
+    robot.submitted_at = 10.04
+    assert robot.expected_back() is None  # its next request is in
+    robot.submitted_at, robot.closed = 9.0, True
+    assert robot.expected_back() is None
+    with pytest.raises(ValueError, match="rejoin_fraction"):
+        BatchConfig(rejoin_fraction=-0.1)

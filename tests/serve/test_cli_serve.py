@@ -58,7 +58,9 @@ def test_flags_override_the_yaml_config(tmp_path, monkeypatch):
     cfg = serve_config(args)
     assert (cfg.port, cfg.max_sessions, cfg.api_token, cfg.host) == (9000, 5, None, "127.0.0.1")
     assert cfg.keys.prompt == "task" and cfg.keys.images == {"primary": "cam/front"} and cfg.keys.state == ["observation/state"]
-    assert (cfg.batch.max_batch, cfg.batch.window_ms) == (1, 5)
+    assert (cfg.batch.max_batch, cfg.batch.window_ms, cfg.batch.rejoin_fraction) == (1, 5, 0.1)
+    args = build_parser().parse_args(["serve", "--checkpoint", "x", "--config", str(path), "--batch-rejoin", "0"])
+    assert (serve_config(args).batch.window_ms, serve_config(args).batch.rejoin_fraction) == (5, 0.0)
     monkeypatch.setenv("VLA_RUNTIME_API_TOKEN", "from-env")
     assert serve_config(args).api_token == "from-env"
     args = build_parser().parse_args(["serve", "--checkpoint", "x", "--api-token", "flag"])

@@ -46,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--idle-timeout", type=float, help="seconds without a message before a session is closed (default 300)")
     p.add_argument("--max-batch", type=int, help="most steps of different robots run as one batch (default 8; 1 = off)")
     p.add_argument("--batch-window-ms", type=float, help="wait this long for more robots' steps (default 2)")
+    p.add_argument("--batch-rejoin", type=float, metavar="FRACTION",
+                   help="also wait for robots expected back, up to this fraction of the batch time (default 0.1; 0 = off)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     add_policy_arguments(p)
     p.set_defaults(func=run)
@@ -60,7 +62,7 @@ def serve_config(args: argparse.Namespace):
     token = args.api_token if args.api_token is not None else os.environ.get(TOKEN_ENV) or cfg.api_token
     flags = {"host": args.host, "port": args.port, "max_sessions": args.max_sessions, "idle_timeout_s": args.idle_timeout}
     cfg = replace(cfg, api_token=token, **{k: v for k, v in flags.items() if v is not None})
-    batch = {"max_batch": args.max_batch, "window_ms": args.batch_window_ms}
+    batch = {"max_batch": args.max_batch, "window_ms": args.batch_window_ms, "rejoin_fraction": args.batch_rejoin}
     return replace(cfg, batch=replace(cfg.batch, **{k: v for k, v in batch.items() if v is not None}))
 
 

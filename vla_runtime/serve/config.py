@@ -78,16 +78,24 @@ class BatchConfig:
         max_batch: most steps run as one batched forward (1 = one at a time).
         window_ms: how long the worker waits for more steps after the first one arrives, when other
             sessions have steps in flight that could still join (0 = take only what is already queued).
+        rejoin_fraction: the worker also waits for robots it expects back (answered, and sending their next
+            step within their usual round trip) for up to this fraction of its recent median batch time. Robots
+            that step again as soon as they are answered (closed loop, or running late) would otherwise split
+            into groups that alternate on the worker, each batch smaller and the cycle longer. 0 = never wait
+            past ``window_ms``.
     """
 
     max_batch: int = 8
     window_ms: float = 2.0
+    rejoin_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"`max_batch` must be >= 1, got {self.max_batch}")
         if self.window_ms < 0:
             raise ValueError(f"`window_ms` must be >= 0, got {self.window_ms}")
+        if self.rejoin_fraction < 0:
+            raise ValueError(f"`rejoin_fraction` must be >= 0, got {self.rejoin_fraction}")
 
 
 @dataclass

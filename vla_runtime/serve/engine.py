@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import statistics
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -63,6 +65,9 @@ class PolicyEngine:
         self._carry: list[Job] = []  # a job taken while gathering that must wait for the next batch
         self._worker: threading.Thread | None = None
         self.batch_sizes: dict[int, int] = {}  # forwards run per batch size (steps only)
+        self.batch_times: deque[float] = deque(maxlen=20)  # seconds of the recent batched steps
+        self.rejoin_waits = 0  # gathers that waited past the window for robots expected back
+        self.rejoined = 0  # steps that joined a batch during such a wait
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -87,6 +92,9 @@ class PolicyEngine:
         ``SessionClosed`` or ``InternalError``. Requests submitted before ``start`` run once it starts (the
         first batch takes all of them)."""
         job = Job(robot, request)
+        if robot.answered_at is not None and (robot.submitted_at is None or robot.submitted_at < robot.answered_at):
+            robot.round_trips.append(job.enqueued - robot.answered_at)
+        robot.submitted_at = job.enqueued
         self._queue.put(job)
         return job.future
 
@@ -123,26 +131,46 @@ class PolicyEngine:
                 return
 
     def _gather(self, first: Job) -> tuple[list[Job], bool]:
-        """``first`` plus the steps of other sessions that are queued or arrive within the window."""
+        """``first`` plus the steps of other sessions that are queued or arrive within the window, or, while
+        robots expected back (``_expected_back``) are missing, until they arrive or the rejoin wait ends."""
         jobs = [first]
         if not self.batched or first.request.kind is not RequestKind.STEP:
             return jobs, False
-        deadline = time.perf_counter() + self.batch.window_ms / 1e3
+        start = time.perf_counter()
+        window_end = start + self.batch.window_ms / 1e3
+        expected, rejoin_end = self._expected_back(start, first.robot)
+        waited = False
         while len(jobs) < self.batch.max_batch:
             # waiting only helps when another open session could still send a step
             could_join = len(self.registry) > len(jobs)
+            waiting_for = bool(expected)
+            deadline = max(window_end, rejoin_end) if waiting_for else window_end
             timeout = deadline - time.perf_counter() if could_join else 0.0
             try:
                 job = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
             except queue.Empty:
+                waited |= waiting_for and timeout > 0 and time.perf_counter() > window_end
                 break
+            waited |= waiting_for and time.perf_counter() > window_end
             if job is _STOP:
                 return jobs, True
             if any(j.robot is job.robot for j in jobs):  # one step per session per batch
                 self._carry.append(job)
                 break
             jobs.append(job)
+            self.rejoined += job.robot in expected and time.perf_counter() > window_end
+            expected.discard(job.robot)
+        self.rejoin_waits += waited
         return jobs, False
+
+    def _expected_back(self, now: float, first) -> tuple[set, float]:
+        """The robots (other than ``first``'s) whose next step is due before ``now`` plus the rejoin wait
+        (``BatchConfig.rejoin_fraction`` of the recent median batch time), and when that wait ends."""
+        if not self.batch.rejoin_fraction or not self.batch_times:
+            return set(), now
+        end = now + self.batch.rejoin_fraction * statistics.median(self.batch_times)
+        expected = {r for r in self.registry.sessions() if r is not first and (t := r.expected_back()) is not None and t <= end}
+        return expected, end
 
     def _drain(self) -> None:
         for job in self._carry:
@@ -204,12 +232,14 @@ class PolicyEngine:
             return
         self.batch_sizes[len(steps)] = self.batch_sizes.get(len(steps), 0) + 1
         elapsed = (time.perf_counter() - start) * 1e3
+        self.batch_times.append(elapsed / 1e3)
         for (job, _), result in zip(steps, results):
             self._answer(job, result, start, elapsed)
 
     def _answer(self, job: Job, result: StepResult, start: float, infer_ms: float) -> None:
         robot = job.robot
         robot.steps += 1
+        robot.answered_at = time.perf_counter()  # before the reply can reach the robot: its round trip starts here
         if robot.closed:
             robot.episode_session = None  # closed while stepping: free the cache now
         job.future.set_result({

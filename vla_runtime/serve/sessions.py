@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 from ..api import EpisodeSession, Policy
@@ -23,6 +24,10 @@ class SessionLimitReached(RuntimeError):
 
 class SessionClosed(RuntimeError):
     """A step for a session that was closed (disconnect or idle timeout) while the step waited."""
+
+
+#: recent round trips (an answer to the robot's next request) kept per robot
+ROUND_TRIPS_KEPT = 8
 
 
 class RobotSession:
@@ -48,6 +53,19 @@ class RobotSession:
         self.episode = 0  # index of the current episode (incremented by a reset or a new prompt)
         self.steps = 0  # steps run in the current episode
         self._started = False  # an episode has begun (a step ran or a prompt was set)
+        # the engine's clock (perf_counter seconds): when it last took a request of this robot and answered a step
+        self.submitted_at: float | None = None
+        self.answered_at: float | None = None
+        self.round_trips: deque[float] = deque(maxlen=ROUND_TRIPS_KEPT)  # answer -> next request, seconds
+
+    def expected_back(self) -> float | None:
+        """When (the engine's clock) this robot's next step should arrive: its last answer plus the longest of its
+        recent round trips. ``None`` while one of its requests is pending, before its first round trip, or closed."""
+        if self.closed or self.answered_at is None or not self.round_trips:
+            return None
+        if self.submitted_at is not None and self.submitted_at > self.answered_at:
+            return None
+        return self.answered_at + max(self.round_trips)
 
     # ---- worker thread ---------------------------------------------------------------------------
 
