@@ -174,7 +174,7 @@ def test_robots_expected_back_are_waited_for_and_batched_together(tiny_policy, f
     assert engine.rejoin_waits >= 1 and engine.rejoined >= 1
 
 
-def test_a_robot_not_due_back_soon_is_not_waited_for(tiny_policy, frame):
+def test_a_robot_not_due_back_soon_or_long_overdue_is_not_waited_for(tiny_policy, frame):
     engine, robots = rejoin_engine(tiny_policy, 2)
     engine.start()
     try:
@@ -184,9 +184,15 @@ def test_a_robot_not_due_back_soon_is_not_waited_for(tiny_policy, frame):
         robots[1].round_trips.append(1e6)  # it steps once in eleven days
         before, waits = dict(engine.batch_sizes), engine.rejoin_waits
         assert engine.submit(robots[0], step(frame(2), PROMPTS[0])).result()["step"] == 2
+        robots[1].round_trips.clear()
+        robots[1].round_trips.append(0.001)
+        robots[1].answered_at -= 1e6  # it was due back eleven days ago: it stopped, and is not waited for either
+        robots[1].submitted_at -= 2e6
+        assert robots[1].expected_back() is not None
+        assert engine.submit(robots[0], step(frame(3), PROMPTS[0])).result()["step"] == 3
     finally:
         engine.stop()
-    assert engine.batch_sizes.get(1, 0) == before.get(1, 0) + 1
+    assert engine.batch_sizes.get(1, 0) == before.get(1, 0) + 2
     assert engine.rejoin_waits == waits and engine.rejoined == 0
 
 

@@ -164,13 +164,14 @@ class PolicyEngine:
         return jobs, False
 
     def _expected_back(self, now: float, first) -> tuple[set, float]:
-        """The robots (other than ``first``'s) whose next step is due before ``now`` plus the rejoin wait
-        (``BatchConfig.rejoin_fraction`` of the recent median batch time), and when that wait ends."""
+        """The robots (other than ``first``'s) whose next step is due within the rejoin wait of ``now``
+        (``BatchConfig.rejoin_fraction`` of the recent median batch time), and when that wait ends. A robot
+        overdue by more than the wait has stopped or slowed down: it is not waited for."""
         if not self.batch.rejoin_fraction or not self.batch_times:
             return set(), now
-        end = now + self.batch.rejoin_fraction * statistics.median(self.batch_times)
-        expected = {r for r in self.registry.sessions() if r is not first and (t := r.expected_back()) is not None and t <= end}
-        return expected, end
+        wait = self.batch.rejoin_fraction * statistics.median(self.batch_times)
+        due = ((r, r.expected_back()) for r in self.registry.sessions() if r is not first)
+        return {r for r, t in due if t is not None and now - wait <= t <= now + wait}, now + wait
 
     def _drain(self) -> None:
         for job in self._carry:
