@@ -2,7 +2,7 @@
 ``meta/vla_runtime.json``): the cue count the cue-count probe regresses, and the action-loss weight of the decision
 steps that follow each cue step.
 
-    cue_steps = recorded_cue_steps(ds)             # per episode, the frame indices of its cue steps
+    cue_steps = recorded_cue_steps(ds, wanted_by="the cue-count loss")   # per episode: its cue steps
     cue_counts(cue_steps, lengths)                 # [F]: cue steps at or before each frame
     decision_weights(cue_steps, lengths, span=12, weight=5.0)   # [F]: 5 on the 12 frames after each, else 1
 """
