@@ -20,15 +20,20 @@ class StepTimer:
     def __init__(self, quantile: float, window: int) -> None:
         self.quantile = quantile
         self._times: deque[float] = deque(maxlen=window)
+        self._estimate: float | None = 0.0  # None: a step time came in since it was computed
 
     def add(self, seconds: float) -> None:
         self._times.append(seconds)
+        self._estimate = None
 
     def estimate(self) -> float:
-        """The ``quantile`` of recent step times; 0.0 before the first step (the first one starts at once)."""
-        if not self._times:
-            return 0.0
-        return float(np.quantile(np.fromiter(self._times, float), self.quantile, method="higher"))
+        """The ``quantile`` of recent step times; 0.0 before the first step (the first one starts at once).
+
+        Computed once per new step time: a node asks at every tick and frame, and in a ROS node each call holds
+        the GIL its worker needs."""
+        if self._estimate is None:
+            self._estimate = float(np.quantile(np.fromiter(self._times, float), self.quantile, method="higher"))
+        return self._estimate
 
     def __len__(self) -> int:
         return len(self._times)
