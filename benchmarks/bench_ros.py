@@ -223,6 +223,7 @@ def control_run(harness, checkpoint, modules, tmp, rate, schedule, args, name) -
     ticks = int(last["ticks"]) - int(first["ticks"])
     return {"rate": rate, "schedule": schedule, "ticks": ticks, "empty_ticks": int(last["fallbacks"]) - int(first["fallbacks"]),
             "late_ticks": int(last.get("ticks_late", 0)) - int(first.get("ticks_late", 0)),
+            "missed_ticks": int(last.get("ticks_missed", 0)) - int(first.get("ticks_missed", 0)),
             "latency_p50": float(last["latency_ms_p50"]), "latency_p95": float(last["latency_ms_p95"]),
             "frame_age_p50": float(last["frame_age_ms_p50"]), "step_plan_ms": float(last["step_plan_ms"]),
             "step_p50": float(last["step_ms_p50"]), "step_p95": float(last["step_ms_p95"]),
@@ -250,15 +251,16 @@ def control_table(harness, tmp, args) -> list[dict]:
           f"(step_quantile {args.step_quantile:g}, margin {args.margin_ms:g} ms). "
           "latency = frame receipt -> action published; age = frame receipt -> step start; plan = the step time "
           "the schedule plans with; empty = ticks without an action of their own; late = ticks whose step overran them "
-          "by less than late_grace_ms, published when it landed; jitter = std of action inter-arrival")
+          "by less than late_grace_ms, published when it landed; missed = ticks whose timer callback never ran (nothing "
+          "published; not in ticks); jitter = std of action inter-arrival")
     print("policy               |  Hz | step p50/p95 ms | latency p50 old -> new | latency p95 old -> new | "
-          "age p50 old -> new | plan ms | empty/ticks old -> new | late new | jitter ms old -> new")
+          "age p50 old -> new | plan ms | empty/ticks old -> new | late new | missed old -> new | jitter ms old -> new")
     for old, new in zip(runs[::2], runs[1::2]):
         print(f"{new['policy']:20s} | {new['rate']:3.0f} | {new['step_p50']:6.1f} / {new['step_p95']:6.1f} | "
               f"{old['latency_p50']:8.1f} -> {new['latency_p50']:7.1f}   | {old['latency_p95']:8.1f} -> {new['latency_p95']:7.1f}   | "
               f"{old['frame_age_p50']:6.1f} -> {new['frame_age_p50']:6.1f} | {new['step_plan_ms']:7.1f} | "
               f"{old['empty_ticks']:4d}/{old['ticks']:<4d} -> {new['empty_ticks']:4d}/{new['ticks']:<4d} | {new['late_ticks']:8d} | "
-              f"{old['jitter_ms']:6.2f} -> {new['jitter_ms']:6.2f}")
+              f"{old['missed_ticks']:5d} -> {new['missed_ticks']:5d} | {old['jitter_ms']:6.2f} -> {new['jitter_ms']:6.2f}")
     return runs
 
 

@@ -285,6 +285,16 @@ def test_a_late_callback_serves_the_tick_it_was_due_for_not_the_next():
     assert loop.grid.t0 == pytest.approx(0.0) and loop.stats.fallbacks == 1  # tick 0 only
 
 
+def test_ticks_whose_callbacks_never_ran_are_counted_missed():
+    loop = make()
+    loop.on_tick(0.0)
+    loop.on_tick(0.1)
+    assert loop.stats.ticks_missed == 0
+    loop.on_tick(0.4)  # the callbacks of ticks 2 and 3 never ran
+    loop.skip_tick(0.6)  # a tick let pass on purpose is not missed; tick 5's callback never ran
+    assert (loop.stats.ticks, loop.stats.ticks_missed) == (3, 3)
+
+
 def test_a_single_action_that_missed_its_tick_goes_out_at_the_next_and_a_chunk_row_does_not():
     single = make()
     single.on_tick(0.0)

@@ -66,6 +66,7 @@ class ControlStats:
     immediate: int = 0  # actions published at once (``PublishMode.IMMEDIATE``)
     phase_shifts: int = 0  # tick phase moved earlier to meet the camera's frames (``align_to_frames``)
     ticks_late: int = 0  # ticks served late by a step that overran them, within ``late_grace_ms``
+    ticks_missed: int = 0  # ticks whose timer callback never ran (the driver's timer skipped them): nothing went out
 
 
 class ControlLoop:
@@ -293,6 +294,8 @@ class ControlLoop:
         k = self.grid.nearest(t) if self._calibrated else self.served + 1
         if k <= self.served:
             return None
+        if self._calibrated:
+            self.stats.ticks_missed += k - self.served - 1
         # the driver's timer defines the phase: a callback runs at or after its tick, never before
         self.grid.t0 = min(self.grid.t0, t - k * self.cfg.period) if self._calibrated else t - k * self.cfg.period
         self._calibrated = True

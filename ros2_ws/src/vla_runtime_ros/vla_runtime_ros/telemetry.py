@@ -154,6 +154,7 @@ def control_values(loop, cfg) -> dict[str, object]:
         "steps_late": stats.steps_late, "ticks_overrun": stats.ticks_overrun,
         "actions_skipped": stats.actions_skipped, "actions_blended": stats.actions_blended,
         "actions_immediate": stats.immediate, "phase_shifts": stats.phase_shifts, "ticks_late": stats.ticks_late,
+        "ticks_missed": stats.ticks_missed,
     }
 
 
