@@ -29,9 +29,12 @@ owns the ``vla_runtime.control.ControlLoop`` (queued actions, scheduling, fallba
 worker job and episode changes. At each tick it publishes the tick's action (or the fallback) and
 asks the loop when the next step should start; a one-thread worker waits until then, takes the
 newest frame of that moment, decodes it and runs ``session.step`` (deadline scheduling: the step
-ends just before the tick it serves). A frame, a joint state or a finished job wakes the same group
-through a guard condition: results are queued at once (``publish_mode: immediate`` publishes them
-at once), and a step due now starts on the frame that just arrived. The control timer runs on the
+ends just before the tick it serves). A finished job wakes the same group through a guard condition, and
+so does a frame or joint state while no job is in flight (a job takes the newest frame itself; each wake
+costs rclpy's spin thread a wait-set rebuild under the GIL the worker needs; none is lost, as the input is
+stored before the job is read and the group looks for frames after clearing the job): results are
+queued at once (``publish_mode: immediate`` publishes them at once), and a step due now starts on the
+frame that just arrived. The control timer runs on the
 steady clock; each callback names its tick by when it was due (``_tick_due``), and when the loop moves
 the tick phase to meet the camera (``align_to_frames``) one timer period is shortened. Diagnostics and the reset
 service have callback groups of their own under a ``MultiThreadedExecutor``.
@@ -295,7 +298,8 @@ class PolicyNode(PolicyControl, LifecycleNode):
         with self._lock:
             self._telemetry.frames_received += 1
             self._telemetry.frames_dropped += self._inputs.add_frame(msg, now, active=self._active)
-        self._wake_for_input()
+        if self._future is None:  # a job in flight takes the newest frame itself (module docstring)
+            self._wake()
 
     def _on_incompatible_image_qos(self, event) -> None:
         if self._cfg is None:
@@ -342,15 +346,7 @@ class PolicyNode(PolicyControl, LifecycleNode):
         with self._lock:
             self._inputs.add_state(state, msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9)
             self._telemetry.joint_state_stamp = self._inputs.state_stamp
-        self._wake_for_input()  # a frame may have been waiting for this state
-
-    def _wake_for_input(self) -> None:
-        """Wake the control group for a new frame or joint state only while no worker job is in flight: until it
-        ends (its own wake) the group would find nothing to do. Each wake is a callback of rclpy's executor, whose
-        spin thread rebuilds its wait set in Python and holds the GIL the worker needs (at 100 Hz control and a
-        30 Hz camera the spin thread took ~70 % of a core). No wake is lost: the frame is stored before the job
-        is read, and the group checks for frames after it clears the job."""
-        if self._future is None:
+        if self._future is None:  # a frame may have been waiting for this state
             self._wake()
 
     def _wake(self) -> None:
