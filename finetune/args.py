@@ -40,6 +40,9 @@ FLAGS: list[tuple[str, str, dict, str]] = [
     ("--chunk", "kv.chunk", _OPT_INT, "chunk size C of the chunked cache (default 16)"),
     ("--kv-window", "kv.window", _OPT_INT, "raw recent window W in tokens (default: one control step's tokens)"),
     ("--max-chunks", "kv.max_chunks", _OPT_INT, "retained-chunk budget per layer (default: bounded by capacity only)"),
+    ("--chunk-mass", "kv.chunk_mass", {"action": argparse.BooleanOptionalAction},
+     "add log(chunk) to the attention score of every chunk key, so a chunk weighs what its tokens would "
+     "(inference reads it from kv_config.json; default off)"),
     ("--lora-rank", "lora.rank", _OPT_INT, "LoRA rank (default 32)"),
     ("--lora-alpha", "lora.alpha", _FLOAT, "LoRA alpha (default min(rank, 16))"),
     ("--lora-dropout", "lora.dropout", _FLOAT, "LoRA dropout (default 0)"),

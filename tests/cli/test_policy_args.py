@@ -72,6 +72,26 @@ def test_chunked_takes_the_chunk_size_of_the_checkpoints_trained_gate(command, t
     assert (params.window, params.max_chunks) == (48, 3)  # the flags still set the rest
 
 
+@pytest.mark.parametrize("command", sorted(REQUIRED))
+def test_chunked_reads_its_chunks_as_the_checkpoints_gate_was_trained_to(command, tmp_path):
+    """A policy trained with ``chunk_mass`` gets it back from its ``kv_config.json``; a gate saved before the field
+    existed (no ``chunk_mass`` key) loads without it."""
+    import json
+
+    from vla_runtime.kv import ChunkGate, ChunkGateConfig, KVConfig, save_gate
+
+    ckpt = tmp_path / "ckpt"
+    gate = ChunkGate(ChunkGateConfig(n_layers=2, head_dim=8, chunk=8))
+    save_gate(gate, ckpt, KVConfig.of(KVMode.CHUNKED, chunk=8, chunk_mass=True))
+    args = build_parser().parse_args([command, *REQUIRED[command], *COMMON])
+    args.checkpoint = str(ckpt)
+    assert session_from_args(args).kv.params.chunk_mass is True
+    meta = json.loads((ckpt / "kv_config.json").read_text())
+    del meta["kv"]["chunk_mass"]
+    (ckpt / "kv_config.json").write_text(json.dumps(meta))
+    assert session_from_args(args).kv.params.chunk_mass is False
+
+
 def test_a_window_matched_to_a_chunked_budget_uses_the_gates_chunk_size(tmp_path, capsys):
     """``eval --kv-match-chunks M`` sizes the window to a chunked cache of the checkpoint's own chunk size."""
     from vla_runtime.cli.eval import kv_config

@@ -147,9 +147,11 @@ def test_cli_runs_from_a_yaml_config_with_flag_overrides(tiny_ckpt, tiny_dataset
         f"  cache_dir: {tmp_path / 'cache'}\nlora:\n  rank: 4\n"
     )
     out = tmp_path / "cli"
-    assert main(["--config", str(config), "--out", str(out), "--max-steps", "2", "--stride", "3", "--merge"]) == 0
+    assert main(["--config", str(config), "--out", str(out), "--max-steps", "2", "--stride", "3", "--merge", "--chunk-mass"]) == 0
     saved = (out / "finetune_config.yaml").read_text()
     assert "stride: 3" in saved and "rank: 4" in saved and "mode: chunked" in saved and "image_aug: true" in saved
+    assert "chunk_mass: true" in saved
+    assert json.loads((out / "kv_config.json").read_text())["kv"]["chunk_mass"] is True  # what inference reads
     assert json.loads((out / "session_config.json").read_text())["center_crop"] is True
     assert (out / "merged" / "model.safetensors").is_file()
     assert main(["--config", str(config), "--out", str(out), "--max-steps", "2"]) == 2

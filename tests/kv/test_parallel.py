@@ -1,6 +1,7 @@
 """The parallel (training) form reproduces streaming inference, and trains."""
 
 import bisect
+import math
 
 import pytest
 import torch
@@ -67,6 +68,33 @@ def test_hard_parallel_form_equals_streaming_inference(model, gate_kind, budget)
         assert 0 < int(cache.gate_dropped.sum()) == int((~aux.kept).sum())
         margin = (aux.scores - gate.tau.detach()[None, :, None]).abs().min()
         assert margin > 1e-3  # decisions are not on a knife edge, so float noise cannot flip them
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_chunk_mass_weighs_each_chunk_key_by_its_tokens_in_both_forms(model, backend):
+    """``chunk_mass``: log C on every chunk key's score, in streaming (decodes and prefills) and the parallel form
+    alike; it changes the outputs wherever chunks are held, and nothing before the first chunk forms."""
+    kv_mass = kv(KVMode.CHUNKED, "hard", max_chunks=3, capacity=43, chunk_mass=True, backend=backend)
+    kv_plain = kv(KVMode.CHUNKED, "hard", max_chunks=3, capacity=43, backend=backend)
+    assert kv_mass.params.chunk_score_bias == pytest.approx(math.log(kv_mass.params.chunk))
+    x, bounds = episode(7)
+    gate = dropping_gate(model)
+    streamed = run_stream(model, ChunkedGatedCache(model.cfg.geometry, kv_mass.params, gate=gate), x, bounds)
+    plain = run_stream(model, ChunkedGatedCache(model.cfg.geometry, kv_plain.params, gate=gate), x, bounds)
+    with torch.no_grad():
+        logits, aux = parallel_forward(model, x, bounds, PROMPT, gate, kv_mass, soft=False)
+        sharp, _ = parallel_forward(model, x, bounds, PROMPT, gate, kv_mass, soft=True, temperature=1e-4)
+    torch.testing.assert_close(logits, streamed, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(sharp, streamed, atol=1e-4, rtol=1e-4)
+    first = sum(bounds[: aux.schedule.chunk_forward[0] + 1])  # tokens up to the forward that formed the first chunk
+    torch.testing.assert_close(streamed[:, :first], plain[:, :first])
+    assert (streamed[:, first:] - plain[:, first:]).abs().amax(-1).min() > 1e-4  # every later token reads the chunks
+
+
+def test_chunk_mass_refuses_the_triton_kernel(model):
+    kv_cfg = kv(KVMode.CHUNKED, "hard", chunk_mass=True, backend="triton")
+    with pytest.raises(ValueError, match="chunk_mass.*torch"):
+        ChunkedGatedCache(model.cfg.geometry, kv_cfg.params)
 
 
 def test_soft_form_converges_to_hard_and_keeps_kept_chunks_in_place(model):

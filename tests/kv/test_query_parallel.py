@@ -40,8 +40,8 @@ def stream(model, cache, x: torch.Tensor, steps: int = STEPS) -> torch.Tensor:
     return torch.cat(out, dim=1)
 
 
-def parallel(model, gate, x, lengths, blocks, *, soft: bool, temperature: float = 1.0, budget=BudgetMode.HARD):
-    params = KV.params.resolve(model.cfg.geometry)
+def parallel(model, gate, x, lengths, blocks, *, soft: bool, temperature: float = 1.0, budget=BudgetMode.HARD, kv_cfg=KV):
+    params = kv_cfg.params.resolve(model.cfg.geometry)
     schedule = ForwardSchedule.build(lengths, PROMPT, window=params.window, chunk=params.chunk)
     attn = ParallelQueryAttention(
         schedule, blocks, gate, params, model.cfg.rope, soft=soft, temperature=temperature, budget=budget
@@ -72,6 +72,19 @@ def test_query_blocks_equal_streaming_bidirectional_blocks(model, gate_kind):
     assert aux.retained.sum().item() == cache.stats().chunks_retained
     if gate_kind == "dropping":
         assert 0 < int(cache.gate_dropped.sum()) == int((~aux.kept).sum())
+
+
+def test_query_blocks_with_chunk_mass_equal_streaming(model):
+    """The bidirectional blocks read chunk keys with ``chunk_mass``'s log C too, in both forms."""
+    kv_mass = kv(KVMode.CHUNKED, "hard", chunk_mass=True)
+    x, lengths, blocks = sequence()
+    gate = dropping_gate(model)
+    streamed = stream(model, ChunkedGatedCache(model.cfg.geometry, kv_mass.params, gate=gate), x)
+    plain = stream(model, ChunkedGatedCache(model.cfg.geometry, KV.params, gate=gate), x)
+    with torch.no_grad():
+        hard, _ = parallel(model, gate, x, lengths, blocks, soft=False, kv_cfg=kv_mass)
+    torch.testing.assert_close(hard, streamed, atol=1e-4, rtol=1e-4)
+    assert (streamed - plain).abs().max() > 1e-3
 
 
 def test_kept_tokens_never_see_query_blocks(model):

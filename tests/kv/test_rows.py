@@ -12,12 +12,22 @@ from .cases import COMPRESSING, REGISTERED, build, episode, kv, tiny_model
 
 @pytest.mark.parametrize("level", ["easy", "hard"])
 @pytest.mark.parametrize("mode", REGISTERED, ids=lambda m: m.value)
-@torch.no_grad()
 def test_rows_equal_separate_streams(mode, level):
+    rows_equal_separate_streams(mode, level)
+
+
+def test_rows_with_chunk_mass_equal_separate_streams():
+    """The row seam hands each row's chunk score bias (``chunk_mass``) to its own attention."""
+    rows_equal_separate_streams(KVMode.CHUNKED, "hard", chunk_mass=True)
+
+
+@torch.no_grad()
+def rows_equal_separate_streams(mode, level, **overrides):
     model = tiny_model()
     x, bounds = episode(4, batch=2, seed=1)
-    alone = [build(mode, level, model) for _ in range(2)]
-    rows = [build(mode, level, model) for _ in range(2)]
+    alone = [build(mode, level, model, **overrides) for _ in range(2)]
+    rows = [build(mode, level, model, **overrides) for _ in range(2)]
+    assert all(r.row_batching for r in rows if isinstance(r, ChunkedGatedCache))
     # row 1 runs one extra step first, alone: from then on the two rows hold different lengths
     extra = torch.randn(1, bounds[1], x.shape[2], generator=torch.Generator().manual_seed(7))
     model(inputs_embeds=x[1:, : bounds[0]], cache=alone[1], pin=True)

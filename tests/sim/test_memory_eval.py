@@ -106,7 +106,7 @@ def test_eval_tiny_openvla_with_a_window_matched_to_a_chunked_budget(tmp_path, c
     # W' = M + W + C - 1 - n_sink = 8 + 40 + 16 - 1 - 4
     assert "sink_window: window 59 tokens holds the KV bytes of chunked (window 40, chunk 16, 8 chunks" in capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
-    assert report["kv"] == {"mode": "sink_window", "window": 59, "max_chunks": None, "matched_chunks": 8}
+    assert report["kv"] == {"mode": "sink_window", "window": 59, "max_chunks": None, "chunk_mass": None, "matched_chunks": 8}
     (episode,) = report["episodes"]
     assert episode["steps"] == 4 and episode["error"] is None and episode["kv_final"]["tokens_raw"] > 0
 

@@ -166,19 +166,23 @@ def _matchable(kv: KVConfig) -> bool:
 
 
 def _report_keys(kv: KVConfig) -> dict:
-    """``mode``, ``window`` and ``max_chunks`` of the report (``None`` where the cache has no such parameter)."""
+    """``mode``, ``window``, ``max_chunks`` and ``chunk_mass`` of the report (``None`` where the cache has no such
+    parameter)."""
     keys = kv.to_dict()
-    return {"mode": keys["mode"], "window": keys.get("window"), "max_chunks": keys.get("max_chunks")}
+    return {"mode": keys["mode"], "window": keys.get("window"), "max_chunks": keys.get("max_chunks"),
+            "chunk_mass": keys.get("chunk_mass")}  # fmt: skip
 
 
 def kv_label(kv: KVConfig) -> str:
-    """Short description of a cache for titles: ``kv=chunked W48 M32``."""
+    """Short description of a cache for titles: ``kv=chunked W48 M32`` (``+mass`` with ``chunk_mass``)."""
     keys = _report_keys(kv)
     parts = [f"kv={keys['mode']}"]
     if keys["window"] is not None:
         parts.append(f"W{keys['window']}")
     if keys["max_chunks"] is not None:
         parts.append(f"M{keys['max_chunks']}")
+    if keys["chunk_mass"]:
+        parts.append("+mass")
     return " ".join(parts)
 
 

@@ -19,14 +19,21 @@ def grouped(q: torch.Tensor, k: torch.Tensor) -> bool:
     return True
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past: int) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past: int, key_bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Attention where the last ``T`` keys are the queries' own tokens (causal among them).
 
     q: [B, Hq, T, D] rotated; k, v: [B, Hkv, past + T, D] (k rotated). Returns [B, Hq, T, D].
-    Query i sees keys ``0 .. past + i``.
+    Query i sees keys ``0 .. past + i``. ``key_bias``: [past + T] added to every query's score of each key.
     """
     t = q.shape[2]
     gqa = grouped(q, k)
+    if key_bias is not None:
+        q_idx = torch.arange(t, device=q.device)[:, None] + past  # [T, 1]
+        k_idx = torch.arange(k.shape[2], device=q.device)[None, :]  # [1, S]
+        bias = key_bias.to(q.dtype)[None, :].masked_fill(k_idx > q_idx, float("-inf"))  # [T, S]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)
     if t == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     if past == 0:
@@ -37,13 +44,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, past:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=k_idx <= q_idx, enable_gqa=gqa)
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Attention where every query sees every key: held keys and the queries' own block both ways.
 
     q: [B, Hq, T, D] rotated; k, v: [B, Hkv, S, D] (k rotated; the last T are the queries' own tokens).
     Returns [B, Hq, T, D]. What a cache's ``bidirectional_block`` forward uses instead of ``causal_attention``.
+    ``key_bias``: [S] added to every query's score of each key, or ``None``.
     """
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=grouped(q, k))
+    mask = None if key_bias is None else key_bias.to(q.dtype)[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped(q, k))
 
 
 def masked_attention(

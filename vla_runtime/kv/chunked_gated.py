@@ -31,6 +31,7 @@ the exact state. The training form that reproduces this cache in one forward is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -57,12 +58,18 @@ class ChunkedGatedParams(DecoupledParams):
             ``None`` = every slot the raw area does not need (``resolve``).
         aggregator_hidden: hidden size of the per-layer 2-layer MLP aggregator (``ChunkGate``).
         gate_hidden: hidden size of the per-layer LSTM retention gate (``ChunkGate``).
+        chunk_mass: add ``log(chunk)`` to every query's score of a chunk key (proportional attention, as token
+            merging weighs a merged token by its size), so the one key/value pair of a chunk takes the attention its
+            C tokens would if their keys were equal (``ln C + q.k_mean <= ln sum_c exp(q.k_c)``, by Jensen). Without
+            it a retained chunk weighs 1/C of its tokens against the raw ones. A property of how a policy was
+            trained to read its chunks: ``kv_config.json`` records it and ``saved_gate_geometry`` returns it.
     """
 
     chunk: int = 16
     max_chunks: int | None = None
     aggregator_hidden: int = 64
     gate_hidden: int = 32
+    chunk_mass: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -89,6 +96,11 @@ class ChunkedGatedParams(DecoupledParams):
             return p
         # 0 when the window fills the store (no chunk can form before it is full)
         return replace(p, max_chunks=max(0, p.capacity - RAW_AREA_WINDOWS * (p.window + p.chunk)))
+
+    @property
+    def chunk_score_bias(self) -> float:
+        """What ``chunk_mass`` adds to the score of a chunk key: ``log(chunk)``, or 0."""
+        return math.log(self.chunk) if self.chunk_mass else 0.0
 
     def gate_config(self, geometry: CacheGeometry) -> ChunkGateConfig:
         """The ``ChunkGate`` geometry this cache needs (its owner, the policy, builds or loads it)."""
@@ -137,7 +149,7 @@ class ChunkedGatedCache(SlotCache):
         )
         self._scratch = torch.tensor(p.capacity, device=device)
         self._layers = torch.arange(geometry.n_layers, device=device)
-        self.backend = select_backend(p.backend, geometry, device=device, dtype=dtype)
+        self.backend = select_backend(self._backend_name(p), geometry, device=device, dtype=dtype)
         self.view = RotatedView(self.store) if self.backend.kernel is None else None
         n, m = geometry.n_layers, p.max_chunks
         self.chunk_valid = torch.zeros(n, m, dtype=torch.bool, device=device)
@@ -146,6 +158,16 @@ class ChunkedGatedCache(SlotCache):
         self.gate_dropped = torch.zeros(n, dtype=torch.long, device=device)
         self.budget_dropped = torch.zeros(n, dtype=torch.long, device=device)
         self.reset()
+
+    @staticmethod
+    def _backend_name(p: ChunkedGatedParams) -> str:
+        """``chunk_mass`` runs on the torch path: the Triton kernel takes no per-key score bias."""
+        if not p.chunk_mass or p.backend == "torch":
+            return p.backend
+        if p.backend == "triton":
+            raise ValueError("`chunk_mass` needs the torch attention backend (the Triton kernel has no per-key "
+                             "score bias); set backend 'torch' or 'auto'")
+        return "torch"
 
     def reset(self) -> None:
         """Forget the episode (tokens, chunks, LSTM state); the gate's weights are untouched."""
@@ -184,7 +206,7 @@ class ChunkedGatedCache(SlotCache):
         if self._pinned_slots.numel() != s.n_pinned:
             self._pinned_slots = torch.arange(s.n_pinned, device=s.device)
         pinned = self._pinned_slots
-        self._slots, self._n_keys = [], []
+        self._slots, self._n_keys, self._key_bias = [], [], []
         for layer_chunks in chunks:
             n = s.n_pinned + layer_chunks.numel() + s.n_raw + t
             if contiguous and layer_chunks.numel() == 0:
@@ -192,6 +214,16 @@ class ChunkedGatedCache(SlotCache):
             else:
                 self._slots.append(torch.cat((pinned, layer_chunks, self._plan.raw)))
             self._n_keys.append(n)
+            self._key_bias.append(self._chunk_bias(layer_chunks.numel(), n))
+
+    def _chunk_bias(self, n_chunks: int, n_keys: int) -> torch.Tensor | None:
+        """[n_keys] score bias of one layer's keys in attention order: ``chunk_score_bias`` on its ``n_chunks``
+        chunk keys, 0 elsewhere; ``None`` without ``chunk_mass`` or chunks."""
+        if not self.params.chunk_mass or n_chunks == 0:
+            return None
+        bias = torch.zeros(n_keys, dtype=self.store.k.dtype, device=self.store.device)
+        bias[self.store.n_pinned : self.store.n_pinned + n_chunks] = self.params.chunk_score_bias
+        return bias
 
     def plan_forward(self, t: int) -> None:
         if self._plan is None:
@@ -206,7 +238,7 @@ class ChunkedGatedCache(SlotCache):
         self.store.write(layer, self._plan, k_raw, v)
         return attend_slots(
             self.store, self.backend, self.view, layer, q, k_raw, v, self._slots[layer], self._n_keys[layer],
-            causal=not self.bidirectional,
+            causal=not self.bidirectional, key_bias=self._key_bias[layer],
         )
 
     # ---- RowSeam: a forward over several sessions' caches rotates once for all rows (``RowsCache``) -----
@@ -226,7 +258,7 @@ class ChunkedGatedCache(SlotCache):
 
     def row_attend(self, layer: int, q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.view.attend_rotated(self.store, layer, q_rot, k_rot, v, self._slots[layer], self._n_keys[layer],
-                                        causal=not self.bidirectional)  # fmt: skip
+                                        causal=not self.bidirectional, key_bias=self._key_bias[layer])  # fmt: skip
 
     def row_commit(self, k_raw: torch.Tensor, v: torch.Tensor) -> None:
         self.store.write_layers(self._plan, k_raw, v)

@@ -32,7 +32,8 @@ of ``BudgetMode.SOFT`` (``budget.py``; the default ``BudgetMode.HARD`` masks evi
 streaming would hold keep their hard positions; any other shown chunk is placed half-way between its
 visible neighbours (``P + #visible-before - 0.5``), so visible chunks and raw tokens sit where inference
 puts them and, as the temperature falls, the soft form converges to the hard one. ``soft=False`` gives
-hard gates (no bias, dropped and evicted chunks invisible): equal to streaming (tests hold this at atol 1e-4).
+hard gates (no gate bias, dropped and evicted chunks invisible): equal to streaming (tests hold this at atol 1e-4).
+With ``ChunkedGatedParams.chunk_mass`` every chunk key's score also gets ``log C`` in both forms, as streaming adds it.
 
 A batch of B windows must share the schedule (same boundaries and ``pinned_len``); decisions are per
 row (the streaming cache shares one decision across its batch rows, so compare them with B = 1).
@@ -261,6 +262,9 @@ class ParallelChunkedAttention:
             visible = shown = torch.zeros(b, len(formed), 0, dtype=torch.bool, device=k_raw.device)
             bias = None
         self.layers[layer] = dict(keep_prob=log_g.exp(), scores=scores, kept=kept, retained=retained)
+        if self.params.chunk_mass:  # every chunk key's score + log C, as streaming adds it
+            mass = self.params.chunk_score_bias
+            bias = shown.new_full(shown.shape, mass, dtype=torch.float32) if bias is None else bias + mass
         return k_rep, v_rep, visible, shown, bias
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

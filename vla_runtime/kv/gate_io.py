@@ -38,16 +38,18 @@ def has_gate(directory: str | Path) -> bool:
     return (directory / GATE_WEIGHTS).is_file() and (directory / GATE_CONFIG).is_file()
 
 
-def saved_gate_geometry(directory: str | Path) -> dict[str, int]:
-    """The chunked cache's geometry a saved gate needs (``chunk``, ``aggregator_hidden``, ``gate_hidden``), read
-    from ``kv_config.json`` without loading weights; ``{}`` when ``directory`` holds no readable gate (loading
-    then reports what is wrong)."""
+def saved_gate_geometry(directory: str | Path) -> dict[str, int | bool]:
+    """The chunked cache's geometry a saved gate needs (``chunk``, ``aggregator_hidden``, ``gate_hidden``) and how
+    the policy was trained to read its chunks (``chunk_mass``, ``False`` in configs written before it existed),
+    read from ``kv_config.json`` without loading weights; ``{}`` when ``directory`` holds no readable gate
+    (loading then reports what is wrong)."""
     if not has_gate(directory):
         return {}
     try:
-        gate = json.loads((Path(directory) / GATE_CONFIG).read_text())["gate"]
-        return {k: int(gate[k]) for k in ("chunk", "aggregator_hidden", "gate_hidden")}
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        meta = json.loads((Path(directory) / GATE_CONFIG).read_text())
+        geometry = {k: int(meta["gate"][k]) for k in ("chunk", "aggregator_hidden", "gate_hidden")}
+        return geometry | {"chunk_mass": bool(meta["kv"].get("chunk_mass", False))}
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
         return {}
 
 

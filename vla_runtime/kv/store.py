@@ -230,18 +230,21 @@ class RotatedView:
         self.n = list(n_keys)
 
     def attend(self, store: SlotStore, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True) -> torch.Tensor:  # fmt: skip
+               slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True,
+               key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """See ``attend_slots``; ``k_new, v_new``: [B, Hkv, T, D] the new tokens (k pre-RoPE)."""
         held = n_keys - q.shape[2]
         cos, sin = store.rope.get(n_keys)
         q, k_rot = apply_rope(q, cos[held:], sin[held:]), apply_rope(k_new, cos[held:], sin[held:])
-        return self.attend_rotated(store, layer, q, k_rot, v_new, slots, n_keys, causal=causal)
+        return self.attend_rotated(store, layer, q, k_rot, v_new, slots, n_keys, causal=causal, key_bias=key_bias)
 
     def attend_rotated(self, store: SlotStore, layer: int, q: torch.Tensor, k_rot: torch.Tensor, v_new: torch.Tensor,
-                       slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True) -> torch.Tensor:  # fmt: skip
+                       slots: torch.Tensor | slice, n_keys: int, *, causal: bool = True,
+                       key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """``attend`` with the new queries and keys already rotated at ``n_keys-T .. n_keys-1`` (``RowsCache``
         rotates every row's at once): q [B, Hq, T, D]; k_rot, v_new [B, Hkv, T, D]. Returns [B, Hq, T, D]. The view
-        is ``sync``-ed, then gets the new tokens appended."""
+        is ``sync``-ed, then gets the new tokens appended. ``key_bias``: [n_keys] added to every query's score of
+        each key (``ChunkedGatedParams.chunk_mass``), or ``None``."""
         held = n_keys - q.shape[2]
         self.sync(store, layer, slots, n_keys, held)
         vk, vv = layer_buffers(self, layer)  # [B, Hkv, S, D]
@@ -249,8 +252,8 @@ class RotatedView:
         vk.index_copy_(2, new, k_rot)
         vv.index_copy_(2, new, v_new)
         if not causal:
-            return block_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys])
-        return causal_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], past=held)
+            return block_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], key_bias=key_bias)
+        return causal_attention(q, vk[:, :, :n_keys], vv[:, :, :n_keys], past=held, key_bias=key_bias)
 
 
 def static_addresses(*buffers: torch.Tensor) -> None:
@@ -292,6 +295,7 @@ def attend_slots(
     n_keys: int,
     *,
     causal: bool = True,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the new queries over ``n_keys`` slots of ``layer`` listed in attention order.
 
@@ -301,9 +305,12 @@ def attend_slots(
     The Triton kernel reads the store directly; the torch path goes through ``view``. Returns [B, Hq, T, D].
     ``causal=False``: the new queries see each other both ways (a ``bidirectional_block`` forward); the
     causal-only kernel is then bypassed by gathering and rotating the keys (``gathered_block_attention``).
+    ``key_bias``: [n_keys] score bias per key (torch path only: ``ValueError`` with the kernel), or ``None``.
     """
     if backend.kernel is None:
-        return view.attend(store, layer, q, k_new, v_new, slots, n_keys, causal=causal)
+        return view.attend(store, layer, q, k_new, v_new, slots, n_keys, causal=causal, key_bias=key_bias)
+    if key_bias is not None:
+        raise ValueError("a per-key score bias runs on the torch attention path; the Triton kernel takes none")
     t = q.shape[2]
     idx = torch.arange(n_keys, device=q.device) if isinstance(slots, slice) else slots
     if not causal:
