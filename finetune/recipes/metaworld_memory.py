@@ -19,7 +19,8 @@ wall times in ``OUT/recipe.json``):
    trained through them; with ``--widen-chunks N`` that model is fine-tuned once more under a budget of N chunks
    (``model-history-f2c<N>``), which evaluates at N; ``--cue-rounds K`` fine-tunes that K more times with the
    cue-count loss (``--cue-weight``: a probe regresses how many presses / cue frames came so far;
-   ``model-history-f2c<N>-cue<k>``), the last of which evaluates.
+   ``model-history-f2c<N>-cue<k>``) and ``--mass-rounds K`` K more times with chunk keys weighted by their tokens
+   (``--chunk-mass``; ``model-history-f2c<N>-mass<k>``, the shipped policy at K = 2), the last of which evaluates.
 4. ``vla-runtime eval`` on held-out seeds: (b) single; (a) with the full cache; (a) with a sliding window
    (``sink_window``) holding the KV bytes of the chunked cache at its budget (``--kv-match-chunks``);
    (a) with the chunked cache (``--retention-plots``: what the gate kept, per episode); with ``--full-model`` the
@@ -47,7 +48,8 @@ from .metaworld_demo import add_common_args, eval_args, llm_geometry, run_stage,
 # the evaluated conditions, in table order (``eval_flags`` says what each runs)
 CONDITIONS = ("single", "history-full", "history-window", "history-chunked")
 WIDEN_STEPS = 293  # --widen-steps' default: the shipped 128-chunk fine-tune's step count
-CUE_STEPS = 264  # --cue-steps' default: the shipped cue-loss rounds' step count
+CUE_STEPS = 264  # --cue-steps' default: the cue-loss rounds' step count
+MASS_STEPS = 264  # --mass-steps' default: the shipped chunk-mass rounds' step count
 CHUNK = 16  # chunk size (KVConfig's default); `vla-runtime eval --kv chunked` takes it from the trained gate
 
 
@@ -124,10 +126,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--widen-steps", type=int, default=WIDEN_STEPS,
                    help=f"--widen-chunks: its fine-tune steps (default {WIDEN_STEPS}, the shipped run's)")
     p.add_argument("--cue-rounds", type=int, default=0, metavar="K",
-                   help="--widen-chunks: K more rounds of that fine-tune with the cue-count loss (model-history-f2c<N>-cue<k>, "
-                        "what the shipped policy is at K=2); 0 = none (default)")
+                   help="--widen-chunks: K more rounds of that fine-tune with the cue-count loss (model-history-f2c<N>-cue<k>); "
+                        "0 = none (default)")
     p.add_argument("--cue-weight", type=float, default=1.0, help="--cue-rounds: weight of the cue-count loss (default 1)")
     p.add_argument("--cue-steps", type=int, default=CUE_STEPS, help=f"--cue-rounds: steps per round (default {CUE_STEPS})")
+    p.add_argument("--mass-rounds", type=int, default=0, metavar="K",
+                   help="--widen-chunks: K more rounds of that fine-tune (after any --cue-rounds) with chunk keys weighted by "
+                        "their tokens (--chunk-mass; model-history-f2c<N>-mass<k>, the shipped policy at K=2); 0 = none (default)")
+    p.add_argument("--mass-steps", type=int, default=MASS_STEPS, help=f"--mass-rounds: steps per round (default {MASS_STEPS})")
     p.add_argument("--batch-size", type=int, default=4, help="whole episodes per step (default 4)")
     p.add_argument("--single-batch-size", type=int, default=64, help="single-frame samples per step (default 64)")
     p.add_argument("--eval-episodes", type=int, default=30, help="evaluation episodes per task and condition; 0 = skip")
@@ -139,8 +145,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--widen-chunks continues --from-full's model-history-f2c: give --from-full too")
     if args.widen_chunks < 0 or (args.widen_chunks and args.widen_chunks <= args.max_chunks):
         p.error(f"--widen-chunks must exceed --max-chunks ({args.max_chunks}), got {args.widen_chunks}")
-    if args.cue_rounds and not args.widen_chunks:
-        p.error("--cue-rounds continues --widen-chunks's model: give --from-full --widen-chunks N too")
+    if (args.cue_rounds or args.mass_rounds) and not args.widen_chunks:
+        p.error("--cue-rounds and --mass-rounds continue --widen-chunks's model: give --from-full --widen-chunks N too")
     return args
 
 
@@ -256,13 +262,15 @@ def from_full(args: argparse.Namespace, cli: list[str], common: list[str], chunk
 
     if args.cue_rounds and "episode_cue_steps" not in LeRobotDataset(args.out / "data").extra.get("per_episode", {}):
         record_cue_steps(args.out / "data")  # a dataset collected before collect recorded them
-    for k in range(1, args.cue_rounds + 1):
-        start, wide = wide, args.out / f"model-history-f2c{args.widen_chunks}-cue{k}"
+    rounds = [(f"cue{k}", args.cue_steps, ["--cue-weight", str(args.cue_weight)]) for k in range(1, args.cue_rounds + 1)]
+    rounds += [(f"mass{k}", args.mass_steps, ["--chunk-mass"]) for k in range(1, args.mass_rounds + 1)]
+    for i, (name, steps, extra) in enumerate(rounds, 1):
+        start, wide = wide, args.out / f"model-history-f2c{args.widen_chunks}-{name}"
         if not (wide / "model.safetensors").is_file():
             argv = [*common, "--from-scratch", "--checkpoint", str(start), *chunked, "--max-chunks", str(args.widen_chunks),
-                    "--max-steps", str(args.cue_steps), "--lr", str(args.f2c_lr), "--gate-lr", str(args.f2c_gate_lr),
-                    "--warmup-steps", "10", "--cue-weight", str(args.cue_weight), "--seed", str(args.seed + 2 + k), "--out", str(wide)]  # fmt: skip
-            run_stage(f"train-history-f2c{args.widen_chunks}-cue{k}", cli + argv, log)
+                    "--max-steps", str(steps), "--lr", str(args.f2c_lr), "--gate-lr", str(args.f2c_gate_lr),
+                    "--warmup-steps", "10", *extra, "--seed", str(args.seed + 2 + i), "--out", str(wide)]  # fmt: skip
+            run_stage(f"train-history-f2c{args.widen_chunks}-{name}", cli + argv, log)
     return wide
 
 

@@ -46,20 +46,22 @@ def test_memory_recipe_trains_every_policy_and_evaluates_every_condition(tmp_pat
 
 
 def test_memory_recipe_from_full_fits_a_gate_then_fine_tunes_through_the_chunked_cache(tmp_path):
-    """``--from-full --widen-chunks --cue-rounds``: the shipped policy's stages (full cache, gate fitted frozen, every
-    weight through the chunked cache, then again under a wider budget, then with the cue-count loss); the window and
-    chunked conditions evaluate the last one at the wider budget, the full condition the first."""
+    """``--from-full --widen-chunks --cue-rounds --mass-rounds``: the shipped policy's stages (full cache, gate fitted
+    frozen, every weight through the chunked cache, then again under a wider budget, then with the cue-count loss,
+    then with chunk keys weighted by their tokens); the window and chunked conditions evaluate the last one at the
+    wider budget, the full condition the first."""
     argv = [sys.executable, "-m", "vla_finetune.recipes.metaworld_memory", "--out", str(tmp_path), "--tasks", "reach-v3",
             "--episodes", "1", "--resolution", "28", "--llm-dim", "64", "--llm-layers", "1", "--max-steps", "2",
             "--batch-size", "1", "--single-batch-size", "4", "--threads", "1", "--max-chunks", "2", "--context", "observations",
             "--from-full", "--gate-steps", "2", "--f2c-steps", "2", "--f2c-lr", "3e-4", "--goal-weight", "0.5",
             "--widen-chunks", "3", "--widen-steps", "2", "--cue-rounds", "1", "--cue-steps", "2",
+            "--mass-rounds", "1", "--mass-steps", "2",
             "--eval-episodes", "1", "--eval-max-steps", "3", "--eval-workers", "1"]  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     stages = [s["stage"] for s in json.loads((tmp_path / "recipe.json").read_text())["stages"]]
     assert stages == ["collect", "train-single", "train-history-full", "gates-history-full", "train-history-f2c",
-                      "train-history-f2c3", "train-history-f2c3-cue1", "eval-single", "eval-history-full", "eval-history-window", "eval-history-chunked"]  # fmt: skip
+                      "train-history-f2c3", "train-history-f2c3-cue1", "train-history-f2c3-mass1", "eval-single", "eval-history-full", "eval-history-window", "eval-history-chunked"]  # fmt: skip
     gates = (tmp_path / "gates-history-full" / "finetune_config.yaml").read_text()
     assert "trainable: gates" in gates and "max_chunks: 2" in gates and "goal_weight: 0.0" in gates
     gated = tmp_path / "model-history-full-gated"
@@ -78,6 +80,10 @@ def test_memory_recipe_from_full_fits_a_gate_then_fine_tunes_through_the_chunked
     cue = (tmp_path / "model-history-f2c3-cue1" / "finetune_config.yaml").read_text()
     assert f"checkpoint: {tmp_path / 'model-history-f2c3'}" in cue and "max_chunks: 3" in cue and "cue_weight: 1.0" in cue
     assert "cue_weight: 0.0" in wide  # the cue-count loss only in the --cue-rounds
-    assert checkpoints["history-chunked"] == checkpoints["history-window"] == str(tmp_path / "model-history-f2c3-cue1")
+    mass = (tmp_path / "model-history-f2c3-mass1" / "finetune_config.yaml").read_text()
+    assert f"checkpoint: {tmp_path / 'model-history-f2c3-cue1'}" in mass and "chunk_mass: true" in mass and "cue_weight: 0.0" in mass
+    assert "chunk_mass: false" in cue
+    assert checkpoints["history-chunked"] == checkpoints["history-window"] == str(tmp_path / "model-history-f2c3-mass1")
     kv = {c: json.loads((tmp_path / f"eval-{c}" / "report.json").read_text())["kv"] for c in ("history-window", "history-chunked")}
     assert kv["history-chunked"]["max_chunks"] == kv["history-window"]["matched_chunks"] == 3  # evaluated at the wider budget
+    assert kv["history-chunked"]["chunk_mass"] is True  # read back from the last round's kv_config.json
