@@ -12,12 +12,29 @@ from shipped import assert_shipped_checkpoint
 pytestmark = pytest.mark.sim
 
 MEMORY = Path(__file__).resolve().parents[2] / "assets" / "mw-memory-openvla"
+ROS_CONFIG = Path(__file__).resolve().parents[2] / "ros2_ws" / "src" / "vla_runtime_ros" / "config"
 MEMORY_TASKS = ("memory-reference", "memory-counting", "memory-order")
 
 
 def test_shipped_memory_policy_is_small_complete_and_carded():
     assert_shipped_checkpoint(MEMORY, MEMORY_TASKS, extra=("gates.safetensors", "kv_config.json", "session_config.json"))
-    assert json.loads((MEMORY / "kv_config.json").read_text())["kv"]["max_chunks"] == 128  # the budget it was trained under
+    kv = json.loads((MEMORY / "kv_config.json").read_text())["kv"]
+    assert kv["max_chunks"] == 128 and kv["chunk_mass"] is True  # the budget and chunk weighting it was trained under
+
+
+def test_ros_parameters_of_the_memory_policy_match_its_session():
+    """The policy node runs the session its parameters give, not the checkpoint's file: the shipped parameter file
+    must hold the checkpoint's cache and history."""
+    import yaml
+
+    ros = ROS_CONFIG / "openvla_memory.yaml"
+    params = yaml.safe_load(ros.read_text())["/**"]["ros__parameters"]
+    session = json.loads((MEMORY / "session_config.json").read_text())
+    assert params["history"] == session["history"]
+    for key, value in params["kv"].items():
+        assert session["kv"][key] == value, f"{ros}: kv.{key} is {value!r}, the checkpoint's session has {session['kv'][key]!r}"
+    trained = {k: v for k, v in session["kv"].items() if v is not None and k not in ("backend", "aggregator_hidden", "gate_hidden")}
+    assert trained.keys() <= params["kv"].keys(), f"{ros} leaves out {sorted(trained.keys() - params['kv'].keys())}"
 
 
 def test_shipped_memory_policy_acts_in_range_and_holds_its_budget():
