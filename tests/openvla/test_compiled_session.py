@@ -58,15 +58,17 @@ def test_compile_guards_keeps_every_guard_after_the_warm_up(policy, frame):
     np.testing.assert_array_equal(compiled.last_tokens, eager.last_tokens)
 
 
-@pytest.mark.parametrize("kv", ["full", "chunked"])
+@pytest.mark.parametrize("kv", ["full", "chunked", "chunked-mass"])
 def test_a_planned_decode_forward_is_one_graph_and_equals_eager(policy, frame, kv):
     """Capturability without inductor (``backend="eager"``, quick): after the cache has planned the forward, the
     layer pass of a one-token decode traces with ``fullgraph=True`` (a graph break raises) in an episode that
-    already pinned its prompt and compressed chunks, and the captured graph computes eager's numbers exactly."""
-    session = policy.new_session(INSTRUCTION, SessionConfig(kv=KVConfig(mode=kv), history="history"))
+    already pinned its prompt and compressed chunks, and the captured graph computes eager's numbers exactly
+    (``chunked-mass``: with ``chunk_mass``'s per-key score bias)."""
+    cfg = KVConfig.from_dict({"mode": "chunked", "chunk_mass": True}) if kv == "chunked-mass" else KVConfig(mode=kv)
+    session = policy.new_session(INSTRUCTION, SessionConfig(kv=cfg, history="history"))
     for i in range(3):
         session.step(Observation(images={"primary": frame(i)}))
-    if kv == "chunked":
+    if kv.startswith("chunked"):
         assert session.cache.stats().chunks_retained > 0
     decoder, cache = policy.vlm.language_model.model, session.cache
     captured = torch.compile(decoder.layers_forward, fullgraph=True, backend="eager", dynamic=True)
