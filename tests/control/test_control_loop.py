@@ -349,6 +349,18 @@ def test_ticks_move_earlier_to_meet_the_cameras_frames():
     assert out.tick == 4 and loop.grid.t0 == pytest.approx(-0.025) and loop.stats.phase_shifts == 1
 
 
+def test_a_step_in_flight_during_a_phase_move_is_late_by_the_moved_tick():
+    loop = make(align_window=1, frame_guard_ms=5.0, margin_ms=0.0)
+    loop.timer.add(0.02)
+    loop.on_tick(0.0, due=0.0)
+    loop.on_result(np.array([[0.0]]), frame_time=0.05, step_s=0.02, now=0.1, started=0.08)
+    loop.on_tick(0.1, due=0.1)
+    loop.started(loop.plan(0.1))  # tick 2's step, planned on the old grid (tick 2 at 0.2)
+    assert loop.phase_shift() == pytest.approx(0.025)  # tick 2 is due at 0.175 now
+    loop.on_result(np.array([[2.0]]), frame_time=0.17, step_s=0.02, now=0.19, started=0.17)
+    assert loop.stats.steps_late == 1  # landed after the moved tick (it would be on time for the old one)
+
+
 def test_no_phase_move_while_some_step_waits_for_its_frame_or_off():
     loop = make(align_window=3)
     ages = [0.030, 0.001, 0.030]  # one step had to wait for a frame: it arrived just as the step started

@@ -6,9 +6,10 @@ from .broker import ChunkBroker, Missed, blend
 from .config import Blend, ControlConfig, Fallback, PublishMode, Schedule
 from .loop import ControlLoop, ControlStats, Plan, Source, TickOutput
 from .remote import RemotePolicyLoop
+from .ticker import DeadlineTicker
 from .timing import StepTimer, TickGrid
 
 __all__ = [
-    "Blend", "ChunkBroker", "ControlConfig", "ControlLoop", "ControlStats", "Fallback", "Missed", "Plan", "PublishMode",
+    "Blend", "ChunkBroker", "ControlConfig", "ControlLoop", "ControlStats", "DeadlineTicker", "Fallback", "Missed", "Plan", "PublishMode",
     "RemotePolicyLoop", "Schedule", "Source", "StepTimer", "TickGrid", "TickOutput", "blend",
 ]

@@ -246,11 +246,13 @@ class ControlLoop:
     def phase_shift(self) -> float:
         """Seconds by which the driver moves its ticks earlier, from the tick after the next one on (0: none).
 
-        Called after ``on_tick``. With ``align_to_frames``, once ``align_window`` steps have started since the
+        Called after ``on_tick``, before the next step is planned. With ``align_to_frames``, once ``align_window`` steps have started since the
         last move: the ``align_quantile`` of the ages their frames had when they started, less ``frame_guard_ms``,
         is how much earlier all but that share of them could have started on the same frame; the phase moves
         by that much (at most half a period), so the next steps take frames about ``frame_guard_ms`` old. The
-        rate is unchanged; the driver shortens one interval (the node: one timer period). Where frames and ticks
+        rate is unchanged; one interval is shorter (a driver that waits on ``grid``, as the ROS node's control
+        thread does, follows at once; one whose next callback is scheduled already runs it at the old time, still
+        nearest to its tick, and shortens the interval after it). Where frames and ticks
         are not locked (a camera slower than the control rate, rates that are not multiples) steps keep waiting
         for fresh frames (age ~0) and nothing moves.
         """
@@ -263,9 +265,10 @@ class ControlLoop:
         self._ages.clear()
         if shift < max(cfg.frame_guard_ms / 1e3, 1e-3):  # already aligned (or frames come late)
             return 0.0
-        # the grid moves now: plans from here on are for the new phase. The next tick's callback is already
-        # scheduled at the old time (later by `shift`, still nearest to its own tick) and its step is planned.
+        # the grid moves now: plans from here on are for the new phase, and a step in flight is late or not by it
         self.grid.t0 -= shift
+        if self._planned is not None:
+            self._planned = (self._planned[0], self.grid.time(self._planned[0]))
         self.stats.phase_shifts += 1
         return shift
 

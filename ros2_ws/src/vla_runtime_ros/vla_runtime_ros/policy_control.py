@@ -1,9 +1,10 @@
 """The control half of ``PolicyNode``: episodes, control ticks, worker steps, publishing.
 
 ``PolicyControl`` is a mixin of ``PolicyNode`` (``policy_node.py`` holds the lifecycle, the
-subscriptions and /diagnostics); it reads the node's state under the node's lock. The control timer
-and the frame guard run these methods in the node's default callback group, so they never overlap
-each other or a lifecycle transition; ``_start_episode`` and ``_step`` run on the one-thread worker.
+subscriptions and /diagnostics); it reads the node's state under the node's lock. The control thread
+(``DeadlineTicker``) runs the ticks and the wakes between them, so they never overlap each other, and
+activate starts it and deactivate joins it, so they never overlap a lifecycle transition;
+``_start_episode`` and ``_step`` run on the one-thread worker.
 
 A tick publishes its action (queued; the step planned for it, if it overran the tick by less than
 ``late_grace_ms``: the tick waits for it; else the fallback) and asks the ``ControlLoop`` when the next step
@@ -72,17 +73,15 @@ class PolicyControl:
         return request
 
     # ------------------------------------------------------------------ ticks
-    def _on_control_tick(self) -> None:
-        """Publish this tick's action (queued, or the fallback) and plan the next step (``ControlLoop``)."""
+    def _on_control_tick(self, due: float) -> None:
+        """The tick due at ``due`` (monotonic s): publish its action (queued, or the fallback) and plan the next
+        step (``ControlLoop``)."""
         try:
-            self._control_tick()
+            self._control_tick(due)
         finally:
             self._sync_view()
 
-    def _control_tick(self) -> None:
-        due = self._tick_due()
-        if self._period_restore is not None:  # the one shortened interval of a phase move has begun
-            self._control_timer.timer_period_ns, self._period_restore = self._period_restore, None
+    def _control_tick(self, due: float) -> None:
         now = time.monotonic()
         self._collect()
         with self._lock:
@@ -125,11 +124,8 @@ class PolicyControl:
         out = self._loop.on_tick(now, due=due)
         if out.action is not None:
             self._publish(out.action, received=self._latency_of(out.tick))
+        self._loop.phase_shift()  # first: the next step is planned, and the next tick waited for, on the moved grid
         self._submit_step()
-        shift = self._loop.phase_shift()
-        if shift > 0:  # the next callback is scheduled already; the interval after it is shorter by `shift`
-            self._period_restore = self._control_timer.timer_period_ns
-            self._control_timer.timer_period_ns = self._period_restore - round(shift * 1e9)
 
     def _sync_view(self, *, collected: bool = False) -> None:
         """Copy the loop's state for diagnostics, which run on another thread (the loop is not thread-safe and
@@ -140,20 +136,9 @@ class PolicyControl:
             if collected:
                 self._busy = False
 
-    def _tick_due(self) -> float:
-        """When this timer callback was due (monotonic seconds).
-
-        rcl moves a timer's next call on by a period as it takes a callback, so a callback up to a period
-        late still names its own tick; one more than a period late names the latest tick due (rcl skips
-        the ones in between). Labelled by its start time instead, a late callback took the next tick's place.
-        """
-        now, until = time.monotonic(), self._control_timer.time_until_next_call()
-        # the period rcl added when it took this callback (shorter once while the phase moves)
-        return now if until is None else now + (until - self._control_timer.timer_period_ns) * 1e-9
-
     def _on_frame_ready(self) -> None:
         """A frame or a joint state arrived, or a worker job ended: collect it and start a step if one is due."""
-        if self._control_timer is not None:
+        if self._loop is not None:
             self._collect()
             self._submit_step()
             self._sync_view()
@@ -174,16 +159,17 @@ class PolicyControl:
         return self._inputs.usable_frame(now)
 
     def _submit_step(self) -> None:
-        """Hand the worker the next step ``ControlLoop.plan`` asks for, once its start is less than a period away.
+        """Hand the worker the next step ``ControlLoop.plan`` asks for, once it starts before the next tick.
 
         The job waits for its start time and takes the newest frame then. A step due now needs a frame now;
-        otherwise a frame's arrival calls this again.
+        otherwise a frame's arrival calls this again. A step that starts after the next tick is planned at that
+        tick, on the grid and step times of that moment (a phase move there must not find it waiting).
         """
         if self._future is not None or not self._ready or self._loop is None:
             return
         now = time.monotonic()
         plan = self._loop.plan(now)
-        if plan is None or plan.start_at > now + self._loop.cfg.period:
+        if plan is None or plan.start_at > max(now, self._loop.grid.time(self._loop.served + 1)):
             return
         with self._lock:
             if self._episode_request is not None or (plan.start_at <= now and self._usable_frame(now) is None):

@@ -20,24 +20,26 @@ srv   ~/reset                  std_srvs/Trigger              start a new episode
 ====  =======================  ============================  ==================================================
 
 Lifecycle: configure loads the policy and creates the interfaces; activate starts a new episode
-and the control timer; deactivate stops the timer (the running step finishes and is dropped);
+and the control thread; deactivate stops that thread (the running step finishes and is dropped);
 cleanup and shutdown release everything, the policy included.
 
 Threads: subscription callbacks only validate message headers and store the newest frame. The
-control timer (the node's default callback group, so it never overlaps a lifecycle transition)
+control thread (``vla_runtime.control.DeadlineTicker``, outside the executor, as ros2_control runs its
+update loop; started by activate and joined by deactivate, so it never overlaps a lifecycle transition)
 owns the ``vla_runtime.control.ControlLoop`` (queued actions, scheduling, fallback), the in-flight
-worker job and episode changes. At each tick it publishes the tick's action (or the fallback) and
-asks the loop when the next step should start; a one-thread worker waits until then, takes the
-newest frame of that moment, decodes it and runs ``session.step`` (deadline scheduling: the step
-ends just before the tick it serves). A finished job wakes the same group through a guard condition, and
-so does a frame or joint state while no job is in flight (a job takes the newest frame itself; each wake
-costs rclpy's spin thread a wait-set rebuild under the GIL the worker needs; none is lost, as the input is
-stored before the job is read and the group looks for frames after clearing the job): results are
-queued at once (``publish_mode: immediate`` publishes them at once), and a step due now starts on the
-frame that just arrived. The control timer runs on the
-steady clock; each callback names its tick by when it was due (``_tick_due``), and when the loop moves
-the tick phase to meet the camera (``align_to_frames``) one timer period is shortened. Diagnostics and the reset
-service have callback groups of their own under a ``MultiThreadedExecutor``.
+worker job and episode changes. It sleeps until the next tick's due time on the steady clock (the
+loop's tick grid, so a phase move to meet the camera, ``align_to_frames``, applies at once) and runs the
+tick there: it publishes the tick's action (or the fallback) and asks the loop when the next step should
+start; a one-thread worker waits until then, takes the newest frame of that moment, decodes it and runs
+``session.step`` (deadline scheduling: the step ends just before the tick it serves). A finished job
+wakes the control thread, and so does a frame or joint state while no job is in flight (a job takes the
+newest frame itself; none is lost, as the input is stored before the job is read and the thread looks
+for frames after clearing the job): results are queued at once (``publish_mode: immediate`` publishes
+them at once), and a step due now starts on the frame that just arrived. An executor timer would run
+late under load (rclpy's spin thread rebuilds its wait set in Python for every callback) and rcl drops
+a callback more than a period late; the thread wakes on time and a late tick is served late, named by
+its due time. Diagnostics, the inputs and the reset service have callback groups of their own under a
+``MultiThreadedExecutor``.
 """
 
 from __future__ import annotations
@@ -50,13 +52,13 @@ if __name__ == "__main__":  # run as a program: set the process up for the pip R
 import importlib  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from concurrent.futures import Future, ThreadPoolExecutor, wait  # noqa: E402
 from typing import NoReturn  # noqa: E402
 
 from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
 from rcl_interfaces.msg import SetParametersResult  # noqa: E402
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup  # noqa: E402
-from rclpy.clock import Clock, ClockType  # noqa: E402
 from rclpy.event_handler import SubscriptionEventCallbacks  # noqa: E402
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn  # noqa: E402
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_policy_name_from_kind  # noqa: E402
@@ -64,7 +66,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
 from std_srvs.srv import Trigger  # noqa: E402
 from vla_runtime.api import load_policy  # noqa: E402
-from vla_runtime.control import ControlLoop  # noqa: E402
+from vla_runtime.control import ControlLoop, DeadlineTicker  # noqa: E402
 from vla_runtime.device import release_cached_memory, resolve_device, set_cpu_threads  # noqa: E402
 
 from . import conversions  # noqa: E402
@@ -93,7 +95,7 @@ class PolicyNode(PolicyControl, LifecycleNode):
         self._runner: PolicyRunner | None = None  # the policy and the episode's session; touched by worker jobs only
         self._outputs: ActionOutputs | None = None
         self._worker: ThreadPoolExecutor | None = None
-        self._loop: ControlLoop | None = None  # scheduling, queued actions, fallback; touched by the default group only
+        self._loop: ControlLoop | None = None  # scheduling, queued actions, fallback; touched by the control thread only
         self._ready = False  # the episode's session exists (set when the worker applied an episode request)
         self._future: Future | None = None
         self._cancel = threading.Event()  # set: a step job still waiting for its start time gives up
@@ -102,10 +104,7 @@ class PolicyNode(PolicyControl, LifecycleNode):
         self._latency_mark: tuple[int, float] | None = None  # (first tick of the newest step, its frame's receipt)
         self._episode_request: EpisodeRequest | None = None
         self._instruction_seen = Deduplicator()
-        self._control_timer = None
-        self._frame_guard = None  # wakes the control group when a frame arrives between ticks
-        self._steady_clock = Clock(clock_type=ClockType.STEADY_TIME)
-        self._period_restore: int | None = None  # the timer period (ns) to go back to after a phase move
+        self._control_thread: DeadlineTicker | None = None  # runs the ticks (and wakes between them) while active
         self._diag_timer = None
         self._diag_pub = None
         self._reset_srv = None
@@ -164,7 +163,6 @@ class PolicyNode(PolicyControl, LifecycleNode):
             1.0 / cfg.diagnostics_rate_hz, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup()
         )
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vla_policy_step")
-        self._frame_guard = self.create_guard_condition(self._on_frame_ready)  # default group, like the control timer
         self.get_logger().info(
             f"configured: {type(policy).__name__} action_dim={policy.action_dim} chunk={policy.chunk_size} "
             f"history={cfg.session.history.value} kv={cfg.session.kv.mode.value} control={cfg.control_rate_hz} Hz dry_run={cfg.dry_run}"
@@ -172,23 +170,26 @@ class PolicyNode(PolicyControl, LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        """Start a new episode (current instruction, else ``default_instruction``) and the control timer."""
+        """Start a new episode (current instruction, else ``default_instruction``) and the control thread."""
         chunked = self._runner.policy.chunk_size > 1 and self._cfg.session.execution_horizon != 1
-        # tick 0 is the timer's start; the loop exists before the timer's first callback can run
-        self._loop = ControlLoop(self._cfg.control_config(), t0=time.monotonic(), chunked=chunked)
+        loop = ControlLoop(self._cfg.control_config(), t0=time.monotonic(), chunked=chunked)
+        self._loop = loop
         with self._lock:
             self._active = True
             self._inputs.skip_frames_until(self._inputs.frame_seq)  # frames from before activation are not acted on
             text = self._inputs.current_instruction()
             if text:
                 self._request_episode(text)
-        # steady clock: the same as time.monotonic(), which the control loop plans on
-        self._control_timer = self.create_timer(1.0 / self._cfg.control_rate_hz, self._on_control_tick, clock=self._steady_clock)
+        self._control_thread = DeadlineTicker(
+            next_due=lambda: loop.grid.time(loop.served + 1), period=loop.cfg.period, on_tick=self._on_control_tick,
+            on_wake=self._on_frame_ready, on_error=self._on_control_error, name="vla_policy_control",
+        )
+        self._control_thread.start()
         self.get_logger().info("active")
         return super().on_activate(state)
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        """Stop the control timer; the step in flight finishes and its action is dropped."""
+        """Stop the control thread; the step in flight finishes and its action is dropped."""
         self._stop_control()
         self.get_logger().info("inactive")
         return super().on_deactivate(state)
@@ -210,9 +211,10 @@ class PolicyNode(PolicyControl, LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def _stop_control(self) -> None:
-        if self._control_timer is not None:
-            self.destroy_timer(self._control_timer)
-            self._control_timer = None
+        with self._lock:  # a wake from now on finds no thread
+            thread, self._control_thread = self._control_thread, None
+        if thread is not None:
+            thread.stop()  # the tick running finishes first
         with self._lock:
             self._active = False
             if self._episode_request is not None:
@@ -223,7 +225,7 @@ class PolicyNode(PolicyControl, LifecycleNode):
         if self._future is not None:
             wait([self._future])
             self._future = None
-        self._loop, self._ready, self._busy, self._period_restore = None, False, False, None
+        self._loop, self._ready, self._busy = None, False, False
         with self._lock:
             self._loop_view = {}
 
@@ -242,10 +244,6 @@ class PolicyNode(PolicyControl, LifecycleNode):
         if self._diag_timer is not None:
             self.destroy_timer(self._diag_timer)
             self._diag_timer = None
-        with self._lock:  # a worker's done-callback triggers it under the lock
-            guard, self._frame_guard = self._frame_guard, None
-        if guard is not None:
-            self.destroy_guard_condition(guard)
         if self._diag_pub is not None:
             self.destroy_publisher(self._diag_pub)
             self._diag_pub = None
@@ -350,10 +348,16 @@ class PolicyNode(PolicyControl, LifecycleNode):
             self._wake()
 
     def _wake(self) -> None:
-        """Wake the control group between ticks (a frame, a joint state or a finished job)."""
-        with self._lock:  # _release clears the guard under the lock before destroying it
-            if self._frame_guard is not None:
-                self._frame_guard.trigger()
+        """Wake the control thread between ticks (a frame, a joint state or a finished job)."""
+        with self._lock:  # _stop_control clears it under the lock before stopping it
+            if self._control_thread is not None:
+                self._control_thread.wake()
+
+    def _on_control_error(self, error: BaseException) -> None:
+        """A control tick raised: a bug in the node, reported (log, /diagnostics); the ticks go on."""
+        where = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+        at = f" at {where.filename}:{where.lineno}" if where else ""
+        self._report_error(f"control tick failed: {type(error).__name__}: {error}{at}", kind="control")
 
     def _watchdog(self, now: float) -> str:
         """Why no action may go out now ('' when inputs are fresh; caller holds ``_lock``); shown on /diagnostics."""

@@ -65,6 +65,7 @@ class PolicyTelemetry:
     bad_inputs: int = 0  # rejected images, instructions, joint states
     inference_errors: int = 0
     setup_errors: int = 0  # e.g. a camera whose QoS cannot match the subscription
+    control_errors: int = 0  # a control tick that raised (a bug: reported, and the ticks go on)
     actions_published: int = 0
     actions_suppressed: int = 0  # computed but not published (dry_run)
     actions_withheld: int = 0  # dropped by the watchdog (stale image / instruction / joint state)
@@ -83,8 +84,8 @@ class PolicyTelemetry:
     action_rate: RateMeter = field(default_factory=RateMeter)
 
     def error(self, message: str, *, kind: str) -> None:
-        """Count an error of ``kind`` (``input``, ``inference`` or ``setup``) and keep its message."""
-        counters = {"input": "bad_inputs", "inference": "inference_errors", "setup": "setup_errors"}
+        """Count an error of ``kind`` (``input``, ``inference``, ``setup`` or ``control``) and keep its message."""
+        counters = {"input": "bad_inputs", "inference": "inference_errors", "setup": "setup_errors", "control": "control_errors"}
         setattr(self, counters[kind], getattr(self, counters[kind]) + 1)
         self.last_error = message
         self.errors_since_report += 1
@@ -125,6 +126,7 @@ class PolicyTelemetry:
             "bad_inputs": self.bad_inputs,
             "inference_errors": self.inference_errors,
             "setup_errors": self.setup_errors,
+            "control_errors": self.control_errors,
             "last_error": self.last_error,
             "kv_bytes": self.kv.bytes,
             "kv_tokens_raw": self.kv.tokens_raw,
