@@ -53,6 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-step-periods", type=float, default=3.0, help="chunk policy: step time in control periods")
     p.add_argument("--step-quantile", type=float, default=0.95, help="the new loop's step_quantile")
     p.add_argument("--margin-ms", type=float, default=3.0, help="the new loop's schedule_margin_ms")
+    p.add_argument("--late-grace-ms", type=float, default=float("inf"),
+                   help="the new loop's late_grace_ms (capped at 0.45 of a period by the loop; default inf: the cap)")
+    p.add_argument("--control-thread-priority", type=int, default=0,
+                   help="both loops' control_thread_priority (0, the node's default: normal scheduling; 1-99: SCHED_FIFO)")
+    p.add_argument("--publish-mode", choices=("tick", "immediate"), default="tick",
+                   help="the new loop's publish_mode (immediate: a step's action goes out when computed)")
     p.add_argument("--policies", nargs="+", choices=["openvla", "chunk"], default=["openvla", "chunk"],
                    help="control table: the tiny OpenVLA and/or the slow chunk test policy")
     p.add_argument("--skip-overhead", action="store_true", help="only the control table")
@@ -203,8 +209,11 @@ def control_run(harness, checkpoint, modules, tmp, rate, schedule, args, name) -
     from vla_runtime_ros import conversions
 
     ns = f"{name}_{schedule}_{int(rate)}"
-    tuning = {"step_quantile": args.step_quantile, "schedule_margin_ms": args.margin_ms} if schedule == "deadline" else {}
-    proc, diag = start_node(harness, checkpoint, modules, tmp, ns, rate, args, schedule=schedule, **tuning)
+    tuning = ({"step_quantile": args.step_quantile, "schedule_margin_ms": args.margin_ms, "publish_mode": args.publish_mode,
+               "late_grace_ms": args.late_grace_ms}
+              if schedule == "deadline" else {})
+    proc, diag = start_node(harness, checkpoint, modules, tmp, ns, rate, args, schedule=schedule,
+                            control_thread_priority=args.control_thread_priority, **tuning)
     actions = harness.subscribe(Float32MultiArray, f"/{ns}/vla_policy/action", publishers=1)
     pub = harness.publisher(Image, f"/{ns}/image_raw", qos_profile_sensor_data)
     msgs = [conversions.array_to_image_msg(image) for image in frames(8, tuple(args.size), args.seed + 1)]
@@ -248,11 +257,11 @@ def control_table(harness, tmp, args) -> list[dict]:
                 runs.append({"policy": "openvla" if policy == "openvla" else chunk_name, **run})
     print(f"control loop: {args.stream_hz:g} Hz camera, {args.control_seconds:g} s per cell; old = the asap loop (a step "
           "as soon as a frame arrives and the queue is empty, as before issue 16), new = deadline scheduling "
-          f"(step_quantile {args.step_quantile:g}, margin {args.margin_ms:g} ms). "
+          f"(step_quantile {args.step_quantile:g}, margin {args.margin_ms:g} ms, late_grace {args.late_grace_ms:g} ms, publish_mode {args.publish_mode}; control thread priority {args.control_thread_priority} in both). "
           "latency = frame receipt -> action published; age = frame receipt -> step start; plan = the step time "
           "the schedule plans with; empty = ticks without an action of their own; late = ticks whose step overran them "
-          "by less than late_grace_ms, published when it landed; missed = ticks whose timer callback never ran (nothing "
-          "published; not in ticks); jitter = std of action inter-arrival")
+          "by less than late_grace_ms, published when it landed; missed = ticks the node's control thread reached more "
+          "than a period late (it runs the latest one due; nothing published for those before; not in ticks); jitter = std of action inter-arrival")
     print("policy               |  Hz | step p50/p95 ms | latency p50 old -> new | latency p95 old -> new | "
           "age p50 old -> new | plan ms | empty/ticks old -> new | late new | missed old -> new | jitter ms old -> new")
     for old, new in zip(runs[::2], runs[1::2]):

@@ -5,6 +5,7 @@ A fake clock decides what is due; the waits are real but every test waits on eve
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -163,3 +164,23 @@ def test_a_control_loop_driven_by_the_ticker_follows_a_phase_move_at_once():
 def test_bad_period_is_refused():
     with pytest.raises(ValueError, match="period must be > 0"):
         DeadlineTicker(next_due=lambda: 0.0, period=0.0, on_tick=lambda d: None, on_wake=lambda: None, on_error=raise_error)
+
+
+def test_a_priority_runs_the_thread_sched_fifo_or_says_why_not():
+    grid = Grid(0.01)
+    t0 = time.monotonic()
+    ticker = DeadlineTicker(next_due=grid.next_due, period=0.01, on_tick=grid.tick, on_wake=lambda: None,
+                            on_error=raise_error, clock=lambda: time.monotonic() - t0)
+    refused = ticker.start(priority=7)
+    try:
+        policy = os.sched_getscheduler(ticker._thread.native_id)
+        if refused:  # no CAP_SYS_NICE / rtprio limit here: normal scheduling, and the reason names the priority
+            assert "SCHED_FIFO priority 7 not set" in refused and policy == os.SCHED_OTHER
+        else:
+            assert policy == os.SCHED_FIFO and os.sched_getparam(ticker._thread.native_id).sched_priority == 7
+        grid.wait_for(lambda: len(grid.dues) >= 2)  # it ticks either way
+    finally:
+        ticker.stop()
+    with pytest.raises(ValueError, match="priority must be 0 .* or 1-99"):
+        DeadlineTicker(next_due=grid.next_due, period=0.01, on_tick=grid.tick, on_wake=lambda: None,
+                       on_error=raise_error).start(priority=100)

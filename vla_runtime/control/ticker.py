@@ -19,6 +19,7 @@ control loop does not stop on one bad tick).
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -52,8 +53,21 @@ class DeadlineTicker:
         self.ticks = 0  # ticks run
         self.wakes = 0  # on_wake calls
 
-    def start(self) -> None:
+    def start(self, *, priority: int = 0) -> str:
+        """Start the thread; ``priority`` 1-99: run it ``SCHED_FIFO`` at that priority (as ros2_control's update
+        loop), so the kernel runs it the moment a tick is due, ahead of every normal thread (the GIL it then
+        needs is another matter). Returns ``""``, or why the priority could not be set (no ``CAP_SYS_NICE`` or
+        rtprio limit, not Linux): the thread then runs with normal scheduling."""
+        if not 0 <= priority <= 99:
+            raise ValueError(f"control thread priority must be 0 (normal scheduling) or 1-99 (SCHED_FIFO), got {priority}")
         self._thread.start()
+        if not priority:
+            return ""
+        try:
+            os.sched_setscheduler(self._thread.native_id, os.SCHED_FIFO, os.sched_param(priority))
+        except (OSError, AttributeError) as e:
+            return f"SCHED_FIFO priority {priority} not set ({e}); normal scheduling"
+        return ""
 
     def wake(self) -> None:
         """Ask for ``on_wake`` as soon as the thread is free (calls before it runs merge into one)."""

@@ -64,6 +64,7 @@ def running(harness, ckpt, **overrides):
         ({"action_low": [1.0] * 7, "action_high": [-1.0] * 7}, "`action_low` > `action_high` at dimensions [0, 1, 2, 3, 4, 5, 6]"),
         ({"policy_modules": ["no_such_policy_module"]}, "No module named 'no_such_policy_module'"),
         ({"late_grace_ms": -1.0}, "`late_grace_ms` must be >= 0, got -1.0"),
+        ({"control_thread_priority": 100}, "`control_thread_priority` must be 0 (normal scheduling) or 1-99 (SCHED_FIFO), got 100"),
     ],
 )
 def test_bad_parameters_fail_configure_naming_the_parameter(harness, policy_checkpoints, capfd, overrides, message):

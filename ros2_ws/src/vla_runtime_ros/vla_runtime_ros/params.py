@@ -10,6 +10,7 @@ integer is ``0`` for "unset", an optional string is ``""``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -78,8 +79,12 @@ class PolicyNodeConfig:
     frame_guard_ms: float = _help("align_to_frames: how long before a step's start the latest frames are placed", default=5.0)
     fallback: str = _help("a tick without an action: hold (publish nothing), zero, repeat_last", default="hold")
     late_grace_ms: float = _help(
-        "a tick whose step is still running waits up to this long for it (under half a period) before the fallback",
-        default=10.0,
+        "a tick whose step is still running waits up to this long for it (at most 0.45 of a period) before the"
+        " fallback; 0 = fall back at the tick; .inf (default) = up to 0.45 of a period", default=math.inf,
+    )
+    control_thread_priority: int = _help(
+        "0: the control thread runs with normal scheduling; 1-99: SCHED_FIFO at that priority, as ros2_control's"
+        " thread_priority (needs CAP_SYS_NICE or an rtprio limit; else a warning and normal scheduling)", default=0,
     )
     fallback_keep_dims: list[int] = _help("fallback zero: dimensions that repeat the last action (e.g. [6], a gripper)",
                                           default_factory=list)
@@ -125,6 +130,9 @@ class PolicyNodeConfig:
             raise ValueError(f"parameter `max_image_pixels` must be >= 1, got {self.max_image_pixels}")
         if self.torch_threads < 0:
             raise ValueError(f"parameter `torch_threads` must be >= 0, got {self.torch_threads}")
+        if not 0 <= self.control_thread_priority <= 99:
+            raise ValueError(f"parameter `control_thread_priority` must be 0 (normal scheduling) or 1-99 (SCHED_FIFO), "
+                             f"got {self.control_thread_priority}")
         if len(self.action_low) != len(self.action_high):
             raise ValueError(
                 f"`action_low` has {len(self.action_low)} values and `action_high` {len(self.action_high)}; give both or neither"

@@ -184,7 +184,9 @@ class PolicyNode(PolicyControl, LifecycleNode):
             next_due=lambda: loop.grid.time(loop.served + 1), period=loop.cfg.period, on_tick=self._on_control_tick,
             on_wake=self._on_frame_ready, on_error=self._on_control_error, name="vla_policy_control",
         )
-        self._control_thread.start()
+        refused = self._control_thread.start(priority=self._cfg.control_thread_priority)
+        if refused:
+            self.get_logger().warning(refused)
         self.get_logger().info("active")
         return super().on_activate(state)
 
