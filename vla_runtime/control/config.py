@@ -100,7 +100,7 @@ class ControlConfig:
             falls back at once; the default, ``inf``: up to the cap, 0.45 of a period (a late action is still
             nearer its own tick than the next). A step planned with a quantile of step times overruns now and
             then, and an action a little late is better for a robot than a tick without one (``bench_ros.py``:
-            10 ms left 1-8 ticks of 300-600 empty per minute at 5 and 10 Hz, the cap 0-2). The ROS node and ``eval --control-rate``
+            10 ms left 0-8 ticks of 300-600 empty per minute at 5 and 10 Hz, the cap 0-2). The ROS node and ``eval --control-rate``
             wait; ``RemotePolicyLoop.tick`` returns at once.
         align_to_frames: ``DEADLINE`` with ``TICK``: move the tick phase (not the rate) so that frames arrive just
             before the steps start. Without it the newest frame is on average half a camera period old when a
