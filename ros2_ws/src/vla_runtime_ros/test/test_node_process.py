@@ -8,8 +8,10 @@ exits 1 with the reason on its last FATAL line; a crash in a callback exits 1 af
 released, and a node asking to end (the simulator after its run) exits 0.
 """
 
+import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,13 +19,11 @@ import pytest
 
 pytest.importorskip("rclpy")
 
-from rclpy.node import Node  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
-from ros_harness import ROS_ARGS_QUIET, Diagnostics, NodeProcess, solid_image, wait_for  # noqa: E402
+from ros_harness import PATIENCE, SUBPROCESS_PATHS, Diagnostics, NodeProcess, solid_image, wait_for  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Float32MultiArray  # noqa: E402
 from vla_runtime_ros import conversions  # noqa: E402
-from vla_runtime_ros.runner import run  # noqa: E402
 
 pytestmark = pytest.mark.ros
 
@@ -185,41 +185,31 @@ def test_a_node_that_cannot_start_exits_1_with_its_reason(tmp_path, module, para
     assert "Traceback" not in out
 
 
-class EndingNode(Node):
-    """Ends on its first timer tick: by raising (a crash) or by asking the runner to stop."""
-
-    def __init__(self, stop, crash: bool) -> None:
-        super().__init__("ending_node")
-        self.stop, self.crash, self.destroyed = stop, crash, False
-        self.create_timer(0.01, self._tick)
-
-    def _tick(self) -> None:
-        if self.crash:
-            raise RuntimeError("a bug in a callback")
-        self.stop.request("the work is done")
-
-    def destroy_node(self) -> None:
-        self.destroyed = True
-        super().destroy_node()
+def run_ending_node(*args: str) -> dict:
+    """Run ``ros_test_ending_node`` in a process of its own (one DDS participant, as a node process has);
+    returns its report: ``run``'s exit code, whether the node was destroyed, whether the runner's signal
+    handlers were put back."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*SUBPROCESS_PATHS, env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-m", "ros_test_ending_node", *args], capture_output=True, text=True,
+                          env=env, timeout=PATIENCE.timeout(120.0))
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return {**json.loads(lines[-1]), "stderr": done.stderr}
 
 
-def test_a_node_under_a_real_time_policy_warns(monkeypatch, capfd):
+def test_a_node_under_a_real_time_policy_warns():
     """rclpy's MultiThreadedExecutor busy-waits for its pool threads; under SCHED_FIFO/RR that can stop every callback."""
-    monkeypatch.setattr(os, "sched_getscheduler", lambda pid: os.SCHED_FIFO)
-    assert run(lambda stop: EndingNode(stop, crash=False), ["ending_node", "--ros-args", *ROS_ARGS_QUIET],
-               name="ending_node", threads=2) == 0
-    assert "runs under the real-time policy SCHED_FIFO" in capfd.readouterr().err
+    report = run_ending_node("done", "--pretend-fifo")
+    assert report["code"] == 0
+    assert "runs under the real-time policy SCHED_FIFO" in report["stderr"]
 
 
 @pytest.mark.parametrize(("crash", "code"), [(True, 1), (False, 0)], ids=["crash", "done"])
 def test_a_crash_exits_1_and_a_finished_node_0_both_after_releasing_it(crash, code):
-    nodes = []
-
-    def make(stop):
-        nodes.append(EndingNode(stop, crash))
-        return nodes[0]
-
-    previous = signal.getsignal(signal.SIGTERM)
-    assert run(make, ["ending_node", "--ros-args", *ROS_ARGS_QUIET], name="ending_node", threads=2) == code
-    assert nodes[0].destroyed
-    assert signal.getsignal(signal.SIGTERM) is previous  # the runner's handlers are gone again
+    report = run_ending_node("crash" if crash else "done")
+    assert report["code"] == code, report["stderr"]
+    assert report["destroyed"]
+    assert report["handlers_restored"]  # the runner's handlers are gone again
+    if crash:
+        assert "a bug in a callback" in report["stderr"]
