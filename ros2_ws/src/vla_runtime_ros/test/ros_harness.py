@@ -36,6 +36,15 @@ SUBPROCESS_PATHS = [str(p) for p in sys.path if p in (str(TEST_DIR), str(TEST_DI
 ROS_ARGS_QUIET = ["--disable-external-lib-logs"]  # no log files under ~/.ros
 
 
+def subprocess_env() -> dict[str, str]:
+    """This process's environment for a child Python process: the test folder (helper modules, test
+    policies) on its path, output unbuffered."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*SUBPROCESS_PATHS, env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
 class Patience:
     """How long to wait before calling something lost, scaled by how slow this machine is right now.
 
@@ -367,9 +376,7 @@ class NodeProcess:
             "--ros-args", "--params-file", str(self.params_file),
             "-r", f"__node:={name}", "-r", f"__ns:={namespace}", *ROS_ARGS_QUIET, *extra_args,
         ]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [*SUBPROCESS_PATHS, env.get("PYTHONPATH")]))
-        env["PYTHONUNBUFFERED"] = "1"
+        env = subprocess_env()
         self._log = self.log_path.open("w")
         self.started = time.monotonic()
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env)

@@ -15,6 +15,7 @@ import signal
 import sys
 
 from rclpy.node import Node
+from ros_harness import ROS_ARGS_QUIET
 from vla_runtime_ros.runner import run
 
 
@@ -49,7 +50,7 @@ def main(argv: list[str]) -> None:
         return nodes[0]
 
     previous = signal.getsignal(signal.SIGTERM)
-    code = run(make, ["ending_node", "--ros-args", "--disable-external-lib-logs"], name="ending_node", threads=2)
+    code = run(make, ["ending_node", "--ros-args", *ROS_ARGS_QUIET], name="ending_node", threads=2)
     report = {"code": code, "destroyed": bool(nodes) and nodes[0].destroyed,
               "handlers_restored": signal.getsignal(signal.SIGTERM) is previous}
     print(json.dumps(report), flush=True)

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("rclpy")
 
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
-from ros_harness import PATIENCE, SUBPROCESS_PATHS, Diagnostics, NodeProcess, solid_image, wait_for  # noqa: E402
+from ros_harness import PATIENCE, Diagnostics, NodeProcess, solid_image, subprocess_env, wait_for  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Float32MultiArray  # noqa: E402
 from vla_runtime_ros import conversions  # noqa: E402
@@ -189,10 +189,8 @@ def run_ending_node(*args: str) -> dict:
     """Run ``ros_test_ending_node`` in a process of its own (one DDS participant, as a node process has);
     returns its report: ``run``'s exit code, whether the node was destroyed, whether the runner's signal
     handlers were put back."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*SUBPROCESS_PATHS, env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-m", "ros_test_ending_node", *args], capture_output=True, text=True,
-                          env=env, timeout=PATIENCE.timeout(120.0))
+                          env=subprocess_env(), timeout=PATIENCE.timeout(120.0))
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     return {**json.loads(lines[-1]), "stderr": done.stderr}
