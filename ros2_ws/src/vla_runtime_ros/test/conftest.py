@@ -77,6 +77,17 @@ def _callback_errors_fail_the_test(request):
             pytest.fail("exception in the harness spin thread:\n" + "\n".join(raised), pytrace=False)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used the harness reports the harness's state with it (a stalled spin thread, a
+    leak of endpoints, stale shared memory), so that a flake seen once can be told apart afterwards."""
+    report = yield
+    harness = getattr(item, "funcargs", {}).get("harness")
+    if report.failed and harness is not None:
+        report.sections.append(("harness", harness.state()))
+    return report
+
+
 @pytest.fixture(scope="session")
 def policy_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """Test-policy checkpoint directories: ``single`` (one action per step), ``chunk`` (4 per step), ``slow``."""

@@ -200,6 +200,7 @@ class Harness:
         self._clients: dict[tuple[type, str], Any] = {}  # service clients, kept (see ``call``)
         self._stop, self._pause, self._parked, self._resume = (threading.Event() for _ in range(4))
         self._pause_lock = threading.Lock()
+        self._last_spin = time.monotonic()  # when a spin_once last returned (``state``)
         self._thread = threading.Thread(target=self._spin, name="harness-spin", daemon=True)
         self._thread.start()
 
@@ -213,6 +214,16 @@ class Harness:
                 self.executor.spin_once(timeout_sec=0.05)
             except Exception:  # noqa: BLE001 - recorded; the conftest fails the running test with it
                 self.errors.append(traceback.format_exc())
+            self._last_spin = time.monotonic()
+
+    def state(self) -> str:
+        """What a failed test's report shows of the harness: is its spin thread alive and spinning, what it holds."""
+        shm = Path("/dev/shm")
+        fastdds_files = sum(1 for _ in shm.glob("fastdds_*")) if shm.is_dir() else 0
+        return (f"spin thread alive: {self._thread.is_alive()}, paused: {self._pause.is_set()}, "
+                f"last spin_once returned {time.monotonic() - self._last_spin:.1f} s ago; "
+                f"harness node: {len(list(self.node.subscriptions))} subscriptions, {len(list(self.node.publishers))} publishers, "
+                f"{len(list(self.node.timers))} timers; Fast DDS files in /dev/shm: {fastdds_files}")
 
     @contextlib.contextmanager
     def paused(self):
@@ -411,9 +422,20 @@ class NodeProcess:
         return code, time.monotonic() - start
 
     def close(self) -> None:
+        """Stop the node as ``ros2 launch`` does, SIGINT first (SIGKILL only if it does not exit), and close its log.
+
+        A node that exits cleanly destroys its DDS participant: its endpoints leave at once (the harness stops
+        writing to them) and Fast DDS removes its shared-memory segments and ports from ``/dev/shm``. A SIGKILLed
+        node leaves about three such files behind, and the harness, a participant living for the whole session,
+        goes on matching it until its lease expires.
+        """
         if self.alive():
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=PATIENCE.timeout())
+            except subprocess.TimeoutExpired:  # a node that hangs on SIGINT fails the tests that check that, not this
+                self.proc.kill()
+                self.proc.wait()
         self._log.close()
 
 
