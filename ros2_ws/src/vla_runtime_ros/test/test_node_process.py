@@ -10,6 +10,7 @@ released, and a node asking to end (the simulator after its run) exits 0.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,6 +66,19 @@ class ActivePolicy:
         self.proc.close()
 
 
+SHM = Path("/dev/shm")
+
+
+def fastdds_segments_of(pid: int) -> set[Path]:
+    """The Fast DDS shared-memory segments (``/dev/shm/fastdds_<16 hex digits>``) process ``pid`` maps: its own
+    participant's, and those of the writers its readers receive from."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:  # gone, or not ours to read
+        return set()
+    return {SHM / m.group(1) for m in re.finditer(r"/dev/shm/(fastdds_[0-9a-f]{16})\b", maps)}
+
+
 def in_order(text: str, *parts: str) -> bool:
     """Whether ``parts`` occur in ``text`` one after another."""
     at = 0
@@ -79,15 +93,21 @@ def in_order(text: str, *parts: str) -> bool:
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
 def test_a_signal_makes_a_running_node_leave_its_lifecycle_and_exit_0(harness, tmp_path, policy_checkpoints, signum):
     name = signal.Signals(signum).name
+    before = set(SHM.glob("fastdds_*"))
     node = ActivePolicy(harness, tmp_path, policy_checkpoints["single"], f"/stop_{name.lower()}")
     try:
         node.wait_acting()
+        shm = fastdds_segments_of(node.proc.proc.pid) - before  # its own participant's (no other one started since)
         code, _ = node.proc.interrupt(signum=signum)  # raises unless it exits within the machine's patience
     finally:
         node.close()
     out = node.proc.output()
     assert code == 0, out
     assert in_order(out, f"stopping: {name} received", "]: inactive", "shut down from inactive: policy released"), out
+    # its DDS participant was deleted: Fast DDS removed its shared memory (left, it would hold tmpfs until a reboot)
+    if SHM.is_dir():
+        assert shm, "the node mapped no Fast DDS shared memory of its own"
+        assert not [f for f in shm if f.exists()], f"left in /dev/shm: {sorted(f.name for f in shm if f.exists())}"
 
 
 def test_a_sigterm_while_a_stopped_node_ends_its_process_still_exits_0(harness, tmp_path, policy_checkpoints):
