@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kv.attention import masked_attention
+from ..kv.attention import causal_attention, masked_attention
 from ..kv.full import FullCache, FullParams
 from ..kv.rope import apply_rope, rope_cos_sin
 from ..models.llama import LlamaForCausalLM
@@ -160,7 +160,10 @@ class PrefillRun:
         k_out[layer] = k_rot
         q_rot = apply_rope(q, self.cos[rows], self.sin[rows])
         mask = self.pos[None, :] <= rows[:, None]  # [T, S]
-        out = masked_attention(q_rot, k_rot, v_all, mask)
+        if len(rows) == s:  # every row computed (full recomputation, layer 0): plain causal
+            out = causal_attention(q_rot, k_rot, v_all, past=0)
+        else:
+            out = masked_attention(q_rot, k_rot, v_all, mask)
         view = AttentionView(self, layer, rows, q_rot, k_rot, mask, v[0], v_stored)
         nxt = self.method.after_attention(layer, view)
         if nxt is not None:
