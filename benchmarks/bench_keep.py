@@ -67,21 +67,25 @@ METHODS = {
     # the load schedules (time only; compare under a throttled store link, --link-mb-s)
     "keep-next-layer": PrefillConfig(**STATIC, load_schedule="next_layer"),
     "keep-serial": PrefillConfig(**STATIC, load_schedule="serial"),
-    # stored units prefilled after UNIT_CONTEXT (the prompt is the same)
+    # stored units prefilled after the world's UNIT_CONTEXT (the prompt is the same)
     "reuse-ctx": PrefillConfig(method="reuse"),
+    "cacheblend-ctx": PrefillConfig(method="cacheblend"),
     "cacheblend-seg-ctx": PrefillConfig(method="cacheblend", block_tokens=0),
     "epic-ctx": PrefillConfig(method="epic"),
     "keep-ctx": PrefillConfig(**STATIC),
     "keep-multihop-ctx": PrefillConfig(**STATIC, hops=4),
     "keep-no-static-ctx": PrefillConfig(method="keep", static_grouping=False),
+    # KEEP (today's defaults) with stale stored keys' scores lowered by B (``stored_bias``)
+    "keep-bias1": PrefillConfig(method="keep", stored_bias=1.0),
+    "keep-bias1-ctx": PrefillConfig(method="keep", stored_bias=1.0),
+    "keep-bias2-ctx": PrefillConfig(method="keep", stored_bias=2.0),
+    "reuse-bias1-ctx": PrefillConfig(method="reuse", stored_bias=1.0),
 }
 DEFAULT_METHODS = ["full", "prefix", "reuse", "cacheblend", "cacheblend-seg", "epic", "keep", "keep-multihop", "keep-no-static"]
-UNIT_CONTEXT = kitchen_world.UNIT_CONTEXT  # methods named *-ctx prefill their stored units after it
-DEFAULT_METHODS = ["full", "prefix", "reuse", "cacheblend", "cacheblend-seg", "epic", "keep", "keep-multihop", "keep-no-static"]
 KINDS = kitchen_world.KINDS
-WORLDS = {  # name -> (world class, question kinds asked in turn, system prefix)
-    "kitchen": (kitchen_world.KitchenWorld, kitchen_world.KINDS, kitchen_world.SYSTEM),
-    "plan": (plan_world.PlanWorld, plan_world.KINDS, plan_world.SYSTEM),
+WORLDS = {  # name -> (world class, question kinds asked in turn, system prefix, unit context filler of the *-ctx rows)
+    "kitchen": (kitchen_world.KitchenWorld, kitchen_world.KINDS, kitchen_world.SYSTEM, kitchen_world.UNIT_CONTEXT),
+    "plan": (plan_world.PlanWorld, plan_world.KINDS, plan_world.SYSTEM, plan_world.UNIT_CONTEXT),
 }
 
 
@@ -140,7 +144,7 @@ def run_shard(args, model_dir: str, size: int, shard: int, n_questions: int) -> 
         encoder = SentenceEncoder()
         builder = PromptBuilder(llm.tokenizer)
         memory = EmbodiedMemory(encoder, MemoryConfig(top_k=size))
-        world_cls, kinds, system = WORLDS[args.world]
+        world_cls, kinds, system, filler = WORLDS[args.world]
         world = world_cls(seed=args.seed * 1000 + shard)
         sync_memory(memory, world.segment_texts())
         for _ in range(args.world_warmup):
@@ -158,7 +162,7 @@ def run_shard(args, model_dir: str, size: int, shard: int, n_questions: int) -> 
             units = memory.retrieve(q.text)
             query = f"Question: {q.text}<|im_end|>\n<|im_start|>assistant\n{q.answer_prefix}"
             prompt = builder.build(system, units, query)
-            prompts = {False: prompt, True: builder.build(system, units, query, context=UNIT_CONTEXT)}
+            prompts = {False: prompt, True: builder.build(system, units, query, context=filler)}
             order = args.methods[step % len(args.methods):] + args.methods[: step % len(args.methods)]  # rotate: no method always runs first
             out = {}
             for m in order:

@@ -28,6 +28,10 @@ SYSTEM = (
     "<|im_start|>user\nMemory:\n"
 )
 
+# the unit context filler in this memory's own mix of lines (an object, two events), about nothing the
+# world has: stored units prefilled after it look like lines deep in such a memory (issue 20)
+UNIT_CONTEXT = "The lamp is on the windowsill, off.\nStep 0: I looked around the hallway.\nStep 0: I waited by the door.\n"
+
 
 @dataclass
 class PlanWorld(KitchenWorld):

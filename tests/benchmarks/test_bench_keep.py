@@ -8,7 +8,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_keep import KINDS, summarize_size  # noqa: E402
-from kitchen_world import HAND, RECEPTACLES, KitchenWorld  # noqa: E402
+import kitchen_world  # noqa: E402
+import plan_world  # noqa: E402
+from kitchen_world import HAND, OBJECTS, RECEPTACLES, ROOMS, KitchenWorld  # noqa: E402
 from plan_world import KINDS as PLAN_KINDS  # noqa: E402
 from plan_world import PlanWorld  # noqa: E402
 
@@ -85,3 +87,15 @@ def test_every_plan_question_is_answered_by_its_memory():
             step_no = q.answer_prefix.split()[2].rstrip(",")
             assert any(t == f"Step {step_no}: I picked up the {gold}." for t in events)
     assert {k for k, _ in kinds} == set(PLAN_KINDS) and ("open", 0) in kinds and ("open", 1) in kinds
+
+
+@pytest.mark.parametrize("filler", [kitchen_world.UNIT_CONTEXT, plan_world.UNIT_CONTEXT], ids=["kitchen", "plan"])
+def test_a_unit_context_filler_names_nothing_the_world_has(filler):
+    """The *-ctx rows prefill stored units after the filler; it never enters the prompt, so it must not
+    carry an answer: no object, receptacle or room of the house, and no step the event log can hold."""
+    names = [n.lower() for n in [*OBJECTS, *RECEPTACLES, *ROOMS]]
+    lines = filler.lower().splitlines()
+    assert len(lines) == 3 and filler.endswith("\n")
+    assert not [n for n in names if n in filler.lower()]
+    steps = [int(w.rstrip(":")) for line in lines for w in line.split()[1:2] if line.startswith("step ")]
+    assert all(s < 1 for s in steps)  # PlanWorld's events start at step 1

@@ -194,3 +194,20 @@ def test_config_validation_names_the_field():
         PrefillConfig(load_schedule="eager")
     with pytest.raises(ValueError, match="decay"):
         PrefillConfig(decay=0.0)
+    for bad in (-0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="stored_bias"):
+            PrefillConfig(stored_bias=bad)
+
+
+def test_a_key_bias_must_cover_every_layer_and_only_held_tokens(tiny_lm):
+    cache = FullCache(tiny_lm.cfg.geometry, FullParams(capacity=16))
+    cache.hold(5)
+    n_layers = tiny_lm.cfg.n_layers
+    with pytest.raises(ValueError, match=f"key bias must be \\[{n_layers} layers, n <= 5 held tokens\\], got \\(1, 5\\)"):
+        cache.bias_keys(torch.zeros(1, 5))
+    with pytest.raises(ValueError, match="got \\(.*, 6\\)"):
+        cache.bias_keys(torch.zeros(n_layers, 6))
+    cache.bias_keys(torch.zeros(n_layers, 5))
+    assert cache.key_bias is not None
+    cache.reset()
+    assert cache.key_bias is None

@@ -49,6 +49,7 @@ class FullCache(SlotCache):
         self._pending = 0
         self._cos = self._sin = None
         self._row_plan: RowPlan | None = None  # this forward's (``row_plan``)
+        self._key_bias: torch.Tensor | None = None  # [L, n]: added to every score of the first n keys
 
     def _begin_forward(self, t: int, device: torch.device) -> None:
         """First layer of a forward of ``t`` tokens: positions once for all layers."""
@@ -77,9 +78,10 @@ class FullCache(SlotCache):
         k.index_copy_(2, self._new_slots, apply_rope(k_raw, self._cos, self._sin))
         v_all.index_copy_(2, self._new_slots, v)
         q = apply_rope(q, self._cos, self._sin)
+        bias = self._bias_of(layer, end)
         if self.bidirectional:
-            return block_attention(q, k[:, :, :end], v_all[:, :, :end])
-        return causal_attention(q, k[:, :, :end], v_all[:, :, :end], past=start)
+            return block_attention(q, k[:, :, :end], v_all[:, :, :end], key_bias=bias)
+        return causal_attention(q, k[:, :, :end], v_all[:, :, :end], past=start, key_bias=bias)
 
     # ---- RowSeam: a forward over several sessions' caches rotates once for all rows (``RowsCache``) -----
     row_batching = True
@@ -98,9 +100,10 @@ class FullCache(SlotCache):
         end = start + q_rot.shape[2]
         k_all, v_all = self.store.k[layer], self.store.v[layer]  # [1, Hkv, capacity, D]
         k_all[:, :, start:end], v_all[:, :, start:end] = k_rot, v
+        bias = self._bias_of(layer, end)
         if self.bidirectional:
-            return block_attention(q_rot, k_all[:, :, :end], v_all[:, :, :end])
-        return causal_attention(q_rot, k_all[:, :, :end], v_all[:, :, :end], past=start)
+            return block_attention(q_rot, k_all[:, :, :end], v_all[:, :, :end], key_bias=bias)
+        return causal_attention(q_rot, k_all[:, :, :end], v_all[:, :, :end], past=start, key_bias=bias)
 
     def row_commit(self, k_raw: torch.Tensor, v: torch.Tensor) -> None:
         """Nothing left to store (``row_attend`` stored the rotated keys)."""
@@ -127,6 +130,27 @@ class FullCache(SlotCache):
             raise ValueError(f"FullCache holds 0..{self.capacity} tokens, asked to hold {n}")
         self.store.length = n
         self._positions_used = max(self._positions_used, n)
+
+    @property
+    def key_bias(self) -> torch.Tensor | None:
+        """[L, n] scores added to the first ``n`` keys at each layer (``bias_keys``), or None."""
+        return self._key_bias
+
+    def bias_keys(self, bias: torch.Tensor | None) -> None:
+        """Add ``bias: [L, n]`` to every later query's score of the first ``n`` held keys, per layer (None: no
+        bias; ``reset`` clears it). What a prefill that mixes stored and computed KV leaves for decoding
+        (``PrefillConfig.stored_bias``)."""
+        if bias is not None and (bias.dim() != 2 or bias.shape[0] != self.geometry.n_layers or bias.shape[1] > self.length):
+            raise ValueError(
+                f"key bias must be [{self.geometry.n_layers} layers, n <= {self.length} held tokens], got {tuple(bias.shape)}"
+            )
+        self._key_bias = bias
+
+    def _bias_of(self, layer: int, n_keys: int) -> torch.Tensor | None:
+        """Layer ``layer``'s key bias over ``n_keys`` keys ([n_keys], zeros past the biased ones), or None."""
+        if self._key_bias is None:
+            return None
+        return torch.nn.functional.pad(self._key_bias[layer], (0, n_keys - self._key_bias.shape[1]))
 
     # ---- stats -------------------------------------------------------------------------------------
     def held_slots(self) -> int:

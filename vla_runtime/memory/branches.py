@@ -18,8 +18,9 @@ from ..models.llama import LlamaForCausalLM
 
 class BranchCache:
     """The ``attend`` protocol for branches. context_k / context_v: [L, Hkv, P, D], keys already
-    rotated at 0..P-1 (or None: no context). ``k``, ``v`` record every layer's pre-RoPE keys and
-    values of the branch tokens: [L, Hkv, T, D]."""
+    rotated at 0..P-1 (or None: no context); context_bias: [L, n <= P] added to every score of the first
+    ``n`` context keys (a ``FullCache.key_bias``), or None. ``k``, ``v`` record every layer's pre-RoPE
+    keys and values of the branch tokens: [L, Hkv, T, D]."""
 
     def __init__(
         self,
@@ -33,6 +34,7 @@ class BranchCache:
         head_dim: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        context_bias: torch.Tensor | None = None,
     ) -> None:
         if not lengths or min(lengths) < 1:
             raise ValueError(f"every branch needs at least one token, got lengths {lengths}")
@@ -44,6 +46,7 @@ class BranchCache:
         self.cos, self.sin = rope_cos_sin((local + p).to(device), rope)
         same = (branch[:, None] == branch[None, :]) & (local[None, :] <= local[:, None])  # [T, T]
         self.mask = torch.cat([torch.ones(t, p, dtype=torch.bool), same], dim=1).to(device)  # [T, P + T]
+        self.bias = None if context_bias is None else torch.nn.functional.pad(context_bias, (0, p + t - context_bias.shape[1]))  # [L, P + T]
         self.k = torch.empty(n_layers, n_kv_heads, t, head_dim, device=device, dtype=dtype)
         self.v = torch.empty_like(self.k)
 
@@ -54,24 +57,25 @@ class BranchCache:
         if self.ctx_k is not None:
             k = torch.cat([self.ctx_k[layer][None].to(k.device), k], dim=2)  # [1, Hkv, P + T, D]
             v = torch.cat([self.ctx_v[layer][None].to(v.device), v], dim=2)
-        return masked_attention(q, k, v, self.mask)
+        return masked_attention(q, k, v, self.mask, bias=None if self.bias is None else self.bias[layer][None, :])
 
     def end_forward(self, *, pin: bool = False) -> None:
         pass
 
     @classmethod
-    def for_model(cls, model: LlamaForCausalLM, lengths: list[int], context_k=None, context_v=None) -> "BranchCache":
+    def for_model(cls, model: LlamaForCausalLM, lengths: list[int], context_k=None, context_v=None, context_bias=None) -> "BranchCache":
         cfg, p = model.cfg, next(model.parameters())
         return cls(
             cfg.rope, lengths, context_k, context_v,
             n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, device=p.device, dtype=p.dtype,
+            context_bias=context_bias,
         )  # fmt: skip
 
 
 @torch.no_grad()
 def continuation_logprobs(model: LlamaForCausalLM, cache: FullCache, next_logits: torch.Tensor, candidates: list[list[int]]) -> torch.Tensor:
     """Summed log-probability of each candidate token sequence after the prompt held in ``cache``
-    (``next_logits: [V]`` are the prompt's next-token logits). One forward for all candidates. -> [n]."""
+    (``next_logits: [V]`` are the prompt's next-token logits; the cache's key bias, if any, applies). One forward for all candidates. -> [n]."""
     if any(not c for c in candidates):
         raise ValueError("every candidate needs at least one token")
     first = next_logits.float().log_softmax(-1)
@@ -81,7 +85,7 @@ def continuation_logprobs(model: LlamaForCausalLM, cache: FullCache, next_logits
     if not rest:
         return scores
     k, v = cache.buffers(cache.length)  # [L, 1, Hkv, S, D]
-    branch = BranchCache.for_model(model, [len(tails[i]) for i in rest], k[:, 0], v[:, 0])
+    branch = BranchCache.for_model(model, [len(tails[i]) for i in rest], k[:, 0], v[:, 0], cache.key_bias)
     ids = torch.tensor([[t for i in rest for t in tails[i]]], device=next_logits.device)
     logp = model(ids, cache=branch)[0].float().log_softmax(-1)  # [T, V]
     pos = 0

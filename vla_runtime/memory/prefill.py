@@ -145,6 +145,13 @@ class PrefillRun:
         self.stats_total: list[int] = []
         self.stats_modules: list[tuple[str, ...]] = []
         self.loader: LayerLoader | None = None
+        # stored_bias: memory positions read from stored KV that is not exact, and each layer's score bias
+        self.stale = torch.zeros(s, dtype=torch.bool)  # [S]
+        for m in plan.modules:
+            if m.unit is not None and not m.exact:
+                self.stale[m.start : m.end] = True
+        bias = engine.config.stored_bias
+        self.key_bias = torch.zeros(cfg.n_layers, s, device=dev, dtype=engine.dtype) if bias else None  # [L, S]
 
     # the KVCache protocol (the decoder layer only calls attend)
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -160,10 +167,14 @@ class PrefillRun:
         k_out[layer] = k_rot
         q_rot = apply_rope(q, self.cos[rows], self.sin[rows])
         mask = self.pos[None, :] <= rows[:, None]  # [T, S]
-        if len(rows) == s:  # every row computed (full recomputation, layer 0): plain causal
+        bias = None
+        if self.key_bias is not None:  # the stale keys of this layer: stored, not exact, not computed here
+            self.key_bias[layer] = (self.stale & ~self.computed).to(self.key_bias) * -self.engine.config.stored_bias
+            bias = self.key_bias[layer][None, :]  # [1, S]
+        if bias is None and len(rows) == s:  # every row computed (full recomputation, layer 0): plain causal
             out = causal_attention(q_rot, k_rot, v_all, past=0)
         else:
-            out = masked_attention(q_rot, k_rot, v_all, mask)
+            out = masked_attention(q_rot, k_rot, v_all, mask, bias=bias)
         view = AttentionView(self, layer, rows, q_rot, k_rot, mask, v[0], v_stored)
         nxt = self.method.after_attention(layer, view)
         if nxt is not None:
@@ -365,6 +376,7 @@ class MemoryPrefill:
             finally:
                 loader.close()
             run.out.hold(prompt.n_tokens)
+            run.out.bias_keys(run.key_bias)
             self.method.finish(run)
         t1 = time.perf_counter()
         n_mem = prompt.n_memory
