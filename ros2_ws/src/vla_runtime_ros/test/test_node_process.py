@@ -231,3 +231,39 @@ def test_a_crash_exits_1_and_a_finished_node_0_both_after_releasing_it(crash, co
     assert report["handlers_restored"]  # the runner's handlers are gone again
     if crash:
         assert "a bug in a callback" in report["stderr"]
+
+
+STOP_ON_ANOTHER_THREAD = r"""
+import signal, sys, threading
+from vla_runtime_ros.runner import Stop
+
+stop = Stop()
+signal.signal(signal.SIGTERM, lambda signum, frame: stop.request("SIGTERM received"))
+main_id, main_tid = threading.get_ident(), threading.get_native_id()
+announced = threading.Event()
+
+def asleep_in_stop_wait():
+    frame = sys._current_frames()[main_id]
+    in_wait = frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith("threading.py")
+    state = open(f"/proc/self/task/{main_tid}/stat").read().rsplit(")", 1)[1].split()[0]
+    return in_wait and state == "S"
+
+def elsewhere():
+    announced.wait()
+    while not asleep_in_stop_wait():  # the main thread asleep inside Stop.wait's Event.wait
+        pass
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # to this thread only, as the kernel may
+
+threading.Thread(target=elsewhere, daemon=True).start()
+announced.set()
+stop.wait()
+print(stop.reason, flush=True)
+"""
+
+
+def test_a_stop_signal_the_kernel_hands_to_another_thread_still_stops_the_node():
+    """A process-directed SIGINT/SIGTERM may land on any thread that does not block it (DDS, torch); Python
+    runs the handler in the main thread only, so a main thread asleep in ``Stop.wait`` must wake up for it."""
+    done = subprocess.run([sys.executable, "-c", STOP_ON_ANOTHER_THREAD], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=PATIENCE.timeout(60.0))
+    assert (done.returncode, done.stdout.strip()) == (0, "SIGTERM received"), done.stderr

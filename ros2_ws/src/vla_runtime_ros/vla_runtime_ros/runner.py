@@ -56,6 +56,8 @@ class NodeStartError(RuntimeError):
 class Stop:
     """Why the process ends, set once (the first reason wins) from any thread or a signal handler."""
 
+    WAKE_S = 0.2  # the longest a signal delivered to another thread waits for its handler (``wait``)
+
     def __init__(self) -> None:
         self.reason = ""
         self.code = 0
@@ -78,8 +80,15 @@ class Stop:
         return self._event.is_set()
 
     def wait(self) -> None:
-        """Block the main thread until a stop is requested (signal handlers run meanwhile)."""
-        self._event.wait()
+        """Block the main thread until a stop is requested (signal handlers run meanwhile).
+
+        It waits in slices of ``WAKE_S``: CPython runs a signal handler in the main thread only, but the
+        kernel may hand a process-directed SIGINT or SIGTERM to any thread that does not block it (a DDS or
+        torch thread). The main thread is then not interrupted, and a wait without a timeout sleeps through the
+        signal for good; with slices the handler runs when the slice ends.
+        """
+        while not self._event.wait(self.WAKE_S):
+            pass
 
 
 def exit_with_parent() -> None:
