@@ -145,13 +145,15 @@ class PrefillRun:
         self.stats_total: list[int] = []
         self.stats_modules: list[tuple[str, ...]] = []
         self.loader: LayerLoader | None = None
-        # stored_bias: memory positions read from stored KV that is not exact, and each layer's score bias
-        self.stale = torch.zeros(s, dtype=torch.bool)  # [S]
-        for m in plan.modules:
-            if m.unit is not None and not m.exact:
-                self.stale[m.start : m.end] = True
-        bias = engine.config.stored_bias
-        self.key_bias = torch.zeros(cfg.n_layers, s, device=dev, dtype=engine.dtype) if bias else None  # [L, S]
+        # stored_bias only: memory positions read from stored KV that is not exact, and each layer's score bias
+        self.stale: torch.Tensor | None = None  # [S] bool
+        self.key_bias: torch.Tensor | None = None  # [L, S]
+        if engine.config.stored_bias:
+            self.stale = torch.zeros(s, dtype=torch.bool)
+            for m in plan.modules:
+                if m.unit is not None and not m.exact:
+                    self.stale[m.start : m.end] = True
+            self.key_bias = torch.zeros(cfg.n_layers, s, device=dev, dtype=engine.dtype)
 
     # the KVCache protocol (the decoder layer only calls attend)
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
