@@ -23,7 +23,8 @@ def test_bench_fast_small_geometry_writes_every_variant(tmp_path):
     results = record["results"]
     quantized = list(bench.QUANTIZED)
     assert set(results) == {f"small step: {v}" for v in [bench.EAGER, bench.COMPILED, *quantized]} | {
-        f"small decode: {v}" for v in [bench.EAGER, bench.COMPILED, *quantized, *(f"{q} + compiled" for q in quantized)]
+        f"small decode: {v}"
+        for v in [bench.EAGER, bench.COMPILED, bench.GUARDED, *quantized, *(f"{q} + compiled" for q in quantized)]
     }
     for name, r in results.items():
         assert r["baseline"] == f"{name.split(':')[0]}: {bench.EAGER}" and len(r["times_ms"]) == 2
