@@ -6,6 +6,8 @@ Geometries (``--geometry``):
 - ``small``: the tiny test OpenVLA (2 LLaMA layers of 64 hidden, two 3-block ViTs): a whole ``session.step``
   (single mode, full cache: vision, prefill, 7 action tokens) and one decode forward (T=1) over the step's
   context.
+- ``cogact``: the tiny test CogACT (the same VLM with a 56-px image, and its DiT): a whole ``session.step`` (single
+  mode: vision, prefill, 10 DDIM steps of the DiT with classifier-free guidance), eager and compiled.
 - ``7b-layer``: ``--layers`` LLaMA-2-7B-sized decoder layers (4096 hidden, 11008 MLP, 32 heads; random
   weights): one decode forward (T=1) over a full cache holding ``--context`` tokens (an OpenVLA step's worth).
 
@@ -38,7 +40,7 @@ import itertools
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -50,6 +52,7 @@ from vla_runtime.bench.harness import (
     environment, plot_medians, print_ratio_table, ratio_table, seeded_main, time_interleaved, time_ms, write_json,
 )  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
+from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact
 from vla_runtime.config import CompileMode, SessionConfig
 from vla_runtime.images import read_image
 from vla_runtime.kv import KVConfig, make_cache
@@ -59,14 +62,16 @@ from vla_runtime.policies.compiled import CompiledDecoder, compile_options
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "demo_scene.png"
 INSTRUCTION = "put the red cube in the blue bowl"
-GEOMETRIES = ("small", "7b-layer")
+GEOMETRIES = ("small", "cogact", "7b-layer")
+DEFAULT_GEOMETRIES = ("small", "7b-layer")  # --geometry both
 EAGER, COMPILED, GUARDED = "eager", "compiled", "compiled, every guard"
 QUANTIZED = {f"weight-only {m.value}": m for m in (QuantMode.INT8, QuantMode.INT4)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--geometry", choices=(*GEOMETRIES, "both"), default="both")
+    p.add_argument("--geometry", choices=(*GEOMETRIES, "both", "all"), default="both",
+                   help="both: small and 7b-layer; all: every geometry (default: %(default)s)")
     p.add_argument("--layers", type=int, default=2, help="7b-layer: decoder layers (default: %(default)s)")
     p.add_argument("--context", type=int, default=290, help="7b-layer: tokens in the cache (default: %(default)s)")
     p.add_argument("--image", type=Path, default=ASSET, help="small: the frame (default: the bundled test scene)")
@@ -173,6 +178,22 @@ def small_group(args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
     yield decode_group("small decode", llm, context=context, args=args, quantized=decoders)
 
 
+def cogact_group(args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
+    """The tiny CogACT: whole steps, eager and compiled (the same seed: the same noise, so the same chunk up to
+    float rounding, checked before timing)."""
+    path = make_tiny_cogact(tmp / "tiny-cogact", seed=args.seed)
+    policy = load_policy(path, device=args.device, dtype=args.dtype)
+    obs = Observation(images={"primary": read_image(args.image)})
+    config = SessionConfig(seed=args.seed)
+    eager = policy.new_session(INSTRUCTION, config)
+    compiled, compile_s = timed(lambda: policy.new_session(INSTRUCTION, replace(config, compile=args.compile_mode)))
+    diff = float(np.abs(compiled.step(obs).actions - eager.step(obs).actions).max())
+    if diff > 1e-3:
+        raise SystemExit(f"compiled CogACT's chunk differs from eager's by {diff:.3g} (robot units)")
+    calls = {EAGER: lambda: eager.step(obs), COMPILED: lambda: compiled.step(obs)}
+    yield Group("cogact step", calls, {COMPILED: compile_s}, {COMPILED: {"max_abs_action_diff": diff}})
+
+
 def action_agreement(eager, other, args: argparse.Namespace) -> dict:
     """``other`` session's actions against ``eager``'s on ``--agreement-steps`` random frames: the share of identical
     action tokens, the largest action difference (robot units), and the LLM's weight bytes of each."""
@@ -265,12 +286,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Build each group's variants, check them against eager and time them interleaved (group by group), report."""
-    geometries = GEOMETRIES if args.geometry == "both" else (args.geometry,)
+    geometries = {"both": DEFAULT_GEOMETRIES, "all": GEOMETRIES}.get(args.geometry, (args.geometry,))
     groups: list[Group] = []
     times, baselines = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         built = itertools.chain(
             small_group(args, Path(tmp)) if "small" in geometries else (),
+            cogact_group(args, Path(tmp)) if "cogact" in geometries else (),
             layer_group(args) if "7b-layer" in geometries else (),
         )
         for group in built:

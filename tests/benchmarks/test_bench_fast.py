@@ -39,6 +39,17 @@ def test_bench_fast_small_geometry_writes_every_variant(tmp_path):
     assert limits["small decode: weight-only int8"]["weight_bytes"] < limits["small decode: eager"]["weight_bytes"] / 3
 
 
+@pytest.mark.slow
+def test_bench_fast_cogact_geometry_times_eager_and_compiled_steps(tmp_path):
+    argv = ["--geometry", "cogact", "--repeats", "2", "--warmup", "1", "--bandwidth-mib", "8", "--out", str(tmp_path / "c")]
+    assert get_benchmark("fast").run(argv) == 0
+    bench = sys.modules["bench_fast"]
+    record = json.loads((tmp_path / "c.json").read_text())
+    assert set(record["results"]) == {f"cogact step: {v}" for v in (bench.EAGER, bench.COMPILED)}
+    assert record["agreement"]["cogact step"][bench.COMPILED]["max_abs_action_diff"] <= 1e-3
+    assert record["weight_bandwidth_limits"] == {}  # step rows only
+
+
 def _bench_fast():
     return get_benchmark("fast").load_script()  # benchmarks/bench_fast.py as a module
 

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from ..checkpoints.prismatic_vlm import load_prismatic
-from ..config import SessionConfig
+from ..config import CompileMode, SessionConfig
 from ..device import synchronize
 from ..kv import KVConfig
 from ..models.action_postprocess import postprocess_actions
@@ -26,21 +27,29 @@ from ..models.cogact.processing_cogact import AdaptiveEnsembler, cognition_suffi
 from ..models.diffusion import DiffusionConfig, Inpaint, rtc_weights
 from ..models.prismatic.prompt_prismatic import PromptIds
 from .base import ActionPrefix, Observation, Policy, StepResult
+from .compiled import CompiledDiT, compile_options
 from .loading import plan_load
 from .prismatic_session import ActionHeadSession, PrismaticPolicy
 
 
 class CogACTSession(ActionHeadSession):
-    """One episode: the cache (history mode), the noise generator and the adaptive ensemble's chunks."""
+    """One episode: the cache (history mode), the noise generator and the adaptive ensemble's chunks. With
+    ``SessionConfig.compile`` on, the vision towers, the decoder's layer pass and the DiT are the policy's
+    compiled ones, warmed up when the session is created (``WARMUP_STEPS`` steps on a black frame, then
+    ``reset``, which re-seeds the noise)."""
+
+    compiles = True
 
     def __init__(self, policy: CogACTPolicy, instruction: str, config: SessionConfig) -> None:
         ensemble = policy.config.sampling.ensemble
         self.ensembler = AdaptiveEnsembler(ensemble) if ensemble.horizon else None
+        self.denoiser = policy.denoiser(config.compile)
         super().__init__(policy, instruction, config)
         if self.action_stats.dim != policy.action_dim:
             raise ValueError(
                 f"statistics {self.unnorm_key!r} have {self.action_stats.dim} action dims; the DiT predicts {policy.action_dim}"
             )
+        self._start_compiled()
 
     def _suffix(self, prompt: PromptIds) -> tuple[int, ...]:
         return cognition_suffix(prompt.empty, self.policy.config.vlm.eos_token_id)
@@ -59,7 +68,7 @@ class CogACTSession(ActionHeadSession):
         start = time.perf_counter()
         normalized = policy.model.action_model.sample(
             CogACT.cognition(hidden), cfg_scale=policy.config.sampling.cfg_scale, generator=self.generator,
-            inpaint=None if obs.prefix is None else self._inpaint(obs.prefix),
+            inpaint=None if obs.prefix is None else self._inpaint(obs.prefix), net=self.denoiser,
         )  # [1, chunk, A]
         synchronize(policy.device)
         timings["denoise"] = (time.perf_counter() - start) * 1e3
@@ -97,6 +106,18 @@ class CogACTPolicy(PrismaticPolicy, Policy):
     model: CogACT
 
     batched_steps = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._denoisers: dict[CompileMode, nn.Module | CompiledDiT] = {}
+
+    def denoiser(self, mode: CompileMode) -> nn.Module | CompiledDiT:
+        """What sessions of ``mode`` predict the noise with: the DiT itself (``OFF``) or its compiled form, built
+        once per mode and shared by the policy's sessions (compiled code included)."""
+        if mode not in self._denoisers:
+            net = self.model.action_model.net
+            self._denoisers[mode] = net if mode is CompileMode.OFF else CompiledDiT(net, **compile_options(mode, self.device))
+        return self._denoisers[mode]
 
     @property
     def action_dim(self) -> int:

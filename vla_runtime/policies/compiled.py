@@ -77,6 +77,22 @@ def step_modules(vlm: PrismaticVLM, mode: CompileMode, device: torch.device) -> 
     return StepModules(mode, vision, CompiledDecoder(vlm.language_model.model, **options))
 
 
+class CompiledDiT:
+    """A diffusion transformer's two noise predictions (``DiT.__call__`` and ``forward_with_cfg``, CogACT's
+    ``action_model.net``) ``torch.compile``-d with static shapes: a session samples one chunk of one size. The
+    DDIM loop around them stays eager (its noise comes from the session's CPU generator)."""
+
+    def __init__(self, net: torch.nn.Module, **options) -> None:
+        options = {**options, "dynamic": False}
+        wrap = graph_output if options.get("mode") == "reduce-overhead" else (lambda fn: fn)
+        self._forward = wrap(torch.compile(net.forward, **options))
+        self.forward_with_cfg = wrap(torch.compile(net.forward_with_cfg, **options))
+
+    def __call__(self, x: torch.Tensor, t: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, A] noisy actions, t: [B] timesteps, z: [B, 1, token_size] condition -> eps [B, T, A]."""
+        return self._forward(x, t, z)
+
+
 def graph_output(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``fn`` returning a copy of its output. A CUDA graph's output lives in the graph's memory pool, which a
     later replay (of any graph in the pool) overwrites; what a step keeps across calls (image tokens, hidden

@@ -27,7 +27,7 @@ import torch
 
 from ..checkpoints.adapter import has_lora, merge_lora
 from ..checkpoints.openvla import OpenVLACheckpoint, load_openvla
-from ..config import ActionDecoding, CompileMode, HistoryMode, SessionConfig
+from ..config import ActionDecoding, HistoryMode, SessionConfig
 from ..device import synchronize
 from ..kv import KVConfig, has_gate
 from ..models.generation import TokenHead, decode
@@ -35,8 +35,7 @@ from ..models.quantize import QuantMode, quantize_linears
 from ..models.openvla.processing_openvla import ActionTokenizer, history_frame, single_layout
 from ..models.prismatic.configuration_prismatic import OpenVLAConfig, read_json
 from ..models.prismatic.processing_prismatic import ActionStats, Forward, resolve_unnorm_key
-from .base import PRIMARY_CAMERA, Observation, Policy, StepResult
-from .compiled import WARMUP_STEPS
+from .base import Observation, Policy, StepResult
 from .loading import plan_load
 from .prismatic_session import PrismaticPolicy, PrismaticSession, parameter_count
 
@@ -64,21 +63,12 @@ class OpenVLASession(PrismaticSession):
         self._keeps_actions = config.history is not HistoryMode.OBSERVATIONS  # observations: decodes rolled back
         self.last_tokens: np.ndarray | None = None  # [1, action_dim] ids of the last step
         super().__init__(policy, instruction, config)
-        self._skip_guards = False  # set after the warm-up (``SessionConfig.compile_guards``)
-        if config.compile is not CompileMode.OFF:
-            self.warm_up()
-            self._skip_guards = not config.compile_guards
+        self._start_compiled()
 
-    def warm_up(self, steps: int = WARMUP_STEPS) -> None:
-        """Run ``steps`` steps on a blank frame (zero state), then ``reset``: compilation (and CUDA graph capture)
-        happens here, at session creation, and not in the first control tick. The episode starts afresh."""
-        size = self.policy.image_processor.size
+    def blank_observation(self) -> Observation:
+        """A black image and, with a proprio projector, a zero state."""
         dim = self.policy.config.proprio_dim
-        blank = Observation(images={PRIMARY_CAMERA: np.zeros((size, size, 3), np.uint8)},
-                            state=None if dim is None else np.zeros(dim))  # fmt: skip
-        for _ in range(steps):
-            self.step(blank)
-        self.reset()
+        return replace(super().blank_observation(), state=None if dim is None else np.zeros(dim))
 
     # ---- episode state ---------------------------------------------------------------------------
 
@@ -106,12 +96,6 @@ class OpenVLASession(PrismaticSession):
         self.last_tokens = None
 
     # ---- one control step ------------------------------------------------------------------------
-
-    def step(self, obs: Observation) -> StepResult:
-        if self._skip_guards:  # compiled and warmed up: only the guards that choose between the compiled graphs
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return self._step(obs)
-        return self._step(obs)
 
     @torch.inference_mode()
     def _step(self, obs: Observation) -> StepResult:

@@ -43,7 +43,7 @@ from ..models.prismatic.processing_prismatic import (
 )
 from ..models.prismatic.prompt_prismatic import PromptIds
 from .base import PRIMARY_CAMERA, EpisodeSession, Observation, StepResult, validate_instruction
-from .compiled import StepModules, step_modules
+from .compiled import WARMUP_STEPS, StepModules, step_modules
 
 
 def parameter_count(module: torch.nn.Module | None) -> int:
@@ -162,6 +162,7 @@ class PrismaticSession(EpisodeSession):
         self.policy = policy
         self.history = config.history.episodic
         self.modules = policy.step_modules(config.compile, config.kv.mode)
+        self._skip_guards = False  # set after the warm-up (``SessionConfig.compile_guards``)
         self._build(instruction)
 
     @abc.abstractmethod
@@ -172,6 +173,36 @@ class PrismaticSession(EpisodeSession):
     @abc.abstractmethod
     def head_tokens(self) -> int:
         """Most tokens a step feeds after its prefix (decoded tokens, head tokens rolled back), for cache sizing."""
+
+    @abc.abstractmethod
+    def _step(self, obs: Observation) -> StepResult:
+        """One control step (``step``)."""
+
+    def step(self, obs: Observation) -> StepResult:
+        if self._skip_guards:  # compiled and warmed up: only the guards that choose between the compiled graphs
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self._step(obs)
+        return self._step(obs)
+
+    def _start_compiled(self) -> None:
+        """The end of a compiling family's ``__init__``: with ``SessionConfig.compile`` on, warm up (compile now,
+        not in the first control tick), then skip the guards unless ``compile_guards``."""
+        if self.config.compile is not CompileMode.OFF:
+            self.warm_up()
+            self._skip_guards = not self.config.compile_guards
+
+    def blank_observation(self) -> Observation:
+        """A black primary image at the processor's size (what ``warm_up`` steps on)."""
+        size = self.policy.image_processor.size
+        return Observation(images={PRIMARY_CAMERA: np.zeros((size, size, 3), np.uint8)})
+
+    def warm_up(self, steps: int = WARMUP_STEPS) -> None:
+        """Run ``steps`` steps on ``blank_observation``, then ``reset``: compilation (and CUDA graph capture) happens
+        here, at session creation, and not in the first control tick. The episode starts afresh."""
+        blank = self.blank_observation()
+        for _ in range(steps):
+            self.step(blank)
+        self.reset()
 
     def _step_frame(self) -> Forward:
         """This step's forward (the episode's ``frame`` unless a subclass varies it per step)."""
@@ -278,7 +309,7 @@ class ActionHeadSession(PrismaticSession):
     def _prefill(self, embeds: torch.Tensor, timings: dict) -> torch.Tensor:
         """One forward of the step's prefix into the cache -> final (post-norm) hidden states [1, T, dim]."""
         start = time.perf_counter()
-        hidden = self.policy.vlm.language_model.model(inputs_embeds=embeds, cache=self.cache)
+        hidden = self.modules.decoder(inputs_embeds=embeds, cache=self.cache)
         synchronize(self.policy.device)
         timings["prefill"] = timings.get("prefill", 0.0) + (time.perf_counter() - start) * 1e3
         return hidden
@@ -293,10 +324,10 @@ class ActionHeadSession(PrismaticSession):
         self.generator.manual_seed(self.config.seed)
 
     @torch.inference_mode()
-    def step(self, obs: Observation) -> StepResult:
+    def _step(self, obs: Observation) -> StepResult:
         policy = self.policy
         start = time.perf_counter()
-        image_tokens = policy.vlm.embed_image(self.pixels(obs))  # [1, N, dim]
+        image_tokens = self.modules.embed_image(self.pixels(obs))  # [1, N, dim]
         proprio = self._proprio_tokens(obs)
         synchronize(policy.device)
         timings = {"vision": (time.perf_counter() - start) * 1e3}

@@ -10,6 +10,8 @@ checkpoint but is never used (upstream asserts ``past_action_window_size == 0``)
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -184,22 +186,25 @@ class ActionModel(nn.Module):
     @torch.no_grad()
     def sample(
         self, cognition: torch.Tensor, *, cfg_scale: float = 1.5, generator: torch.Generator | None = None,
-        inpaint: Inpaint | None = None, noise: torch.Tensor | None = None,
+        inpaint: Inpaint | None = None, noise: torch.Tensor | None = None, net: Callable | None = None,
     ) -> torch.Tensor:
         """DDIM (eta = 0) from N(0, I) noise drawn with ``generator`` (a CPU generator; or the given ``noise``
         [B, chunk, action_dim], e.g. rows drawn by several sessions' generators); CFG when ``cfg_scale > 1``;
         ``inpaint``: the chunk's first rows guided to known actions (``GaussianDiffusion.ddim_sample``).
 
         cognition: [B, 1, token_size] (cast to the DiT's dtype). Returns normalised actions [B, chunk, action_dim].
+        ``net``: what predicts the noise instead of ``self.net`` (its compiled form, ``policies.compiled.CompiledDiT``:
+        called as ``net(x, t, z)`` and ``net.forward_with_cfg(x, t, z, scale)``).
         """
         dtype = self.net.x_embedder.linear.weight.dtype
+        net = self.net if net is None else net
         z = cognition.to(dtype)
         if noise is None:
             noise = self.draw_noise(z.shape[0], generator)
         noise = noise.to(z.device, dtype)
         if cfg_scale > 1.0:
-            return self.diffusion.ddim_sample(lambda x, t: self.net.forward_with_cfg(x, t, z, cfg_scale), noise, inpaint=inpaint)
-        return self.diffusion.ddim_sample(lambda x, t: self.net(x, t, z), noise, inpaint=inpaint)
+            return self.diffusion.ddim_sample(lambda x, t: net.forward_with_cfg(x, t, z, cfg_scale), noise, inpaint=inpaint)
+        return self.diffusion.ddim_sample(lambda x, t: net(x, t, z), noise, inpaint=inpaint)
 
 
 class CogACT(nn.Module):
