@@ -8,6 +8,8 @@ Geometries (``--geometry``):
   context.
 - ``cogact``: the tiny test CogACT (the same VLM with a 56-px image, and its DiT): a whole ``session.step`` (single
   mode: vision, prefill, 10 DDIM steps of the DiT with classifier-free guidance), eager and compiled.
+- ``hybridvla``: the tiny test HybridVLA: a whole ``session.step`` (single mode: vision, DDIM steps through the
+  LLM, the AR branch's tokens, the collaborative ensemble), eager and compiled.
 - ``7b-layer``: ``--layers`` LLaMA-2-7B-sized decoder layers (4096 hidden, 11008 MLP, 32 heads; random
   weights): one decode forward (T=1) over a full cache holding ``--context`` tokens (an OpenVLA step's worth).
 
@@ -52,7 +54,7 @@ from vla_runtime.bench.harness import (
     environment, plot_medians, print_ratio_table, ratio_table, seeded_main, time_interleaved, time_ms, write_json,
 )  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
-from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact
+from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact, make_tiny_hybridvla
 from vla_runtime.config import CompileMode, SessionConfig
 from vla_runtime.images import read_image
 from vla_runtime.kv import KVConfig, make_cache
@@ -62,9 +64,10 @@ from vla_runtime.policies.compiled import CompiledDecoder, compile_options
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "demo_scene.png"
 INSTRUCTION = "put the red cube in the blue bowl"
-GEOMETRIES = ("small", "cogact", "7b-layer")
+GEOMETRIES = ("small", "cogact", "hybridvla", "7b-layer")
 DEFAULT_GEOMETRIES = ("small", "7b-layer")  # --geometry both
 EAGER, COMPILED, GUARDED = "eager", "compiled", "compiled, every guard"
+HEAD_FAMILIES = {"cogact": make_tiny_cogact, "hybridvla": make_tiny_hybridvla}  # --geometry: checkpoint maker
 QUANTIZED = {f"weight-only {m.value}": m for m in (QuantMode.INT8, QuantMode.INT4)}
 
 
@@ -178,20 +181,21 @@ def small_group(args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
     yield decode_group("small decode", llm, context=context, args=args, quantized=decoders)
 
 
-def cogact_group(args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
-    """The tiny CogACT: whole steps, eager and compiled (the same seed: the same noise, so the same chunk up to
-    float rounding, checked before timing)."""
-    path = make_tiny_cogact(tmp / "tiny-cogact", seed=args.seed)
+def head_group(family: str, args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
+    """The tiny CogACT or HybridVLA: whole steps, eager and compiled (the same seed: the same noise, so the same
+    actions up to float rounding, checked before timing)."""
+    path = HEAD_FAMILIES[family](tmp / f"tiny-{family}", seed=args.seed)
     policy = load_policy(path, device=args.device, dtype=args.dtype)
-    obs = Observation(images={"primary": read_image(args.image)})
+    state = np.zeros(policy.action_dim) if family == "hybridvla" else None  # HybridVLA's proprio token
+    obs = Observation(images={"primary": read_image(args.image)}, state=state)
     config = SessionConfig(seed=args.seed)
     eager = policy.new_session(INSTRUCTION, config)
     compiled, compile_s = timed(lambda: policy.new_session(INSTRUCTION, replace(config, compile=args.compile_mode)))
     diff = float(np.abs(compiled.step(obs).actions - eager.step(obs).actions).max())
     if diff > 1e-3:
-        raise SystemExit(f"compiled CogACT's chunk differs from eager's by {diff:.3g} (robot units)")
+        raise SystemExit(f"compiled {family}'s actions differ from eager's by {diff:.3g} (robot units)")
     calls = {EAGER: lambda: eager.step(obs), COMPILED: lambda: compiled.step(obs)}
-    yield Group("cogact step", calls, {COMPILED: compile_s}, {COMPILED: {"max_abs_action_diff": diff}})
+    yield Group(f"{family} step", calls, {COMPILED: compile_s}, {COMPILED: {"max_abs_action_diff": diff}})
 
 
 def action_agreement(eager, other, args: argparse.Namespace) -> dict:
@@ -292,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         built = itertools.chain(
             small_group(args, Path(tmp)) if "small" in geometries else (),
-            cogact_group(args, Path(tmp)) if "cogact" in geometries else (),
+            *(head_group(family, args, Path(tmp)) for family in HEAD_FAMILIES if family in geometries),
             layer_group(args) if "7b-layer" in geometries else (),
         )
         for group in built:

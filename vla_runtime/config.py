@@ -48,7 +48,7 @@ class ActionDecoding(str, Enum):
 
 
 class CompileMode(str, Enum):
-    """How a session's step runs (``SessionConfig.compile``; OpenVLA and CogACT).
+    """How a session's step runs (``SessionConfig.compile``; OpenVLA, CogACT, HybridVLA).
 
     ``OFF``: eager PyTorch (the default). ``DEFAULT``: the vision towers + projector and the decoder's layer pass
     (and CogACT's DiT) are ``torch.compile``-d (inductor; fused kernels, far less per-op overhead), warmed up when
@@ -80,7 +80,7 @@ class SessionConfig:
         execution_horizon: actions executed from each predicted chunk before re-planning
             (``None`` = the whole chunk); only matters for chunk-predicting families.
         seed: seed for sampling-based heads (diffusion noise).
-        compile: eager or ``torch.compile``-d step (``CompileMode``; OpenVLA and CogACT sessions).
+        compile: eager or ``torch.compile``-d step (``CompileMode``; OpenVLA, CogACT and HybridVLA sessions).
         compile_guards: after the warm-up, evaluate all of ``torch.compile``'s guards on every compiled call
             (``True``) or only those that pick between the graphs compiled so far (``False``, the default; the
             warm-up itself always runs them all). What serving stacks do after their warm-up (vLLM calls its

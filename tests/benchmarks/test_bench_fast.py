@@ -40,13 +40,14 @@ def test_bench_fast_small_geometry_writes_every_variant(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_fast_cogact_geometry_times_eager_and_compiled_steps(tmp_path):
-    argv = ["--geometry", "cogact", "--repeats", "2", "--warmup", "1", "--bandwidth-mib", "8", "--out", str(tmp_path / "c")]
+@pytest.mark.parametrize("family", ["cogact", "hybridvla"])
+def test_bench_fast_action_head_geometries_time_eager_and_compiled_steps(tmp_path, family):
+    argv = ["--geometry", family, "--repeats", "2", "--warmup", "1", "--bandwidth-mib", "8", "--out", str(tmp_path / "c")]
     assert get_benchmark("fast").run(argv) == 0
     bench = sys.modules["bench_fast"]
     record = json.loads((tmp_path / "c.json").read_text())
-    assert set(record["results"]) == {f"cogact step: {v}" for v in (bench.EAGER, bench.COMPILED)}
-    assert record["agreement"]["cogact step"][bench.COMPILED]["max_abs_action_diff"] <= 1e-3
+    assert set(record["results"]) == {f"{family} step: {v}" for v in (bench.EAGER, bench.COMPILED)}
+    assert record["agreement"][f"{family} step"][bench.COMPILED]["max_abs_action_diff"] <= 1e-3
     assert record["weight_bandwidth_limits"] == {}  # step rows only
 
 

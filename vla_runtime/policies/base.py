@@ -100,7 +100,7 @@ class EpisodeSession(abc.ABC):
         if config.compile is not CompileMode.OFF and not self.compiles:
             raise ValueError(
                 f"`compile` is {config.compile.value!r}, but {type(self).__name__} runs eager only "
-                f"(compiled steps: OpenVLA, CogACT); use {CompileMode.OFF.value!r}"
+                f"(compiled steps: OpenVLA, CogACT, HybridVLA); use {CompileMode.OFF.value!r}"
             )
         self.instruction = instruction
         self.config = config

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -52,9 +53,13 @@ log = logging.getLogger(__name__)
 
 
 class HybridVLASession(ActionHeadSession):
-    """One episode: the cache, the noise generator, and the last AR tokens / confidences."""
+    """One episode: the cache, the noise generator, and the last AR tokens / confidences. With
+    ``SessionConfig.compile`` on, the vision towers and every LLM forward of the step (prefill, the DDIM steps'
+    short forwards, the AR branch's decode) run the policy's compiled modules, warmed up when the session is
+    created (``WARMUP_STEPS`` steps on a black frame and a zero state, then ``reset``, which re-seeds the noise)."""
 
     uses_proprio = True
+    compiles = True
 
     def __init__(self, policy: HybridVLAPolicy, instruction: str, config: SessionConfig) -> None:
         super().__init__(policy, instruction, config)
@@ -70,6 +75,11 @@ class HybridVLASession(ActionHeadSession):
         self.last_tokens: np.ndarray | None = None  # [1, action_dim] AR ids
         self.last_confidences: np.ndarray | None = None  # [action_dim] max-softmax per AR token
         self.last_used_ar: bool | None = None
+        self._start_compiled()
+
+    def blank_observation(self) -> Observation:
+        """A black image and a zero robot state."""
+        return replace(super().blank_observation(), state=np.zeros(self.policy.action_dim))
 
     def _suffix(self, prompt: PromptIds) -> tuple[int, ...]:
         return (prompt.empty, BOD_TOKEN_ID)
@@ -118,12 +128,13 @@ class HybridVLASession(ActionHeadSession):
         if run_diff:
             start = time.perf_counter()
             normalized = denoise_on_cache(model.lm, model.head, self.cache, policy.diffusion, draws.diff_noise,
-                                          prefix=embeds if fuse else None)[0]  # fmt: skip
+                                          prefix=embeds if fuse else None, decoder=self.modules.decoder)[0]  # fmt: skip
             synchronize(policy.device)
             timings["denoise"] = (time.perf_counter() - start) * 1e3
         if run_ar:
             start = time.perf_counter()
-            ids, conf = (x[0] for x in decode_ar_branch(policy, self.cache, draws.ar_noise, draws.t, self.prompt.empty))
+            ids, conf = (x[0] for x in decode_ar_branch(policy, self.cache, draws.ar_noise, draws.t, self.prompt.empty,
+                                                        decoder=self.modules.decoder))  # fmt: skip
             synchronize(policy.device)
             timings["decode"] = (time.perf_counter() - start) * 1e3
         return self.finish(normalized, ids, conf)
@@ -166,12 +177,14 @@ class Draws:
     ar_noise: torch.Tensor | None
 
 
-def decode_ar_branch(policy: "HybridVLAPolicy", cache, noise: torch.Tensor, t: torch.Tensor, empty_id: int):
-    """The AR branch on the cached prefixes (rolled back afterwards): ids, confidences [B, action_dim]."""
+def decode_ar_branch(policy: "HybridVLAPolicy", cache, noise: torch.Tensor, t: torch.Tensor, empty_id: int,
+                     decoder: Callable[..., torch.Tensor] | None = None):  # fmt: skip
+    """The AR branch on the cached prefixes (rolled back afterwards): ids, confidences [B, action_dim]. ``decoder``:
+    the LLM forward to run (default: the eager model)."""
     model = policy.model
     mark = cache.mark()
     ids, conf = decode_ar_actions(model.lm, model.head, cache, noise=noise, t=t, tail_ids=(EOD_TOKEN_ID, empty_id),
-                                  n_tokens=policy.action_dim)  # fmt: skip
+                                  n_tokens=policy.action_dim, decoder=decoder)  # fmt: skip
     cache.rollback(mark)
     return ids, conf
 

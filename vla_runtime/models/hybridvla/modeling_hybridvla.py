@@ -14,6 +14,8 @@ diffusion branch; the AR branch continues ``... [x] <EOD> 29871`` and decodes 7 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 
@@ -127,6 +129,7 @@ def denoise_on_cache(
     noise: torch.Tensor,
     *,
     prefix: torch.Tensor | None = None,
+    decoder: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """DDIM inside the LLM, reusing the prefix KV.
 
@@ -136,8 +139,11 @@ def denoise_on_cache(
     prefix: [B, P, dim] embeddings not yet in the cache; the first step runs them together with its own
     tokens in one forward (upstream's structure: one full forward, then short ones) and they stay cached.
     ``None``: the cache already holds the prefix. noise: [B, chunk, A]. Returns normalised actions [B, chunk, A].
+    ``decoder``: what runs ``lm.model``'s forward (default ``lm.model``; a session's compiled one,
+    ``policies.compiled.CompiledDecoder``).
     """
     pending = prefix
+    decoder = lm.model if decoder is None else decoder
 
     def eps_fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         nonlocal pending
@@ -146,7 +152,7 @@ def denoise_on_cache(
         keep = 0
         if pending is not None:
             tokens, keep, pending = torch.cat([pending, tokens], dim=1), pending.shape[1], None
-        h = lm.model(inputs_embeds=tokens, cache=cache)
+        h = decoder(inputs_embeds=tokens, cache=cache)
         cache.rollback(mark + keep)
         return head.eps(h[:, -x.shape[1] :].to(head.final_layer.norm_final.weight.dtype))
 
@@ -188,6 +194,7 @@ def decode_ar_actions(
     t: torch.Tensor,
     tail_ids: tuple[int, ...],
     n_tokens: int,
+    decoder: Callable[..., torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The autoregressive branch on the cached prefix: append ``[t, x_noise] + tail_ids`` (``<EOD>, 29871``)
     and greedily decode ``n_tokens`` tokens over the full vocabulary, as upstream (conditioned on a random-noise
@@ -195,15 +202,22 @@ def decode_ar_actions(
     roll back to drop it.
 
     noise: [B, chunk, A]; t: [B]. Returns ids [B, n_tokens] and confidences [B, n_tokens] (max softmax probability).
+    ``decoder``: what runs ``lm.model``'s forward (as in ``denoise_on_cache``).
     """
+    decoder = lm.model if decoder is None else decoder
+
+    def last_logits(input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """``lm(..., last_only=True)[:, -1]`` through ``decoder``: float32 logits [B, V] of the last position."""
+        return lm.lm_head(decoder(input_ids, inputs_embeds, cache=cache)[:, -1:]).float()[:, -1]
+
     b = noise.shape[0]
     tail = torch.tensor(tail_ids, device=noise.device).expand(b, len(tail_ids))
     dtype = lm.lm_head.weight.dtype
     embeds = torch.cat([head.embed_step(noise, t).to(dtype), lm.model.embed_tokens(tail)], dim=1)
     head = TokenHead(lm.lm_head, record_confidence=True)
     ids = decode(
-        lambda tok: lm(tok, cache=cache, last_only=True)[:, -1],
-        lm(inputs_embeds=embeds, cache=cache, last_only=True)[:, -1],  # [B, V] float32
+        last_logits,
+        last_logits(inputs_embeds=embeds),  # [B, V] float32
         head.pick,
         max_new_tokens=n_tokens,
     )

@@ -1,0 +1,94 @@
+"""``SessionConfig.compile`` for the action-head families. CogACT: vision, the decoder's layer pass and the DiT
+compiled; HybridVLA: vision and every LLM forward of its step (prefill, DDIM steps, AR decode). A compiled session
+samples the eager session's chunks (same seed, so the same noise) up to float rounding, with every graph compiled
+while the session is created; the family that runs eager only (OpenVLA-OFT) says so."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from torch._dynamo.utils import counters
+
+from vla_runtime.api import Observation, load_policy
+from vla_runtime.checkpoints.tiny_openvla_oft import make_tiny_openvla_oft
+from vla_runtime.config import CompileMode, SessionConfig
+from vla_runtime.kv import KVConfig
+from vla_runtime.models.openvla_oft.configuration_oft import OFTPlatform
+from vla_runtime.models.llama import LlamaModel
+from vla_runtime.policies.compiled import CompiledDecoder, CompiledDiT
+
+INSTRUCTION = "Put the eggplant in the basket"
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_cogact):
+    return load_policy(tiny_cogact)
+
+
+@pytest.mark.slow  # inductor compiles vision, two layer passes and the DiT: ~1 min per case on 2 cores
+@pytest.mark.parametrize(("kv", "history"), [("full", "single"), ("chunked", "history")])
+def test_compiled_cogact_samples_the_eager_chunks_and_compiles_nothing_after_creation(policy, frame, kv, history):
+    config = SessionConfig(kv=KVConfig(mode=kv), history=history, seed=3)
+    eager = policy.new_session(INSTRUCTION, config)
+    compiled = policy.new_session(INSTRUCTION, replace(config, compile=CompileMode.DEFAULT))
+    assert isinstance(compiled.denoiser, CompiledDiT) and compiled._skip_guards
+    assert compiled.cache.stats().tokens_seen == 0  # the warm-up's steps were reset away
+    before = counters["stats"]["unique_graphs"]
+    for i in range(6):
+        obs = Observation(images={"primary": frame(i)})
+        want, got = eager.step(obs), compiled.step(obs)  # the same noise: reset re-seeded the generator
+        np.testing.assert_allclose(got.actions, want.actions, rtol=0, atol=1e-4)
+        assert got.kv == want.kv
+    if kv == "chunked":
+        assert compiled.cache.chunks_formed > 0, "no compression: the check would not cover one"
+    assert counters["stats"]["unique_graphs"] == before, "a graph was compiled in a control step"
+
+
+@pytest.mark.slow  # ~1 min per case on 2 cores
+@pytest.mark.parametrize(("kv", "history"), [("full", "single"), ("chunked", "history")])
+def test_compiled_hybridvla_acts_as_eager_and_compiles_nothing_after_creation(
+    tiny_hybridvla, frame, kv, history, monkeypatch
+):
+    """Both branches (diffusion chunk and AR tokens, ensembled): the AR tokens are identical, the actions equal up
+    to float rounding, and every LLM forward of a compiled step (prefill, DDIM steps, AR tokens) is a compiled one."""
+    hybrid = load_policy(tiny_hybridvla)
+    config = SessionConfig(kv=KVConfig(mode=kv), history=history, seed=3)
+    eager = hybrid.new_session("pick up the cup", config)
+    compiled = hybrid.new_session("pick up the cup", replace(config, compile=CompileMode.DEFAULT))
+    assert compiled._skip_guards and compiled.cache.stats().tokens_seen == 0
+    before = counters["stats"]["unique_graphs"]
+    state = np.array([0.1, -0.2, 0.3, 0.0, 0.1, -0.1, 1.0])
+    for i in range(6):
+        obs = Observation(images={"primary": frame(i)}, state=state)
+        want, got = eager.step(obs), compiled.step(obs)
+        np.testing.assert_array_equal(compiled.last_tokens, eager.last_tokens)
+        np.testing.assert_allclose(got.actions, want.actions, rtol=0, atol=1e-4)
+        assert got.kv == want.kv
+    if kv == "chunked":
+        assert compiled.cache.chunks_formed > 0, "no compression: the check would not cover one"
+    assert counters["stats"]["unique_graphs"] == before, "a graph was compiled in a control step"
+    eager_calls, compiled_calls = llm_forwards(monkeypatch, eager, obs), llm_forwards(monkeypatch, compiled, obs)
+    assert eager_calls == {"eager": eager_calls["eager"], "compiled": 0} and eager_calls["eager"] > 2
+    assert compiled_calls == {"eager": 0, "compiled": eager_calls["eager"]}, "an LLM forward of the step ran eager"
+
+
+def llm_forwards(monkeypatch, session, obs) -> dict[str, int]:
+    """LLM forwards one step of ``session`` runs, eager (``LlamaModel.forward``) and compiled (``CompiledDecoder``)."""
+    calls = {"eager": 0, "compiled": 0}
+    for kind, cls in (("eager", LlamaModel), ("compiled", CompiledDecoder)):
+        original = cls.__call__ if cls is CompiledDecoder else cls.forward
+
+        def counted(*args, _original=original, _kind=kind, **kwargs):
+            calls[_kind] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(cls, "__call__" if cls is CompiledDecoder else "forward", counted)
+    session.step(obs)
+    monkeypatch.undo()
+    return calls
+
+
+def test_an_eager_only_family_names_the_ones_that_compile(tmp_path):
+    oft = load_policy(make_tiny_openvla_oft(tmp_path / "oft", seed=2, platform=OFTPlatform.BRIDGE, proprio=False))
+    with pytest.raises(ValueError, match="OpenVLAOFTSession runs eager only.*OpenVLA, CogACT, HybridVLA.*'off'"):
+        oft.new_session("pick up the cup", SessionConfig(compile=CompileMode.DEFAULT))
