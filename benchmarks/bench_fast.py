@@ -10,6 +10,8 @@ Geometries (``--geometry``):
   mode: vision, prefill, 10 DDIM steps of the DiT with classifier-free guidance), eager and compiled.
 - ``hybridvla``: the tiny test HybridVLA: a whole ``session.step`` (single mode: vision, DDIM steps through the
   LLM, the AR branch's tokens, the collaborative ensemble), eager and compiled.
+- ``oft``: the tiny test OpenVLA-OFT (LIBERO layout: two cameras, a proprio token, the L1 head): a whole
+  ``session.step`` (single mode: both images, one bidirectional forward, the head's 8 x 7 chunk), eager and compiled.
 - ``7b-layer``: ``--layers`` LLaMA-2-7B-sized decoder layers (4096 hidden, 11008 MLP, 32 heads; random
   weights): one decode forward (T=1) over a full cache holding ``--context`` tokens (an OpenVLA step's worth).
 
@@ -54,6 +56,7 @@ from vla_runtime.bench.harness import (
     environment, plot_medians, print_ratio_table, ratio_table, seeded_main, time_interleaved, time_ms, write_json,
 )  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
+from vla_runtime.checkpoints.tiny_openvla_oft import make_tiny_openvla_oft
 from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact, make_tiny_hybridvla
 from vla_runtime.config import CompileMode, SessionConfig
 from vla_runtime.images import read_image
@@ -64,10 +67,13 @@ from vla_runtime.policies.compiled import CompiledDecoder, compile_options
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "demo_scene.png"
 INSTRUCTION = "put the red cube in the blue bowl"
-GEOMETRIES = ("small", "cogact", "hybridvla", "7b-layer")
+GEOMETRIES = ("small", "cogact", "hybridvla", "oft", "7b-layer")
 DEFAULT_GEOMETRIES = ("small", "7b-layer")  # --geometry both
 EAGER, COMPILED, GUARDED = "eager", "compiled", "compiled, every guard"
-HEAD_FAMILIES = {"cogact": make_tiny_cogact, "hybridvla": make_tiny_hybridvla}  # --geometry: checkpoint maker
+FAMILIES = {  # --geometry: the tiny checkpoint's maker and load_policy's extra arguments
+    "cogact": (make_tiny_cogact, {}), "hybridvla": (make_tiny_hybridvla, {}),
+    "oft": (make_tiny_openvla_oft, {"cameras": ("primary", "wrist")}),
+}
 QUANTIZED = {f"weight-only {m.value}": m for m in (QuantMode.INT8, QuantMode.INT4)}
 
 
@@ -181,13 +187,15 @@ def small_group(args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
     yield decode_group("small decode", llm, context=context, args=args, quantized=decoders)
 
 
-def head_group(family: str, args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
-    """The tiny CogACT or HybridVLA: whole steps, eager and compiled (the same seed: the same noise, so the same
-    actions up to float rounding, checked before timing)."""
-    path = HEAD_FAMILIES[family](tmp / f"tiny-{family}", seed=args.seed)
-    policy = load_policy(path, device=args.device, dtype=args.dtype)
-    state = np.zeros(policy.action_dim) if family == "hybridvla" else None  # HybridVLA's proprio token
-    obs = Observation(images={"primary": read_image(args.image)}, state=state)
+def family_group(family: str, args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
+    """A tiny CogACT, HybridVLA or OpenVLA-OFT: whole steps, eager and compiled (the same seed: the same noise, so
+    the same actions up to float rounding, checked before timing)."""
+    make, load = FAMILIES[family]
+    policy = load_policy(make(tmp / f"tiny-{family}", seed=args.seed), device=args.device, dtype=args.dtype, **load)
+    state = {"hybridvla": policy.action_dim, "oft": getattr(policy.config, "proprio_dim", None)}.get(family)
+    image = read_image(args.image)
+    obs = Observation(images=dict.fromkeys(load.get("cameras", ("primary",)), image),
+                      state=None if state is None else np.zeros(state))  # fmt: skip
     config = SessionConfig(seed=args.seed)
     eager = policy.new_session(INSTRUCTION, config)
     compiled, compile_s = timed(lambda: policy.new_session(INSTRUCTION, replace(config, compile=args.compile_mode)))
@@ -296,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         built = itertools.chain(
             small_group(args, Path(tmp)) if "small" in geometries else (),
-            *(head_group(family, args, Path(tmp)) for family in HEAD_FAMILIES if family in geometries),
+            *(family_group(family, args, Path(tmp)) for family in FAMILIES if family in geometries),
             layer_group(args) if "7b-layer" in geometries else (),
         )
         for group in built:

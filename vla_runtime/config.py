@@ -48,12 +48,13 @@ class ActionDecoding(str, Enum):
 
 
 class CompileMode(str, Enum):
-    """How a session's step runs (``SessionConfig.compile``; OpenVLA, CogACT, HybridVLA).
+    """How a session's step runs (``SessionConfig.compile``; every family).
 
-    ``OFF``: eager PyTorch (the default). ``DEFAULT``: the vision towers + projector and the decoder's layer pass
-    (and CogACT's DiT) are ``torch.compile``-d (inductor; fused kernels, far less per-op overhead), warmed up when
-    the session is created. ``REDUCE_OVERHEAD``: the same with CUDA graphs (``torch.compile(mode="reduce-overhead")``); CUDA
-    only: on another device the session raises ``ValueError`` (CUDA graphs do not exist there; use ``DEFAULT``).
+    ``OFF``: eager PyTorch (the default). ``DEFAULT``: the vision towers + projector, the decoder's layer pass and
+    the family's head where it has one (CogACT's DiT, OFT's L1 head) are ``torch.compile``-d (inductor; fused
+    kernels, far less per-op overhead), warmed up when the session is created. ``REDUCE_OVERHEAD``: the same with
+    CUDA graphs (``torch.compile(mode="reduce-overhead")``); CUDA only: on another device the session raises
+    ``ValueError`` (CUDA graphs do not exist there; use ``DEFAULT``).
     """
 
     OFF = "off"
@@ -80,7 +81,7 @@ class SessionConfig:
         execution_horizon: actions executed from each predicted chunk before re-planning
             (``None`` = the whole chunk); only matters for chunk-predicting families.
         seed: seed for sampling-based heads (diffusion noise).
-        compile: eager or ``torch.compile``-d step (``CompileMode``; OpenVLA, CogACT and HybridVLA sessions).
+        compile: eager or ``torch.compile``-d step (``CompileMode``; every family).
         compile_guards: after the warm-up, evaluate all of ``torch.compile``'s guards on every compiled call
             (``True``) or only those that pick between the graphs compiled so far (``False``, the default; the
             warm-up itself always runs them all). What serving stacks do after their warm-up (vLLM calls its

@@ -40,8 +40,8 @@ def test_bench_fast_small_geometry_writes_every_variant(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["cogact", "hybridvla"])
-def test_bench_fast_action_head_geometries_time_eager_and_compiled_steps(tmp_path, family):
+@pytest.mark.parametrize("family", ["cogact", "hybridvla", "oft"])
+def test_bench_fast_family_geometries_time_eager_and_compiled_steps(tmp_path, family):
     argv = ["--geometry", family, "--repeats", "2", "--warmup", "1", "--bandwidth-mib", "8", "--out", str(tmp_path / "c")]
     assert get_benchmark("fast").run(argv) == 0
     bench = sys.modules["bench_fast"]

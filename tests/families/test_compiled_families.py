@@ -1,7 +1,7 @@
 """``SessionConfig.compile`` for the action-head families. CogACT: vision, the decoder's layer pass and the DiT
 compiled; HybridVLA: vision and every LLM forward of its step (prefill, DDIM steps, AR decode). A compiled session
 samples the eager session's chunks (same seed, so the same noise) up to float rounding, with every graph compiled
-while the session is created; the family that runs eager only (OpenVLA-OFT) says so."""
+while the session is created; a session that does not compile says which families do."""
 
 from dataclasses import replace
 
@@ -10,10 +10,9 @@ import pytest
 from torch._dynamo.utils import counters
 
 from vla_runtime.api import Observation, load_policy
-from vla_runtime.checkpoints.tiny_openvla_oft import make_tiny_openvla_oft
+from vla_runtime.policies.base import EpisodeSession
 from vla_runtime.config import CompileMode, SessionConfig
 from vla_runtime.kv import KVConfig
-from vla_runtime.models.openvla_oft.configuration_oft import OFTPlatform
 from vla_runtime.models.llama import LlamaModel
 from vla_runtime.policies.compiled import CompiledDecoder, CompiledDiT
 
@@ -88,7 +87,17 @@ def llm_forwards(monkeypatch, session, obs) -> dict[str, int]:
     return calls
 
 
-def test_an_eager_only_family_names_the_ones_that_compile(tmp_path):
-    oft = load_policy(make_tiny_openvla_oft(tmp_path / "oft", seed=2, platform=OFTPlatform.BRIDGE, proprio=False))
-    with pytest.raises(ValueError, match="OpenVLAOFTSession runs eager only.*OpenVLA, CogACT, HybridVLA.*'off'"):
-        oft.new_session("pick up the cup", SessionConfig(compile=CompileMode.DEFAULT))
+class EagerSession(EpisodeSession):
+    """A session of someone else's family that does not compile (a plain ``EpisodeSession``)."""
+
+    def step(self, obs):
+        raise AssertionError("not stepped")
+
+    def reset(self, instruction=None):
+        pass
+
+
+def test_a_session_that_does_not_compile_refuses_a_compile_mode_naming_the_families_that_do():
+    with pytest.raises(ValueError, match="EagerSession runs eager only.*OpenVLA, OpenVLA-OFT, CogACT, HybridVLA.*'off'"):
+        EagerSession("pick up the cup", SessionConfig(compile=CompileMode.DEFAULT))
+    assert EagerSession("pick up the cup", SessionConfig()).config.compile is CompileMode.OFF

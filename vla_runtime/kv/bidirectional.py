@@ -21,10 +21,12 @@ class BidirectionalPass:
 
     Args:
         rope: the decoder's RoPE schedule (``LlamaConfig.rope``).
+        device: where ``plan_forward`` puts the positions (the decoder's device).
     """
 
-    def __init__(self, rope: RopeConfig) -> None:
+    def __init__(self, rope: RopeConfig, device: torch.device | str = "cpu") -> None:
         self.rope = rope
+        self.device = torch.device(device)
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
         self._tokens = 0
@@ -38,6 +40,11 @@ class BidirectionalPass:
         q = apply_rope(q, self._cos, self._sin)
         k = apply_rope(k_raw, self._cos, self._sin)
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=grouped(q, k))
+
+    def plan_forward(self, t: int) -> None:
+        """The coming forward's positions ``0 .. t-1``, before it: a compiled forward (``CompiledDecoder``) reads
+        them instead of computing them in its first layer."""
+        self._cos, self._sin = rope_cos_sin(torch.arange(t, device=self.device), self.rope)  # [T, D] each
 
     def end_forward(self, *, pin: bool = False) -> None:
         """Forget the positions (nothing is held; ``pin`` has nothing to pin)."""

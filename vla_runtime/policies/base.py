@@ -13,15 +13,19 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
+import torch
 
 from ..config import CompileMode, SessionConfig
 from ..images import PRIMARY_CAMERA, validate_image
 from ..kv.base import KVStats
 from ..kv.chunked_gated import ChunkedGatedCache
 
+WARMUP_STEPS = 3  # steps a compiled session runs at creation: the first prefill, decodes at growing lengths,
+# history mode's second frame and a compression (the chunked cache's first chunk forms by the third step)
+
 __all__ = [
-    "PRIMARY_CAMERA", "ActionQueue", "BatchInputError", "EpisodeSession", "Observation", "Policy", "StepResult",
-    "validate_image", "validate_instruction",
+    "PRIMARY_CAMERA", "ActionQueue", "BatchInputError", "CompiledSession", "EpisodeSession", "Observation", "Policy",
+    "StepResult", "validate_image", "validate_instruction",
 ]
 
 @dataclass
@@ -99,8 +103,8 @@ class EpisodeSession(abc.ABC):
     def __init__(self, instruction: str, config: SessionConfig) -> None:
         if config.compile is not CompileMode.OFF and not self.compiles:
             raise ValueError(
-                f"`compile` is {config.compile.value!r}, but {type(self).__name__} runs eager only "
-                f"(compiled steps: OpenVLA, CogACT, HybridVLA); use {CompileMode.OFF.value!r}"
+                f"`compile` is {config.compile.value!r}, but {type(self).__name__} runs eager only (the families "
+                f"that compile: OpenVLA, OpenVLA-OFT, CogACT, HybridVLA); use {CompileMode.OFF.value!r}"
             )
         self.instruction = instruction
         self.config = config
@@ -119,6 +123,45 @@ class EpisodeSession(abc.ABC):
         cache = getattr(self, "cache", None)
         return cache.retained_starts() if isinstance(cache, ChunkedGatedCache) else ()
 
+
+class CompiledSession(EpisodeSession):
+    """An episode whose step can run ``torch.compile``-d (``SessionConfig.compile``): every family here. The
+    subclass implements ``_step`` and ``blank_observation`` and calls ``_start_compiled`` last in ``__init__``."""
+
+    compiles = True
+    _skip_guards = False  # compiled and warmed up (``_start_compiled``) with ``SessionConfig.compile_guards`` off
+
+    def step(self, obs: Observation) -> StepResult:
+        """Run the policy on one observation (``_step``). A compiled session past its warm-up runs it evaluating
+        only the guards that choose between its compiled graphs."""
+        if self._skip_guards:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self._step(obs)
+        return self._step(obs)
+
+    @abc.abstractmethod
+    def _step(self, obs: Observation) -> StepResult:
+        """One control step."""
+
+    @abc.abstractmethod
+    def blank_observation(self) -> Observation:
+        """What ``warm_up`` steps on: black images of every camera the policy reads (and a zero state where it
+        reads one)."""
+
+    def warm_up(self, steps: int = WARMUP_STEPS) -> None:
+        """Run ``steps`` steps on ``blank_observation``, then ``reset``: compilation (and CUDA graph capture) happens
+        here, at session creation, and not in the first control tick. The episode starts afresh."""
+        blank = self.blank_observation()
+        for _ in range(steps):
+            self.step(blank)
+        self.reset()
+
+    def _start_compiled(self) -> None:
+        """With ``SessionConfig.compile`` on, warm up (compile now, not in the first control tick), then skip the
+        guards unless ``compile_guards``."""
+        if self.config.compile is not CompileMode.OFF:
+            self.warm_up()
+            self._skip_guards = not self.config.compile_guards
 
 class Policy(abc.ABC):
     """A loaded model family. Subclasses set ``name`` (registry key) and ``config_class``."""

@@ -31,8 +31,6 @@ from ..models.llama import LlamaModel
 from ..models.prismatic.modeling_prismatic import PrismaticVLM
 
 RECOMPILE_LIMIT = 16  # graphs of one callable (prefill, decode, history frames, ...) before dynamo runs it eagerly
-WARMUP_STEPS = 3  # steps a compiled session runs at creation: the first prefill, decodes at growing lengths,
-# history mode's second frame and a compression (the chunked cache's first chunk forms by the third step)
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,6 @@ class HybridVLASession(ActionHeadSession):
     created (``WARMUP_STEPS`` steps on a black frame and a zero state, then ``reset``, which re-seeds the noise)."""
 
     uses_proprio = True
-    compiles = True
 
     def __init__(self, policy: HybridVLAPolicy, instruction: str, config: SessionConfig) -> None:
         super().__init__(policy, instruction, config)

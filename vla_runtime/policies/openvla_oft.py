@@ -20,27 +20,35 @@ Two history modes (``SessionConfig.history``):
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..checkpoints.openvla_oft import OFTCheckpoint, apply_oft_adapter, load_openvla_oft
-from ..config import SessionConfig
+from ..config import CompileMode, SessionConfig
 from ..device import synchronize
-from ..kv import KVConfig
+from ..kv import KVConfig, KVMode
 from ..kv.base import KVStats
 from ..models.openvla_oft.configuration_oft import DIFFUSION_STEPS, OFTConfig, OFTPlatform
 from ..models.openvla_oft.normalization_oft import BoundsStats
 from ..models.prismatic.processing_prismatic import center_crop, resolve_unnorm_key
-from .base import PRIMARY_CAMERA, EpisodeSession, Observation, Policy, StepResult, validate_image, validate_instruction
+from .base import (
+    PRIMARY_CAMERA, CompiledSession, Observation, Policy, StepResult, validate_image, validate_instruction,
+)  # fmt: skip
+from .compiled import compile_options, graph_output
 from .loading import plan_load
 from .prismatic_session import PrismaticPolicy, parameter_count
 
 
-class OpenVLAOFTSession(EpisodeSession):
-    """One episode: the prompt and the statistics; in history mode also the cache (see the module docstring)."""
+class OpenVLAOFTSession(CompiledSession):
+    """One episode: the prompt and the statistics; in history mode also the cache (see the module docstring).
+    With ``SessionConfig.compile`` on, the vision (with FiLM), every LLM forward and the L1 head are the policy's
+    compiled ones, warmed up when the session is created (``WARMUP_STEPS`` steps on black images and a zero
+    state, then ``reset``, which re-seeds the diffusion variant's noise)."""
+
 
     def __init__(self, policy: OpenVLAOFTPolicy, instruction: str, config: SessionConfig) -> None:
         super().__init__(instruction, config)
@@ -60,7 +68,15 @@ class OpenVLAOFTSession(EpisodeSession):
                 raise ValueError(f"statistics {self.unnorm_key!r} have no `proprio` entry; the proprio projector needs one")
             self.proprio_stats = BoundsStats.from_dict(entry["proprio"], cfg.normalization, what=f"{self.unnorm_key} proprio")
         self.generator = torch.Generator().manual_seed(config.seed)  # the diffusion variant's starting noise
+        self.modules = policy.oft_modules(config.compile, config.kv.mode)
         self._build(validate_instruction(instruction))
+        self._start_compiled()
+
+    def blank_observation(self) -> Observation:
+        """Black images of every camera and, with a proprio projector, a zero state."""
+        size, dim = self.policy.image_processor.size, self.policy.config.proprio_dim
+        black = np.zeros((size, size, 3), np.uint8)
+        return Observation(images=dict.fromkeys(self.policy.cameras, black), state=None if dim is None else np.zeros(dim))
 
     def _build(self, instruction: str) -> None:
         """Tokenise the prompt; history mode sizes the cache for one step (observation + query block)."""
@@ -114,12 +130,12 @@ class OpenVLAOFTSession(EpisodeSession):
         return pixels, torch.as_tensor(state, dtype=policy.dtype, device=policy.device)[None]  # [1, P]
 
     @torch.inference_mode()
-    def step(self, obs: Observation) -> StepResult:
+    def _step(self, obs: Observation) -> StepResult:
         """One chunk -> ``StepResult.actions`` [chunk_size, action_dim] in robot units."""
         start = time.perf_counter()
         pixels, state = self.inputs(obs)
-        model, device = self.policy.model, self.policy.device
-        image_tokens = model.embed_images(pixels, self.language)
+        model, device, decoder = self.policy.model, self.policy.device, self.modules.decoder
+        image_tokens = self.modules.embed_images(pixels, self.language)
         proprio = None if state is None else model.embed_proprio(state)
         synchronize(device)
         t1 = time.perf_counter()
@@ -130,12 +146,12 @@ class OpenVLAOFTSession(EpisodeSession):
                 self._keep_observation(image_tokens, proprio)
                 synchronize(device)
                 t_kept = time.perf_counter()
-                normalized = model.denoise_history(self.prompt, noise, self.cache)[0].cpu().numpy()  # [K, A]
+                normalized = model.denoise_history(self.prompt, noise, self.cache, decoder)[0].cpu().numpy()  # [K, A]
                 kv = self.cache.stats()
             else:
                 t_kept = t1
                 embeds_len = len(self.prompt.input_ids) + image_tokens.shape[1] + (proprio is not None) + 1 + cfg.action_tokens + 1  # + time, </s>
-                normalized = model.denoise(self.prompt, image_tokens, proprio, noise)[0].cpu().numpy()  # [K, A]
+                normalized = model.denoise(self.prompt, image_tokens, proprio, noise, decoder)[0].cpu().numpy()  # [K, A]
                 kv = KVStats(positions_used=embeds_len, tokens_seen=embeds_len * cfg.diffusion_steps)
             t2 = time.perf_counter()
             actions = self.action_stats.unnormalize(normalized)
@@ -147,11 +163,11 @@ class OpenVLAOFTSession(EpisodeSession):
             kv = self.cache.stats()
         else:
             embeds, first = model.sequence(self.prompt, image_tokens, proprio)
-            hidden = model.action_hidden(embeds, first)
+            hidden = model.action_hidden(embeds, first, decoder)
             kv = KVStats(positions_used=embeds.shape[1], tokens_seen=embeds.shape[1])
         synchronize(device)
         t2 = time.perf_counter()
-        normalized = model.action_head(hidden).float()[0].cpu().numpy()  # [chunk, A]
+        normalized = self.modules.action_head(hidden).float()[0].cpu().numpy()  # [chunk, A]
         actions = self.action_stats.unnormalize(normalized)
         t3 = time.perf_counter()
         timings = {"vision": (t1 - start) * 1e3, "prefill": (t2 - t1) * 1e3, "decode": (t3 - t2) * 1e3, "total": (t3 - start) * 1e3}
@@ -161,8 +177,7 @@ class OpenVLAOFTSession(EpisodeSession):
         """History mode: pin the prompt (first step), keep the observation, evaluate the query block over the
         history and roll it back. image_tokens [1, num_images * N, dim], proprio [1, 1, dim] or None ->
         the head's rows [1, K * A, dim]."""
-        model = self.policy.model
-        decoder = model.vla.language_model.model
+        model, decoder = self.policy.model, self.modules.decoder
         self._keep_observation(image_tokens, proprio)
         block, first = model.query_block(self.prompt)
         with self.cache.bidirectional_block():
@@ -172,12 +187,22 @@ class OpenVLAOFTSession(EpisodeSession):
     def _keep_observation(self, image_tokens: torch.Tensor, proprio: torch.Tensor | None) -> None:
         """History mode, both variants: pin the prompt (first step), then append and keep the observation
         (image_tokens [1, num_images * N, dim] + proprio [1, 1, dim] or None), causal over the history."""
-        model = self.policy.model
-        decoder = model.vla.language_model.model
+        model, decoder = self.policy.model, self.modules.decoder
         if not self._pinned:
             decoder(inputs_embeds=model.history_prompt(self.prompt), cache=self.cache, pin=True)
             self._pinned = True
         decoder(inputs_embeds=model.observation(image_tokens, proprio), cache=self.cache)
+
+
+@dataclass(frozen=True)
+class OFTStepModules:
+    """What an OFT step runs. ``embed_images``: ``OpenVLAOFT.embed_images``'s signature (pixels per camera, FiLM's
+    language) -> image tokens [B, num_images * N, dim]; ``decoder``: ``LlamaModel.forward``'s; ``action_head``:
+    the L1 head's rows [B, K * A, dim] -> [B, K, A]. Eager: the modules themselves."""
+
+    embed_images: Callable[..., torch.Tensor]
+    decoder: Callable[..., torch.Tensor]
+    action_head: Callable[[torch.Tensor], torch.Tensor]
 
 
 class OpenVLAOFTPolicy(PrismaticPolicy, Policy):
@@ -207,6 +232,24 @@ class OpenVLAOFTPolicy(PrismaticPolicy, Policy):
                          unnorm_key=unnorm_key if stats else None, **kw)  # fmt: skip
         self.unnorm_key = unnorm_key
         self.cameras = cameras
+        self._oft_modules: dict[tuple[CompileMode, KVMode], OFTStepModules] = {}
+
+    def oft_modules(self, mode: CompileMode, kv: KVMode) -> OFTStepModules:
+        """The callables a step runs for ``mode`` with a ``kv`` cache (history mode; single mode's forwards run
+        on a ``BidirectionalPass``), eager or compiled, built once per pair and shared by the policy's sessions."""
+        if (mode, kv) not in self._oft_modules:
+            model = self.model
+            if mode is CompileMode.OFF:
+                parts = OFTStepModules(model.embed_images, model.vla.language_model.model, model.action_head)
+            else:
+                options = compile_options(mode, self.device)
+                static = {**options, "dynamic": False}  # one image size, one chunk
+                wrap = graph_output if mode is CompileMode.REDUCE_OVERHEAD else (lambda fn: fn)
+                parts = OFTStepModules(wrap(torch.compile(model.embed_images, **static)),
+                                       self.step_modules(mode, kv).decoder,
+                                       wrap(torch.compile(model.action_head, **static)))  # fmt: skip
+            self._oft_modules[mode, kv] = parts
+        return self._oft_modules[mode, kv]
 
     @property
     def norm_stats(self) -> dict:

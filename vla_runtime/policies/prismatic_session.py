@@ -42,8 +42,8 @@ from ..models.prismatic.processing_prismatic import (
     resolve_unnorm_key,
 )
 from ..models.prismatic.prompt_prismatic import PromptIds
-from .base import PRIMARY_CAMERA, EpisodeSession, Observation, StepResult, validate_instruction
-from .compiled import WARMUP_STEPS, StepModules, step_modules
+from .base import PRIMARY_CAMERA, CompiledSession, EpisodeSession, Observation, StepResult, validate_instruction
+from .compiled import StepModules, step_modules
 
 
 def parameter_count(module: torch.nn.Module | None) -> int:
@@ -150,7 +150,7 @@ class PrismaticPolicy:
         }
 
 
-class PrismaticSession(EpisodeSession):
+class PrismaticSession(CompiledSession):
     """One episode over the Prismatic VLM: the prompt, the cache, the step's layout (see the module doc).
 
     Subclasses give the step's layout (``_layout``) and ``head_tokens``, and set what those read before
@@ -162,7 +162,6 @@ class PrismaticSession(EpisodeSession):
         self.policy = policy
         self.history = config.history.episodic
         self.modules = policy.step_modules(config.compile, config.kv.mode)
-        self._skip_guards = False  # set after the warm-up (``SessionConfig.compile_guards``)
         self._build(instruction)
 
     @abc.abstractmethod
@@ -174,35 +173,10 @@ class PrismaticSession(EpisodeSession):
     def head_tokens(self) -> int:
         """Most tokens a step feeds after its prefix (decoded tokens, head tokens rolled back), for cache sizing."""
 
-    @abc.abstractmethod
-    def _step(self, obs: Observation) -> StepResult:
-        """One control step (``step``)."""
-
-    def step(self, obs: Observation) -> StepResult:
-        if self._skip_guards:  # compiled and warmed up: only the guards that choose between the compiled graphs
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return self._step(obs)
-        return self._step(obs)
-
-    def _start_compiled(self) -> None:
-        """The end of a compiling family's ``__init__``: with ``SessionConfig.compile`` on, warm up (compile now,
-        not in the first control tick), then skip the guards unless ``compile_guards``."""
-        if self.config.compile is not CompileMode.OFF:
-            self.warm_up()
-            self._skip_guards = not self.config.compile_guards
-
     def blank_observation(self) -> Observation:
-        """A black primary image at the processor's size (what ``warm_up`` steps on)."""
+        """A black primary image at the processor's size."""
         size = self.policy.image_processor.size
         return Observation(images={PRIMARY_CAMERA: np.zeros((size, size, 3), np.uint8)})
-
-    def warm_up(self, steps: int = WARMUP_STEPS) -> None:
-        """Run ``steps`` steps on ``blank_observation``, then ``reset``: compilation (and CUDA graph capture) happens
-        here, at session creation, and not in the first control tick. The episode starts afresh."""
-        blank = self.blank_observation()
-        for _ in range(steps):
-            self.step(blank)
-        self.reset()
 
     def _step_frame(self) -> Forward:
         """This step's forward (the episode's ``frame`` unless a subclass varies it per step)."""

@@ -42,6 +42,8 @@ from .diffusion_oft import OFTDDIM, DiffusionActionHead, NoisyActionProjector, s
 from .film import VisionFiLM, average_language_embedding
 from .mlp_resnet import MLPResNet
 
+Decoder = Callable[..., torch.Tensor]  # LlamaModel.forward's signature: (input_ids, inputs_embeds, *, cache, pin)
+
 
 class L1RegressionActionHead(nn.Module):
     """The chunk's action hidden states -> normalised actions. Parameters ``model.*`` as upstream's file."""
@@ -120,7 +122,10 @@ class OpenVLAOFT(nn.Module):
         start = sum(p.shape[1] for p in parts)
         return torch.cat([*parts, zeros, stop], dim=1), start
 
-    def denoise(self, prompt: PromptIds, image_tokens: torch.Tensor, proprio: torch.Tensor | None, noise: torch.Tensor) -> torch.Tensor:
+    def denoise(
+        self, prompt: PromptIds, image_tokens: torch.Tensor, proprio: torch.Tensor | None, noise: torch.Tensor,
+        decoder: Decoder | None = None,
+    ) -> torch.Tensor:
         """The diffusion variant's chunk (upstream ``_run_diffusion_prediction``): noise [B, K, A] -> normalised
         actions [B, K, A] (float32) after ``diffusion_steps`` DDIM steps.
 
@@ -128,12 +133,12 @@ class OpenVLAOFT(nn.Module):
         (``sinusoidal_time(t, llm_dim)``), and the action positions holding ``noisy_action_projector`` of the
         current sample's entries (row-major, one token per entry) instead of zeros. Each step re-runs the whole
         bidirectional forward; the image tokens are computed once. image_tokens: [B, num_images * N, dim];
-        proprio: [B, 1, dim] or None.
+        proprio: [B, 1, dim] or None. ``decoder``: as in ``action_hidden``.
         """
         observation = image_tokens if proprio is None else torch.cat([image_tokens, proprio], dim=1)
         slot = observation.new_zeros(observation.shape[0], 1, observation.shape[2])  # [B, 1, dim], the timestep token's place
         embeds, start = self.sequence(prompt, observation, slot)  # [B, T, dim]
-        forward = lambda step: self.action_hidden(step, start)  # noqa: E731  a whole bidirectional forward
+        forward = lambda step: self.action_hidden(step, start, decoder)  # noqa: E731  a whole bidirectional forward
         return self._sample(embeds, noise, time_index=1 + observation.shape[1], start=start, hidden=forward)
 
     def _sample(
@@ -182,16 +187,19 @@ class OpenVLAOFT(nn.Module):
         stop = embed(torch.tensor([[STOP_TOKEN_ID]], device=device)).expand(batch, -1, -1)  # [B, 1, dim]
         return torch.cat([text, zeros, stop], dim=1), text.shape[1]
 
-    def denoise_history(self, prompt: PromptIds, noise: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+    def denoise_history(
+        self, prompt: PromptIds, noise: torch.Tensor, cache: SlotCache, decoder: Decoder | None = None
+    ) -> torch.Tensor:
         """The diffusion variant in history mode, after the step's observation is kept: noise [B, K, A] ->
         normalised actions [B, K, A] (float32). Each DDIM step evaluates a fresh query block
         ``[timestep token] + ids("\nOut:") + 29871 + noisy_action_projector(x_t entries) + embed(</s>)`` inside
         ``cache.bidirectional_block()`` (the timestep token right after the newest observation, as upstream
         places it after the observation; the block is rolled back, so the cache keeps observations only); the
-        head reads eps from the rows ``query_block``'s head reads, one later for the timestep token."""
+        head reads eps from the rows ``query_block``'s head reads, one later for the timestep token. ``decoder``: as
+        in ``action_hidden``."""
         block, first = self.query_block(prompt, noise.shape[0])
         block = torch.cat([block.new_zeros(block.shape[0], 1, block.shape[2]), block], dim=1)  # [B, 1 + Q, dim]
-        decoder = self.vla.language_model.model
+        decoder = self.vla.language_model.model if decoder is None else decoder
 
         def hidden(step: torch.Tensor) -> torch.Tensor:
             with cache.bidirectional_block():
@@ -204,11 +212,13 @@ class OpenVLAOFT(nn.Module):
         upstream slices them: the state before an action position predicts it)."""
         return hidden[:, start - 1 : start - 1 + self.cfg.action_tokens]
 
-    def action_hidden(self, embeds: torch.Tensor, start: int) -> torch.Tensor:
+    def action_hidden(self, embeds: torch.Tensor, start: int, decoder: Decoder | None = None) -> torch.Tensor:
         """Bidirectional forward of embeds [B, T, dim] -> the head's input [B, K * A, dim] (final-normed
-        hidden states of positions ``start - 1 .. start - 2 + K * A``)."""
-        decoder = self.vla.language_model.model
-        hidden = decoder(inputs_embeds=embeds, cache=BidirectionalPass(decoder.cfg.rope))  # [B, T, dim]
+        hidden states of positions ``start - 1 .. start - 2 + K * A``). ``decoder``: what runs the LLaMA's
+        forward (default the model itself; a session's compiled one, ``policies.compiled.CompiledDecoder``)."""
+        llm = self.vla.language_model.model
+        decoder = llm if decoder is None else decoder
+        hidden = decoder(inputs_embeds=embeds, cache=BidirectionalPass(llm.cfg.rope, embeds.device))  # [B, T, dim]
         return self.head_input(hidden, start)
 
     def predict(
