@@ -97,6 +97,15 @@ def test_reduce_overhead_off_cuda_names_the_mode_to_use(policy):
         policy.new_session(INSTRUCTION, SessionConfig(compile="reduce-overhead"))
 
 
+def test_only_sessions_replaying_cuda_graphs_get_a_static_full_cache(policy):
+    """``REDUCE_OVERHEAD`` (CUDA graphs) with a full cache: static shapes (``tests/kv/test_full_static.py``), so a
+    history episode records one graph per forward length; other modes and caches keep dynamic shapes."""
+    assert policy.new_cache(KVConfig(), CompileMode.REDUCE_OVERHEAD).static_shapes is True
+    assert policy.new_cache(KVConfig(), CompileMode.DEFAULT).static_shapes is False
+    chunked = KVConfig.from_dict({"mode": "chunked", "window": 64})
+    assert not hasattr(policy.new_cache(chunked, CompileMode.REDUCE_OVERHEAD), "static_shapes")
+
+
 def test_an_unknown_compile_mode_lists_the_valid_ones():
     with pytest.raises(ValueError, match="`compile` is 'max'; expected one of off, default, reduce-overhead"):
         SessionConfig(compile="max")

@@ -2,6 +2,10 @@
 
 Keys are rotated on write at their absolute positions 0, 1, 2, ... (positions never shift, so
 rotated copies are stored). Buffers are preallocated; new tokens are written by slice.
+
+``static_shapes=True``: every forward attends over the whole capacity behind a visibility mask the plan builds
+(gpt-fast's ``input_pos``), so a forward of T tokens has the same shapes at every length: one CUDA graph per T
+(``CompileMode.REDUCE_OVERHEAD`` sessions use it) instead of one per length the episode reaches.
 """
 
 from __future__ import annotations
@@ -9,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from .attention import block_attention, causal_attention
+from .attention import block_attention, causal_attention, grouped
 from .base import CacheParams, KVStats, RowPlan
 from .geometry import CacheGeometry
 from .rope import apply_rope, rope_cos_sin
@@ -24,7 +29,8 @@ class FullParams(CacheParams):
 
 
 class FullCache(SlotCache):
-    """Every token kept, absolute positions. Buffers ``store.k, store.v: [L, B, Hkv, capacity, D]`` (k rotated)."""
+    """Every token kept, absolute positions. Buffers ``store.k, store.v: [L, B, Hkv, capacity, D]`` (k rotated).
+    ``static_shapes``: attend over the whole capacity behind a mask (see the module doc)."""
 
     params_class = FullParams
 
@@ -36,8 +42,10 @@ class FullCache(SlotCache):
         batch: int = 1,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        static_shapes: bool = False,
     ) -> None:
         super().__init__(geometry, params)
+        self.static_shapes = static_shapes
         self.capacity = self.params.capacity
         self.store = SlotStore(
             geometry, slots=self.capacity, chunk_slots=0, batch=batch, device=device, dtype=dtype, rotate_on_read=False
@@ -62,6 +70,11 @@ class FullCache(SlotCache):
         self._new_slots = torch.arange(start, start + t, device=device)  # [T]: the new tokens' slots and positions
         self._cos, self._sin = rope_cos_sin(self._new_slots, self.geometry.rope)
         self._pending = t
+        if self.static_shapes:  # [T, capacity] additive: 0 where query i sees slot j, -inf elsewhere
+            slots = torch.arange(self.capacity, device=device)[None, :]
+            last = start + t - 1 if self.bidirectional else self._new_slots[:, None]
+            visible = slots <= last
+            self._static_mask = torch.zeros(visible.shape, dtype=self.store.k.dtype, device=device).masked_fill(~visible, float("-inf"))
 
     def plan_forward(self, t: int) -> None:
         if self._cos is None:
@@ -69,15 +82,19 @@ class FullCache(SlotCache):
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] (k pre-RoPE) -> [B, Hq, T, D]."""
-        t, start = q.shape[2], self.length
         if self._cos is None:
-            self._begin_forward(t, q.device)
-        end = start + t
+            self._begin_forward(q.shape[2], q.device)
         k, v_all = self.store.layer(layer)  # [B, Hkv, capacity, D]
         # the per-layer buffers (``store.layer_buffers``), written through an index: in place when compiled
         k.index_copy_(2, self._new_slots, apply_rope(k_raw, self._cos, self._sin))
         v_all.index_copy_(2, self._new_slots, v)
         q = apply_rope(q, self._cos, self._sin)
+        if self.static_shapes:  # no held-token count in the graph: the mask is the only thing that changes
+            bias = self._bias_of(layer, self.capacity)
+            mask = self._static_mask if bias is None else self._static_mask + bias.to(q.dtype)[None, :]
+            return F.scaled_dot_product_attention(q, k, v_all, attn_mask=mask, enable_gqa=grouped(q, k))
+        start = self.length
+        end = start + q.shape[2]
         bias = self._bias_of(layer, end)
         if self.bidirectional:
             return block_attention(q, k[:, :, :end], v_all[:, :, :end], key_bias=bias)

@@ -90,7 +90,7 @@ class OpenVLAOFTSession(CompiledSession):
         if not self.history:
             return
         self.kv_config = self.config.kv.for_step(self.step_tokens(), whole_context=False)
-        self.cache = policy.new_cache(self.kv_config)
+        self.cache = policy.new_cache(self.kv_config, self.config.compile)
 
     def step_tokens(self) -> int:
         """History mode's tokens per step: the observation kept (images + proprio) and the query rolled back

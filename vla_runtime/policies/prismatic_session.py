@@ -115,11 +115,15 @@ class PrismaticPolicy:
             self._step_modules[mode, kv] = step_modules(self.vlm, mode, self.device)
         return self._step_modules[mode, kv]
 
-    def new_cache(self, kv: KVConfig) -> KVCache:
+    def new_cache(self, kv: KVConfig, compile_mode: CompileMode = CompileMode.OFF) -> KVCache:
         """One episode's cache (batch 1) of ``kv`` for the VLM's decoder, with the policy's ``ChunkGate`` when
-        ``kv`` needs one."""
+        ``kv`` needs one. Sessions that replay CUDA graphs (``compile_mode`` ``REDUCE_OVERHEAD``) get a full cache with
+        static shapes (``FullCache(static_shapes=True)``: one graph per forward length, not per held length); the
+        other caches keep dynamic shapes."""
         gate = self.chunk_gate(kv)
         extra = {} if gate is None else {"gate": gate}
+        if compile_mode is CompileMode.REDUCE_OVERHEAD and kv.mode is KVMode.FULL:
+            extra["static_shapes"] = True
         return make_cache(kv, self.gate_geometry, batch=1, device=self.device, dtype=self.dtype, **extra)
 
     def new_session(self, instruction: str, config: SessionConfig | None = None) -> EpisodeSession:
@@ -196,7 +200,7 @@ class PrismaticSession(CompiledSession):
         self.frame = self._layout()
         step_tokens = self.frame.length(policy.vlm.cfg.vision.num_patches) + self.head_tokens
         self.kv_config = self.config.kv.for_step(step_tokens, whole_context=not self.history)
-        self.cache = policy.new_cache(self.kv_config)
+        self.cache = policy.new_cache(self.kv_config, self.config.compile)
         self._pinned = False
 
     @torch.inference_mode()  # the cache holds inference tensors from the steps; clear them in the same mode
