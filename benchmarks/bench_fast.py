@@ -34,6 +34,7 @@ bandwidth; issue 21's target: <= 1.5). On CPU the same column uses the CPU's cop
     python benchmarks/bench_fast.py --threads 1 --repeats 30
     vla-runtime bench fast --geometry 7b-layer --layers 2
     python benchmarks/bench_fast.py --device cuda --geometry 7b-layer --layers 32 --context 290   # a whole 7B LLM
+    python benchmarks/bench_fast.py ... --profile 20   # then: wall vs device kernel time per decode call
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.bench.harness import (
@@ -59,6 +62,7 @@ from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.checkpoints.tiny_openvla_oft import make_tiny_openvla_oft
 from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact, make_tiny_hybridvla
 from vla_runtime.config import CompileMode, SessionConfig
+from vla_runtime.device import synchronize
 from vla_runtime.images import read_image
 from vla_runtime.kv import KVConfig, make_cache
 from vla_runtime.models.llama import LlamaConfig, LlamaModel
@@ -97,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=1,
                    help="calls of one variant in a row per round (default: %(default)s = interleaved call by call; "
                         "e.g. 40 times consecutive steps, as a control loop runs them)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, run N calls of every decode row under torch.profiler: wall time against the "
+                        "device's kernel time per call, kernels per call, and the top ops (<out>.profile.txt)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/bench_fast"), help="writes <out>.json and <out>.png")
     args = p.parse_args(argv)
@@ -292,6 +299,33 @@ def bandwidth_limits(groups: list[Group], results: dict, bandwidth: float) -> di
     return limits
 
 
+def profile_decode_rows(groups: list[Group], args: argparse.Namespace) -> tuple[dict[str, dict], str]:
+    """``--profile N`` calls of every decode row under ``torch.profiler`` -> per row the wall time, the summed
+    kernel time on the device and the kernels per call (the gap between wall and kernel time is host work and
+    launch gaps: what separates a decode from its weight-bandwidth limit), and the top ops' table."""
+    cuda = args.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    rows, tables = {}, []
+    for group in groups:
+        for variant, call in (group.calls.items() if group.weight_bytes is not None else ()):
+            row = f"{group.name}: {variant}"
+            call()
+            synchronize(args.device)
+            with profile(activities=activities) as prof:
+                start = time.perf_counter()
+                for _ in range(args.profile):
+                    call()
+                synchronize(args.device)
+                wall_s = time.perf_counter() - start
+            kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+            rows[row] = {"wall_ms": wall_s * 1e3 / args.profile,
+                         "kernel_ms": sum(e.device_time_total for e in kernels) / 1e3 / args.profile,
+                         "kernels_per_call": sum(e.count for e in kernels) / args.profile}  # fmt: skip
+            sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+            tables.append(f"## {row}\n{prof.key_averages().table(sort_by=sort, row_limit=15)}")
+    return rows, "\n\n".join(tables)
+
+
 def main(argv: list[str] | None = None) -> int:
     return seeded_main(parse_args, run, argv)
 
@@ -327,10 +361,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"{group.name}: {variant}: prepared in {seconds:.1f} s")
         for variant, agreement in group.agreement.items():
             print(f"{group.name}: {variant}: {agreement}")
+    profiled = {}
+    if args.profile:
+        profiled, tables = profile_decode_rows(groups, args)
+        args.out.with_suffix(".profile.txt").write_text(tables)
+        for row, p in profiled.items():
+            print(f"{row}: {p['wall_ms']:.3f} ms wall per call, {p['kernel_ms']:.3f} ms of device kernels "
+                  f"({p['kernels_per_call']:.0f} kernels)")
     write_json(args.out.with_suffix(".json"), env=environment(device=args.device, dtype=args.dtype, threads=args.threads),
                args=args, results=results, setup_s={g.name: g.setup_s for g in groups},
                agreement={g.name: g.agreement for g in groups}, copy_bandwidth_bytes_per_s=bandwidth,
-               weight_bandwidth_limits=limits)  # fmt: skip
+               weight_bandwidth_limits=limits, profile=profiled)  # fmt: skip
     plot_medians(results, args.out.with_suffix(".png"), title="eager vs compiled vs quantized", xlabel="ms per call (median, p10-p90)")
     return 0
 

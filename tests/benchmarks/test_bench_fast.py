@@ -15,7 +15,7 @@ from vla_runtime.bench.registry import get_benchmark
 def test_bench_fast_small_geometry_writes_every_variant(tmp_path):
     threads = torch.get_num_threads()
     argv = ["--geometry", "small", "--repeats", "2", "--warmup", "1", "--agreement-steps", "2", "--bandwidth-mib", "8",
-            "--out", str(tmp_path / "b")]
+            "--profile", "2", "--out", str(tmp_path / "b")]
     assert get_benchmark("fast").run(argv) == 0  # what `vla-runtime bench fast` runs
     bench = sys.modules["bench_fast"]
     assert torch.get_num_threads() == threads
@@ -37,6 +37,9 @@ def test_bench_fast_small_geometry_writes_every_variant(tmp_path):
     assert set(limits) == {name for name in results if name.startswith("small decode")}  # every decode row, no step row
     assert record["copy_bandwidth_bytes_per_s"] > 0 and all(v["x_limit"] > 0 for v in limits.values())
     assert limits["small decode: weight-only int8"]["weight_bytes"] < limits["small decode: eager"]["weight_bytes"] / 3
+    profiled = record["profile"]  # --profile: every decode row, wall time per call; no device kernels on a CPU
+    assert set(profiled) == set(limits) and all(p["wall_ms"] > 0 and p["kernels_per_call"] == 0 for p in profiled.values())
+    assert "## small decode: compiled\n" in (tmp_path / "b.profile.txt").read_text()
 
 
 @pytest.mark.slow
