@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# What to run on a CUDA machine (CI has none): the `gpu`-marked tests, then issue 21's decode benchmark with
+# its profile, then every geometry at its defaults (the families' compiled steps, two 7B layers). Each part has
+# its own time limit, so a slow part cannot keep the others from printing; every log and record goes to $OUT.
+#
+#   scripts/gpu_checks.sh [PYTHON]          # PYTHON: default .venv/bin/python if present, else python3
+#
+# OUT (default results/gpu) receives tests.log, bench_fast_7b.{json,png,profile.txt,log}, bench_fast_steps.*.
+# TESTS_S, BENCH_S, STEPS_S: the parts' limits in seconds (defaults 300, 330, 240). The 7B bench compiles three
+# 32-layer variants (bf16, int8, int4): about 230 s on 16 cores with torch 2.11, so give it 300 s or more.
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+python=${1:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+"$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_checks: torch sees no CUDA device')" || exit 2
+"$python" -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
+
+part() {  # part NAME LIMIT_S COMMAND...: run COMMAND under LIMIT_S, log to $OUT/NAME.log, print its tail and status
+    local name=$1 limit=$2 start
+    shift 2
+    start=$(date +%s)
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$OUT/$name.log"
+    echo "gpu_checks: $name exited $rc after $(( $(date +%s) - start )) s (limit $limit s)"
+}
+
+part tests "${TESTS_S:-300}" "$python" -m pytest -m gpu -q -p no:cacheprovider tests
+part bench_fast_7b "${BENCH_S:-330}" "$python" benchmarks/bench_fast.py --device cuda --geometry 7b-layer --layers 32 \
+    --context 290 --repeats 50 --profile 20 --out "$OUT/bench_fast_7b"
+part bench_fast_steps "${STEPS_S:-240}" "$python" benchmarks/bench_fast.py --device cuda --geometry all --repeats 50 \
+    --out "$OUT/bench_fast_steps"
