@@ -6,8 +6,9 @@
 #   scripts/gpu_checks.sh [PYTHON]          # PYTHON: default .venv/bin/python if present, else python3
 #
 # OUT (default results/gpu) receives tests.log, bench_fast_7b.{json,png,profile.txt,log}, bench_fast_steps.*.
-# TESTS_S, BENCH_S, STEPS_S: the parts' limits in seconds (defaults 300, 330, 240). The 7B bench compiles three
-# 32-layer variants (bf16, int8, int4): about 230 s on 16 cores with torch 2.11, so give it 300 s or more.
+# TESTS_S, BENCH_S, STEPS_S: the parts' limits in seconds (defaults 180, 300, 100: under 10 minutes in all). The
+# 7B bench compiles three 32-layer variants (bf16, int8, int4): about 230 s on 16 cores with torch 2.11. Test
+# modules whose imports the machine lacks (a GPU image without the ROS or serve extras) are reported and skipped.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -29,8 +30,8 @@ part() {  # part NAME LIMIT_S COMMAND...: run COMMAND under LIMIT_S, log to $OUT
     echo "gpu_checks: $name exited $rc after $(( $(date +%s) - start )) s (limit $limit s)"
 }
 
-part tests "${TESTS_S:-300}" "$python" -m pytest -m gpu -q -p no:cacheprovider tests
-part bench_fast_7b "${BENCH_S:-330}" "$python" benchmarks/bench_fast.py --device cuda --geometry 7b-layer --layers 32 \
+part tests "${TESTS_S:-180}" "$python" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests
+part bench_fast_7b "${BENCH_S:-300}" "$python" benchmarks/bench_fast.py --device cuda --geometry 7b-layer --layers 32 \
     --context 290 --repeats 50 --profile 20 --out "$OUT/bench_fast_7b"
-part bench_fast_steps "${STEPS_S:-240}" "$python" benchmarks/bench_fast.py --device cuda --geometry all --repeats 50 \
+part bench_fast_steps "${STEPS_S:-100}" "$python" benchmarks/bench_fast.py --device cuda --geometry all --repeats 50 \
     --out "$OUT/bench_fast_steps"
