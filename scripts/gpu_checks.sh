@@ -5,6 +5,10 @@
 #
 #   scripts/gpu_checks.sh [PYTHON]          # PYTHON: default .venv/bin/python if present, else python3
 #
+# PYTHON needs torch with CUDA and this project importable: `scripts/setup.sh`, or on an image that brings its
+# own torch, `PYTHON -m pip install --no-deps --no-build-isolation -e .` (the tests' own imports: pytest, numpy,
+# safetensors, tokenizers, transformers, peft, triton).
+#
 # OUT (default results/gpu) receives tests.log, bench_fast_7b.{json,png,profile.txt,log}, bench_fast_steps.*.
 # TESTS_S, BENCH_S, STEPS_S: the parts' limits in seconds (defaults 180, 300, 100: under 10 minutes in all). The
 # 7B bench compiles three 32-layer variants (bf16, int8, int4): about 230 s on 16 cores with torch 2.11. Test
