@@ -23,11 +23,14 @@ INSTRUCTION = "put the bowl on the plate"
     ("oft_libero", "full", "single"), ("oft_libero", "chunked", "history"),
     ("oft_diffusion", "full", "single"), ("oft_diffusion", "full", "history"),
 ])  # fmt: skip
-def test_compiled_oft_acts_as_eager_and_compiles_nothing_after_creation(request, frame, variant, kv, history, monkeypatch):
+def test_compiled_oft_acts_as_eager_and_compiles_nothing_after_creation(
+    request, frame, variant, kv, history, monkeypatch
+):
     # 2 DDIM steps: this random tiny model's denoising multiplies a difference by ~3 per step (float rounding of
     # 1e-6 in one forward is 7e-5 after 5 steps, 0.07 after upstream's 50; measured), so 50 would test chaos
     steps = {"diffusion_steps": 2} if variant == "oft_diffusion" else {}
-    policy = load_policy(request.getfixturevalue(variant), device="cpu", dtype="float32", cameras=("primary", "wrist"), **steps)
+    path = request.getfixturevalue(variant)
+    policy = load_policy(path, device="cpu", dtype="float32", cameras=("primary", "wrist"), **steps)
     config = SessionConfig(kv=KVConfig(mode=kv), history=history, seed=4)
     eager = policy.new_session(INSTRUCTION, config)
     compiled = policy.new_session(INSTRUCTION, replace(config, compile=CompileMode.DEFAULT))

@@ -163,6 +163,7 @@ class CompiledSession(EpisodeSession):
             self.warm_up()
             self._skip_guards = not self.config.compile_guards
 
+
 class Policy(abc.ABC):
     """A loaded model family. Subclasses set ``name`` (registry key) and ``config_class``."""
 

@@ -117,9 +117,9 @@ class PrismaticPolicy:
 
     def new_cache(self, kv: KVConfig, compile_mode: CompileMode = CompileMode.OFF) -> KVCache:
         """One episode's cache (batch 1) of ``kv`` for the VLM's decoder, with the policy's ``ChunkGate`` when
-        ``kv`` needs one. Sessions that replay CUDA graphs (``compile_mode`` ``REDUCE_OVERHEAD``) get a full cache with
-        static shapes (``FullCache(static_shapes=True)``: one graph per forward length, not per held length); the
-        other caches keep dynamic shapes."""
+        ``kv`` needs one. Sessions that replay CUDA graphs (``compile_mode`` ``REDUCE_OVERHEAD``) get a full
+        cache with static shapes (``FullCache(static_shapes=True)``: one graph per forward length, not per held
+        length); the other caches keep dynamic shapes."""
         gate = self.chunk_gate(kv)
         extra = {} if gate is None else {"gate": gate}
         if compile_mode is CompileMode.REDUCE_OVERHEAD and kv.mode is KVMode.FULL:
