@@ -34,12 +34,15 @@ def test_compiled_cogact_samples_the_eager_chunks_and_compiles_nothing_after_cre
     assert compiled.cache.stats().tokens_seen == 0  # the warm-up's steps were reset away
     before = counters["stats"]["unique_graphs"]
     for i in range(6):
+        if i == 4:  # a new, longer instruction mid-episode: a new prompt and cache, no new graph
+            if kv == "chunked":
+                assert compiled.cache.chunks_formed > 0, "no compression: the check would not cover one"
+            for session in (eager, compiled):
+                session.reset("Put the eggplant in the basket, then close the lid of the basket")
         obs = Observation(images={"primary": frame(i)})
         want, got = eager.step(obs), compiled.step(obs)  # the same noise: reset re-seeded the generator
         np.testing.assert_allclose(got.actions, want.actions, rtol=0, atol=1e-4)
         assert got.kv == want.kv
-    if kv == "chunked":
-        assert compiled.cache.chunks_formed > 0, "no compression: the check would not cover one"
     assert counters["stats"]["unique_graphs"] == before, "a graph was compiled in a control step"
 
 
@@ -58,13 +61,16 @@ def test_compiled_hybridvla_acts_as_eager_and_compiles_nothing_after_creation(
     before = counters["stats"]["unique_graphs"]
     state = np.array([0.1, -0.2, 0.3, 0.0, 0.1, -0.1, 1.0])
     for i in range(6):
+        if i == 4:  # a new, longer instruction mid-episode: a new prompt and cache, no new graph
+            if kv == "chunked":
+                assert compiled.cache.chunks_formed > 0, "no compression: the check would not cover one"
+            for session in (eager, compiled):
+                session.reset("pick up the cup and put it on the saucer")
         obs = Observation(images={"primary": frame(i)}, state=state)
         want, got = eager.step(obs), compiled.step(obs)
         np.testing.assert_array_equal(compiled.last_tokens, eager.last_tokens)
         np.testing.assert_allclose(got.actions, want.actions, rtol=0, atol=1e-4)
         assert got.kv == want.kv
-    if kv == "chunked":
-        assert compiled.cache.chunks_formed > 0, "no compression: the check would not cover one"
     assert counters["stats"]["unique_graphs"] == before, "a graph was compiled in a control step"
     eager_calls, compiled_calls = llm_forwards(monkeypatch, eager, obs), llm_forwards(monkeypatch, compiled, obs)
     assert eager_calls == {"eager": eager_calls["eager"], "compiled": 0} and eager_calls["eager"] > 2

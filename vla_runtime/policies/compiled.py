@@ -81,14 +81,28 @@ class CompiledDiT:
     DDIM loop around them stays eager (its noise comes from the session's CPU generator)."""
 
     def __init__(self, net: torch.nn.Module, **options) -> None:
-        options = {**options, "dynamic": False}
-        wrap = graph_output if options.get("mode") == "reduce-overhead" else (lambda fn: fn)
-        self._forward = wrap(torch.compile(net.forward, **options))
-        self.forward_with_cfg = wrap(torch.compile(net.forward_with_cfg, **options))
+        self._forward = static_call(net.forward, **options)
+        self.forward_with_cfg = static_call(net.forward_with_cfg, **options)
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """x: [B, T, A] noisy actions, t: [B] timesteps, z: [B, 1, token_size] condition -> eps [B, T, A]."""
         return self._forward(x, t, z)
+
+
+def static_call(fn: Callable[..., torch.Tensor], **options) -> Callable[..., torch.Tensor]:
+    """``fn`` compiled with static shapes (``options`` from ``compile_options``; its output copied out of the graph
+    pool under ``reduce-overhead``), called on fresh contiguous copies of its tensor arguments: a slice's strides
+    (a size-1 batch dim's included, which ``contiguous`` keeps) follow the tensor it was cut from, e.g. the
+    prompt's length, and a static graph guards on them, so a new instruction would recompile in a control step."""
+    compiled = torch.compile(fn, **{**options, "dynamic": False})
+    if options.get("mode") == "reduce-overhead":
+        compiled = graph_output(compiled)
+
+    def call(*args, **kwargs) -> torch.Tensor:
+        fresh = lambda a: a.clone(memory_format=torch.contiguous_format) if isinstance(a, torch.Tensor) else a  # noqa: E731
+        return compiled(*map(fresh, args), **{k: fresh(v) for k, v in kwargs.items()})
+
+    return call
 
 
 def graph_output(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -38,7 +38,7 @@ from ..models.prismatic.processing_prismatic import center_crop, resolve_unnorm_
 from .base import (
     PRIMARY_CAMERA, CompiledSession, Observation, Policy, StepResult, validate_image, validate_instruction,
 )  # fmt: skip
-from .compiled import compile_options, graph_output
+from .compiled import compile_options, static_call
 from .loading import plan_load
 from .prismatic_session import PrismaticPolicy, parameter_count
 
@@ -103,7 +103,8 @@ class OpenVLAOFTSession(CompiledSession):
     def reset(self, instruction: str | None = None) -> None:
         self.generator.manual_seed(self.config.seed)
         if instruction is not None and instruction != self.instruction:
-            self._build(validate_instruction(instruction))
+            with torch.inference_mode(False):  # a new cache of normal tensors, like the first one (``__init__``):
+                self._build(validate_instruction(instruction))  # compiled graphs guard on the kind
         elif self.cache is not None:
             self.cache.reset()
             self._pinned = False
@@ -242,12 +243,9 @@ class OpenVLAOFTPolicy(PrismaticPolicy, Policy):
             if mode is CompileMode.OFF:
                 parts = OFTStepModules(model.embed_images, model.vla.language_model.model, model.action_head)
             else:
-                options = compile_options(mode, self.device)
-                static = {**options, "dynamic": False}  # one image size, one chunk
-                wrap = graph_output if mode is CompileMode.REDUCE_OVERHEAD else (lambda fn: fn)
-                parts = OFTStepModules(wrap(torch.compile(model.embed_images, **static)),
-                                       self.step_modules(mode, kv).decoder,
-                                       wrap(torch.compile(model.action_head, **static)))  # fmt: skip
+                options = compile_options(mode, self.device)  # vision and head: one image size, one chunk
+                parts = OFTStepModules(static_call(model.embed_images, **options), self.step_modules(mode, kv).decoder,
+                                       static_call(model.action_head, **options))  # fmt: skip
             self._oft_modules[mode, kv] = parts
         return self._oft_modules[mode, kv]
 
