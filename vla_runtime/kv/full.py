@@ -73,8 +73,8 @@ class FullCache(SlotCache):
         if self.static_shapes:  # [T, capacity] additive: 0 where query i sees slot j, -inf elsewhere
             slots = torch.arange(self.capacity, device=device)[None, :]
             last = start + t - 1 if self.bidirectional else self._new_slots[:, None]
-            visible = slots <= last
-            self._static_mask = torch.zeros(visible.shape, dtype=self.store.k.dtype, device=device).masked_fill(~visible, float("-inf"))
+            mask = torch.zeros(t, self.capacity, dtype=self.store.k.dtype, device=device)
+            self._static_mask = mask.masked_fill(slots > last, float("-inf"))
 
     def plan_forward(self, t: int) -> None:
         if self._cos is None:

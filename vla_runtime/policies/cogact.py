@@ -38,7 +38,6 @@ class CogACTSession(ActionHeadSession):
     compiled ones, warmed up when the session is created (``WARMUP_STEPS`` steps on a black frame, then
     ``reset``, which re-seeds the noise)."""
 
-
     def __init__(self, policy: CogACTPolicy, instruction: str, config: SessionConfig) -> None:
         ensemble = policy.config.sampling.ensemble
         self.ensembler = AdaptiveEnsembler(ensemble) if ensemble.horizon else None

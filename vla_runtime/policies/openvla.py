@@ -47,7 +47,6 @@ class OpenVLASession(PrismaticSession):
     ``SessionConfig.compile`` on, the step runs the policy's compiled modules and the session warms them up
     when it is created (``WARMUP_STEPS`` steps on a blank frame, then ``reset``)."""
 
-
     def __init__(self, policy: OpenVLAPolicy, instruction: str, config: SessionConfig) -> None:
         self.unnorm_key = resolve_unnorm_key(policy.norm_stats, config.unnorm_key) if policy.norm_stats else None
         stats = policy.action_stats(self.unnorm_key)

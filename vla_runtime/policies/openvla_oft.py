@@ -49,7 +49,6 @@ class OpenVLAOFTSession(CompiledSession):
     compiled ones, warmed up when the session is created (``WARMUP_STEPS`` steps on black images and a zero
     state, then ``reset``, which re-seeds the diffusion variant's noise)."""
 
-
     def __init__(self, policy: OpenVLAOFTPolicy, instruction: str, config: SessionConfig) -> None:
         super().__init__(instruction, config)
         self.policy = policy
