@@ -168,3 +168,23 @@ def test_a_compiled_chunked_forward_never_waits_for_the_host(tiny_openvla, frame
         finally:
             torch.cuda.set_sync_debug_mode(0)
         cache.end_forward()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_graphed_history_episode_with_a_full_cache_acts_as_eager(tiny_openvla, frame, fresh_dynamo):
+    """CUDA graphs over the static full cache (history mode: the held length grows every step, the graphs' shapes
+    do not): the same tokens as an eager session, float32 on the GPU, over steps past the warm-up's lengths, no
+    graph compiled after creation. Not run in CI here (no CUDA)."""
+    gpu = load_policy(tiny_openvla, device="cuda", dtype="float32")
+    config = SessionConfig(history="history")
+    eager = gpu.new_session(INSTRUCTION, config)
+    graphed = gpu.new_session(INSTRUCTION, replace(config, compile=CompileMode.REDUCE_OVERHEAD))
+    assert graphed.cache.static_shapes
+    before = graphs_compiled()
+    for i in range(8):
+        obs = Observation(images={"primary": frame(i)})
+        want, got = eager.step(obs), graphed.step(obs)
+        np.testing.assert_array_equal(graphed.last_tokens, eager.last_tokens)
+        np.testing.assert_allclose(got.actions, want.actions, atol=1e-6)
+    assert graphs_compiled() == before, "a graph was compiled in a control step"
