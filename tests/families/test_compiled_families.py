@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.policies.base import EpisodeSession
 from vla_runtime.config import CompileMode, SessionConfig
-from vla_runtime.kv import KVConfig
+from vla_runtime.kv import KVConfig, KVMode
 from vla_runtime.models.llama import LlamaModel
 from vla_runtime.policies.compiled import CompiledDecoder, CompiledDiT
 
@@ -32,18 +32,8 @@ def test_compiled_cogact_samples_the_eager_chunks_and_compiles_nothing_after_cre
     compiled = policy.new_session(INSTRUCTION, replace(config, compile=CompileMode.DEFAULT))
     assert isinstance(compiled.denoiser, CompiledDiT) and compiled._skip_guards
     assert compiled.cache.stats().tokens_seen == 0  # the warm-up's steps were reset away
-    before = counters["stats"]["unique_graphs"]
-    for i in range(6):
-        if i == 4:  # a new, longer instruction mid-episode: a new prompt and cache, no new graph
-            if kv == "chunked":
-                assert compiled.cache.chunks_formed > 0, "no compression: the check would not cover one"
-            for session in (eager, compiled):
-                session.reset("Put the eggplant in the basket, then close the lid of the basket")
-        obs = Observation(images={"primary": frame(i)})
-        want, got = eager.step(obs), compiled.step(obs)  # the same noise: reset re-seeded the generator
-        np.testing.assert_allclose(got.actions, want.actions, rtol=0, atol=1e-4)
-        assert got.kv == want.kv
-    assert counters["stats"]["unique_graphs"] == before, "a graph was compiled in a control step"
+    observations = [Observation(images={"primary": frame(i)}) for i in range(6)]
+    side_by_side(eager, compiled, observations, "Put the eggplant in the basket, then close the lid of the basket")
 
 
 @pytest.mark.slow  # ~1 min per case on 2 cores
@@ -58,23 +48,32 @@ def test_compiled_hybridvla_acts_as_eager_and_compiles_nothing_after_creation(
     eager = hybrid.new_session("pick up the cup", config)
     compiled = hybrid.new_session("pick up the cup", replace(config, compile=CompileMode.DEFAULT))
     assert compiled._skip_guards and compiled.cache.stats().tokens_seen == 0
-    before = counters["stats"]["unique_graphs"]
     state = np.array([0.1, -0.2, 0.3, 0.0, 0.1, -0.1, 1.0])
-    for i in range(6):
-        if i == 4:  # a new, longer instruction mid-episode: a new prompt and cache, no new graph
-            if kv == "chunked":
-                assert compiled.cache.chunks_formed > 0, "no compression: the check would not cover one"
-            for session in (eager, compiled):
-                session.reset("pick up the cup and put it on the saucer")
-        obs = Observation(images={"primary": frame(i)}, state=state)
-        want, got = eager.step(obs), compiled.step(obs)
-        np.testing.assert_array_equal(compiled.last_tokens, eager.last_tokens)
-        np.testing.assert_allclose(got.actions, want.actions, rtol=0, atol=1e-4)
-        assert got.kv == want.kv
-    assert counters["stats"]["unique_graphs"] == before, "a graph was compiled in a control step"
+    observations = [Observation(images={"primary": frame(i)}, state=state) for i in range(6)]
+    side_by_side(eager, compiled, observations, "pick up the cup and put it on the saucer",
+                 same_tokens=lambda: np.testing.assert_array_equal(compiled.last_tokens, eager.last_tokens))  # fmt: skip
+    obs = observations[-1]
     eager_calls, compiled_calls = llm_forwards(monkeypatch, eager, obs), llm_forwards(monkeypatch, compiled, obs)
     assert eager_calls == {"eager": eager_calls["eager"], "compiled": 0} and eager_calls["eager"] > 2
     assert compiled_calls == {"eager": 0, "compiled": eager_calls["eager"]}, "an LLM forward of the step ran eager"
+
+
+def side_by_side(eager, compiled, observations, new_instruction: str, same_tokens=lambda: None) -> None:
+    """Step both sessions on every observation, switching both to ``new_instruction`` (a new prompt and cache) before
+    the fifth: actions within 1e-4, equal KV stats (and ``same_tokens()`` after each step), no graph compiled. A
+    chunked cache must have compressed before the switch, so the check covers a compression."""
+    before = counters["stats"]["unique_graphs"]
+    for i, obs in enumerate(observations):
+        if i == 4:
+            if compiled.config.kv.mode is KVMode.CHUNKED:
+                assert compiled.cache.chunks_formed > 0, "no compression: the check would not cover one"
+            for session in (eager, compiled):
+                session.reset(new_instruction)
+        want, got = eager.step(obs), compiled.step(obs)  # the same noise: reset re-seeded the generator
+        same_tokens()
+        np.testing.assert_allclose(got.actions, want.actions, rtol=0, atol=1e-4)
+        assert got.kv == want.kv
+    assert counters["stats"]["unique_graphs"] == before, "a graph was compiled in a control step"
 
 
 def llm_forwards(monkeypatch, session, obs) -> dict[str, int]:

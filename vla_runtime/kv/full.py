@@ -50,6 +50,8 @@ class FullCache(SlotCache):
         self.store = SlotStore(
             geometry, slots=self.capacity, chunk_slots=0, batch=batch, device=device, dtype=dtype, rotate_on_read=False
         )
+        # static shapes: every slot's index [1, capacity], once (the plan compares the new tokens' positions with it)
+        self._slot_index = torch.arange(self.capacity, device=device)[None, :] if static_shapes else None
         self.reset()
 
     def reset(self) -> None:
@@ -71,10 +73,9 @@ class FullCache(SlotCache):
         self._cos, self._sin = rope_cos_sin(self._new_slots, self.geometry.rope)
         self._pending = t
         if self.static_shapes:  # [T, capacity] additive: 0 where query i sees slot j, -inf elsewhere
-            slots = torch.arange(self.capacity, device=device)[None, :]
             last = start + t - 1 if self.bidirectional else self._new_slots[:, None]
             mask = torch.zeros(t, self.capacity, dtype=self.store.k.dtype, device=device)
-            self._static_mask = mask.masked_fill(slots > last, float("-inf"))
+            self._static_mask = mask.masked_fill(self._slot_index > last, float("-inf"))
 
     def plan_forward(self, t: int) -> None:
         if self._cos is None:

@@ -99,10 +99,14 @@ def static_call(fn: Callable[..., torch.Tensor], **options) -> Callable[..., tor
         compiled = graph_output(compiled)
 
     def call(*args, **kwargs) -> torch.Tensor:
-        fresh = lambda a: a.clone(memory_format=torch.contiguous_format) if isinstance(a, torch.Tensor) else a  # noqa: E731
-        return compiled(*map(fresh, args), **{k: fresh(v) for k, v in kwargs.items()})
+        return compiled(*map(_fresh, args), **{k: _fresh(v) for k, v in kwargs.items()})
 
     return call
+
+
+def _fresh(arg):
+    """A tensor copied with contiguous strides; anything else as it is."""
+    return arg.clone(memory_format=torch.contiguous_format) if isinstance(arg, torch.Tensor) else arg
 
 
 def graph_output(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
