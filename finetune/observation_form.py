@@ -18,8 +18,8 @@ import torch
 
 from vla_runtime.kv.attention import causal_attention, masked_attention
 from vla_runtime.kv.budget import BudgetMode
-from vla_runtime.kv.chunked_gated import ChunkedGatedParams
 from vla_runtime.kv.chunked_parallel import ForwardSchedule
+from vla_runtime.kv.chunked_params import ChunkedGatedParams
 from vla_runtime.kv.gate import ChunkGate
 from vla_runtime.kv.query_parallel import ParallelQueryAttention, QueryBlocks
 from vla_runtime.kv.rope import RopeConfig, apply_rope, rope_cos_sin

@@ -97,13 +97,16 @@ def test_reduce_overhead_off_cuda_names_the_mode_to_use(policy):
         policy.new_session(INSTRUCTION, SessionConfig(compile="reduce-overhead"))
 
 
-def test_only_sessions_replaying_cuda_graphs_get_a_static_full_cache(policy):
-    """``REDUCE_OVERHEAD`` (CUDA graphs) with a full cache: static shapes (``tests/kv/test_full_static.py``), so a
-    history episode records one graph per forward length; other modes and caches keep dynamic shapes."""
-    assert policy.new_cache(KVConfig(), CompileMode.REDUCE_OVERHEAD).static_shapes is True
-    assert policy.new_cache(KVConfig(), CompileMode.DEFAULT).static_shapes is False
+def test_only_sessions_replaying_cuda_graphs_get_static_full_and_chunked_caches(policy):
+    """``REDUCE_OVERHEAD`` (CUDA graphs) with a full or chunked cache: static shapes (``tests/kv/test_full_static.py``,
+    ``tests/kv/test_chunked_static.py``), so a history episode records one graph per forward length; other modes
+    keep dynamic shapes, and so does the sink window."""
     chunked = KVConfig.from_dict({"mode": "chunked", "window": 64})
-    assert not hasattr(policy.new_cache(chunked, CompileMode.REDUCE_OVERHEAD), "static_shapes")
+    for kv in (KVConfig(), chunked):
+        assert policy.new_cache(kv, CompileMode.REDUCE_OVERHEAD).static_shapes is True
+        assert policy.new_cache(kv, CompileMode.DEFAULT).static_shapes is False
+    window = KVConfig.from_dict({"mode": "sink_window", "window": 64})
+    assert not hasattr(policy.new_cache(window, CompileMode.REDUCE_OVERHEAD), "static_shapes")
 
 
 def test_an_unknown_compile_mode_lists_the_valid_ones():
@@ -172,12 +175,13 @@ def test_a_compiled_chunked_forward_never_waits_for_the_host(tiny_openvla, frame
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_cuda_graphed_history_episode_with_a_full_cache_acts_as_eager(tiny_openvla, frame, fresh_dynamo):
-    """CUDA graphs over the static full cache (history mode: the held length grows every step, the graphs' shapes
-    do not): the same tokens as an eager session, float32 on the GPU, over steps past the warm-up's lengths, no
-    graph compiled after creation. Not run in CI here (no CUDA)."""
+@pytest.mark.parametrize("kv", [{"mode": "full"}, {"mode": "chunked", "window": 16, "chunk": 8}], ids=["full", "chunked"])
+def test_a_cuda_graphed_history_episode_acts_as_eager(tiny_openvla, frame, kv, fresh_dynamo):
+    """CUDA graphs over a static cache (history mode: the held length grows every step and the chunked cache
+    compresses, the graphs' shapes do not): the same tokens as an eager session, float32 on the GPU, over steps
+    past the warm-up's lengths, no graph compiled after creation. Not run in CI here (no CUDA)."""
     gpu = load_policy(tiny_openvla, device="cuda", dtype="float32")
-    config = SessionConfig(history="history")
+    config = SessionConfig(history="history", kv=KVConfig.from_dict(kv))
     eager = gpu.new_session(INSTRUCTION, config)
     graphed = gpu.new_session(INSTRUCTION, replace(config, compile=CompileMode.REDUCE_OVERHEAD))
     assert graphed.cache.static_shapes

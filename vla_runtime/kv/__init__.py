@@ -18,7 +18,8 @@ Recipe: adding a cache is one file, one registry line and one test row.
 from __future__ import annotations
 
 from .base import AttendSeam, CacheParams, DecoupledParams, EpisodeCache, KVCache, KVStats
-from .chunked_gated import ChunkedGatedCache, ChunkedGatedParams
+from .chunked_gated import ChunkedGatedCache
+from .chunked_params import ChunkedGatedParams
 from .config import KVConfig, matching_sink_window
 from .full import FullCache, FullParams
 from .gate import ChunkGate, ChunkGateConfig

@@ -26,97 +26,22 @@ K/V on the torch path (``stats().bytes`` counts the store only).
 With a batch B > 1 the rows share one slot layout: a chunk's score is the batch mean.
 ``mark()`` opens a mark that defers compression until ``rollback`` closes it, so a rollback restores
 the exact state. The training form that reproduces this cache in one forward is
-``vla_runtime.kv.chunked_parallel``; ``chunk_schedule`` is shared with it, and the budget rule (``budget.admit``) with ``budget``'s closed form.
+``vla_runtime.kv.chunked_parallel``; ``chunk_schedule`` (``chunked_params``) is shared with it, and the budget rule (``budget.admit``) with ``budget``'s closed form.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
-
 import torch
 
 from .backend import select_backend
-from .base import DecoupledParams, KVStats, RowPlan
+from .base import KVStats, RowPlan
 from .budget import NEVER, admit, apply_admission
-from .gate import ChunkGate, ChunkGateConfig, check_gate
+from .chunked_params import ChunkedGatedParams, chunk_schedule
+from .gate import ChunkGate, check_gate
 from .geometry import CacheGeometry
 from .slot_cache import SlotCache
+from .static_view import StaticPlan, attend_static, check_static_rope, static_plan
 from .store import RotatedView, SlotStore, attend_slots, row_plan_of
-
-RAW_AREA_WINDOWS = 3  # max_chunks=None: raw area = 3 * (window + chunk) slots
-
-
-@dataclass(frozen=True)
-class ChunkedGatedParams(DecoupledParams):
-    """Hyper-parameters of ``ChunkedGatedCache`` (and ``capacity``, ``window``, ``backend`` of ``DecoupledParams``:
-    the store holds pinned + raw ring + ``max_chunks`` slots and compacted positions stay below ``capacity``).
-
-    Args:
-        chunk: tokens per chunk C.
-        max_chunks: retained chunks per layer M (the budget; also the chunk slots of the store); 0 = none kept;
-            ``None`` = every slot the raw area does not need (``resolve``).
-        aggregator_hidden: hidden size of the per-layer 2-layer MLP aggregator (``ChunkGate``).
-        gate_hidden: hidden size of the per-layer LSTM retention gate (``ChunkGate``).
-        chunk_mass: add ``log(chunk)`` to every query's score of a chunk key (proportional attention, as token
-            merging weighs a merged token by its size), so the one key/value pair of a chunk takes the attention its
-            C tokens would if their keys were equal (``ln C + q.k_mean <= ln sum_c exp(q.k_c)``, by Jensen). Without
-            it a retained chunk weighs 1/C of its tokens against the raw ones. A property of how a policy was
-            trained to read its chunks: ``kv_config.json`` records it and ``saved_gate_geometry`` returns it.
-    """
-
-    chunk: int = 16
-    max_chunks: int | None = None
-    aggregator_hidden: int = 64
-    gate_hidden: int = 32
-    chunk_mass: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("chunk", "aggregator_hidden", "gate_hidden"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
-        if self.max_chunks is not None and self.max_chunks < 0:
-            raise ValueError(f"`max_chunks` must be >= 0 or None, got {self.max_chunks}")
-        if self.capacity is None or self.window is None or not self.max_chunks:
-            return
-        raw = self.capacity - self.max_chunks
-        if raw <= self.window + self.chunk:
-            raise ValueError(
-                f"`capacity` ({self.capacity}) - `max_chunks` ({self.max_chunks}) = {raw} raw slots must exceed "
-                f"window + chunk ({self.window + self.chunk}) plus one forward's tokens"
-            )
-
-    def resolve(self, geometry: CacheGeometry) -> "ChunkedGatedParams":
-        """``capacity=None`` -> the model's ``max_position``; ``max_chunks=None`` -> every slot the raw
-        area does not need, leaving ``RAW_AREA_WINDOWS * (window + chunk)`` slots for the pinned prompt,
-        the window, a filling chunk and a forward of up to about two windows."""
-        p = super().resolve(geometry)
-        if p.max_chunks is not None:
-            return p
-        # 0 when the window fills the store (no chunk can form before it is full)
-        return replace(p, max_chunks=max(0, p.capacity - RAW_AREA_WINDOWS * (p.window + p.chunk)))
-
-    @property
-    def chunk_score_bias(self) -> float:
-        """What ``chunk_mass`` adds to the score of a chunk key: ``log(chunk)``, or 0."""
-        return math.log(self.chunk) if self.chunk_mass else 0.0
-
-    def gate_config(self, geometry: CacheGeometry) -> ChunkGateConfig:
-        """The ``ChunkGate`` geometry this cache needs (its owner, the policy, builds or loads it)."""
-        return ChunkGateConfig(
-            n_layers=geometry.n_layers,
-            head_dim=geometry.head_dim,
-            chunk=self.chunk,
-            aggregator_hidden=self.aggregator_hidden,
-            gate_hidden=self.gate_hidden,
-        )
-
-
-# ---- shared with the parallel form ---------------------------------------------------------------
-def chunk_schedule(n_raw: int, *, window: int, chunk: int) -> int:
-    """How many chunks form when ``n_raw`` raw tokens are held after a forward."""
-    return max(0, (n_raw - window) // chunk)
 
 
 class ChunkedGatedCache(SlotCache):
@@ -133,9 +58,12 @@ class ChunkedGatedCache(SlotCache):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         gate: ChunkGate | None = None,
+        static_shapes: bool = False,
     ) -> None:
         """``gate``: the policy's ``ChunkGate``; ``None`` builds the untrained default (mean-pooling
-        aggregator, keeps every chunk)."""
+        aggregator, keeps every chunk). ``static_shapes``: every forward attends over the whole rotated view behind
+        a mask (``static_view``; the torch path), so a forward of T tokens has one shape at every length and layout:
+        one CUDA graph per T (``CompileMode.REDUCE_OVERHEAD`` sessions use it)."""
         super().__init__(geometry, params)
         p = self.params
         if gate is None:
@@ -149,8 +77,13 @@ class ChunkedGatedCache(SlotCache):
         )
         self._scratch = torch.tensor(p.capacity, device=device)
         self._layers = torch.arange(geometry.n_layers, device=device)
-        self.backend = select_backend(self._backend_name(p), geometry, device=device, dtype=dtype)
+        self.static_shapes = static_shapes
+        self.backend = select_backend(self._backend_name(p, static_shapes), geometry, device=device, dtype=dtype)
         self.view = RotatedView(self.store) if self.backend.kernel is None else None
+        if static_shapes:  # every view slot is read (masked): none may hold NaN from an uninitialised buffer
+            check_static_rope(self.store)
+            self.view.k.zero_()
+            self.view.v.zero_()
         n, m = geometry.n_layers, p.max_chunks
         self.chunk_valid = torch.zeros(n, m, dtype=torch.bool, device=device)
         self.chunk_score = torch.zeros(n, m, dtype=torch.float32, device=device)
@@ -160,13 +93,15 @@ class ChunkedGatedCache(SlotCache):
         self.reset()
 
     @staticmethod
-    def _backend_name(p: ChunkedGatedParams) -> str:
-        """``chunk_mass`` runs on the torch path: the Triton kernel takes no per-key score bias."""
-        if not p.chunk_mass or p.backend == "torch":
+    def _backend_name(p: ChunkedGatedParams, static_shapes: bool) -> str:
+        """``chunk_mass`` and static shapes run on the torch path: the Triton kernel takes no per-key score bias
+        and reads a slot list as long as the held keys."""
+        needs = "`chunk_mass`" if p.chunk_mass else "static shapes" if static_shapes else None
+        if needs is None or p.backend == "torch":
             return p.backend
         if p.backend == "triton":
-            raise ValueError("`chunk_mass` needs the torch attention backend (the Triton kernel has no per-key "
-                             "score bias); set backend 'torch' or 'auto'")
+            raise ValueError(f"{needs} needs the torch attention backend (the Triton kernel has no per-key score "
+                             "bias and no fixed-shape slot list); set backend 'torch' or 'auto'")
         return "torch"
 
     def reset(self) -> None:
@@ -182,6 +117,7 @@ class ChunkedGatedCache(SlotCache):
         self._chunk_token_start: list[int] = []  # first token of every chunk formed, chronological
         self._chunk_slots = self._retained_slots()  # per layer, chronological; rebuilt after each compression
         self._plan = None
+        self._static: StaticPlan | None = None  # this forward's, with ``static_shapes``
         self._slots: list[torch.Tensor | slice] = []
         self._n_keys: list[int] = []
         self._pinned_slots = torch.arange(0, device=self.chunk_valid.device)
@@ -195,7 +131,8 @@ class ChunkedGatedCache(SlotCache):
         never waits for the host (what lets ``torch.compile`` capture it whole)."""
         used = slice(0, min(self.chunks_formed, self.params.max_chunks))
         order = torch.argsort(self.chunk_age[:, used].masked_fill(~self.chunk_valid[:, used], NEVER), dim=-1)  # [L, m]
-        counts = self.chunk_valid.sum(-1).tolist()
+        self._chunk_counts = self.chunk_valid.sum(-1)  # [L] on the device, for a static plan
+        counts = self._chunk_counts.tolist()
         return [self.store.raw_end + order[i, :c] for i, c in enumerate(counts)]
 
     def _begin_forward(self, t: int) -> None:
@@ -215,6 +152,10 @@ class ChunkedGatedCache(SlotCache):
                 self._slots.append(torch.cat((pinned, layer_chunks, self._plan.raw)))
             self._n_keys.append(n)
             self._key_bias.append(self._chunk_bias(layer_chunks.numel(), n))
+        if self.static_shapes:  # the held keys current in the view before the first layer (``attend_static``)
+            self.view.sync_layers(s, self._slots, self._n_keys, t)
+            self._static = static_plan(s, self._chunk_counts, t, causal=not self.bidirectional,
+                                       chunk_bias=self.params.chunk_score_bias)  # fmt: skip
 
     def _chunk_bias(self, n_chunks: int, n_keys: int) -> torch.Tensor | None:
         """[n_keys] score bias of one layer's keys in attention order: ``chunk_score_bias`` on its ``n_chunks``
@@ -236,6 +177,8 @@ class ChunkedGatedCache(SlotCache):
         if self._plan is None:  # first layer of this forward: slots and positions once for all layers
             self._begin_forward(q.shape[2])
         self.store.write(layer, self._plan, k_raw, v)
+        if self._static is not None:
+            return attend_static(self.view, self._static, layer, q, k_raw, v)
         return attend_slots(
             self.store, self.backend, self.view, layer, q, k_raw, v, self._slots[layer], self._n_keys[layer],
             causal=not self.bidirectional, key_bias=self._key_bias[layer],
@@ -301,7 +244,7 @@ class ChunkedGatedCache(SlotCache):
         may_compress = self._commit(self._plan.new, max(self._n_keys))
         if self.view is not None:
             self.view.commit(self.store, self._n_keys)
-        self._plan = None
+        self._plan = self._static = None
         if pin:
             self.store.pin()
         return may_compress and not pin

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from .budget import BudgetMode, beaten_counts, log_membership, visible_chunks
-from .chunked_gated import ChunkedGatedParams, chunk_schedule
+from .chunked_params import ChunkedGatedParams, chunk_schedule
 from .config import KVConfig
 from .gate import ChunkGate, check_gate
 from .rope import RopeConfig

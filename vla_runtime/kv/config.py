@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .base import CacheParams
-from .chunked_gated import ChunkedGatedParams
+from .chunked_params import ChunkedGatedParams
 from .geometry import CacheGeometry
 from .registry import CACHES, KVMode
 from .sink_window import SinkWindowParams

@@ -35,8 +35,8 @@ import torch
 
 from .attention import masked_attention
 from .budget import BudgetMode
-from .chunked_gated import ChunkedGatedParams
 from .chunked_parallel import ForwardSchedule, ParallelChunkedAttention
+from .chunked_params import ChunkedGatedParams
 from .gate import ChunkGate
 from .rope import RopeConfig, apply_rope, rope_cos_sin
 from .segment_attention import SegmentPlan, attend_segments

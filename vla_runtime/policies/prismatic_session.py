@@ -45,6 +45,8 @@ from ..models.prismatic.prompt_prismatic import PromptIds
 from .base import PRIMARY_CAMERA, CompiledSession, EpisodeSession, Observation, StepResult, validate_instruction
 from .compiled import StepModules, step_modules
 
+STATIC_SHAPE_CACHES = (KVMode.FULL, KVMode.CHUNKED)  # the caches a CUDA-graph session builds with static shapes
+
 
 def parameter_count(module: torch.nn.Module | None) -> int:
     """Parameters of ``module`` (0 for ``None``: a part the checkpoint lacks), for ``Policy.info``."""
@@ -117,12 +119,12 @@ class PrismaticPolicy:
 
     def new_cache(self, kv: KVConfig, compile_mode: CompileMode = CompileMode.OFF) -> KVCache:
         """One episode's cache (batch 1) of ``kv`` for the VLM's decoder, with the policy's ``ChunkGate`` when
-        ``kv`` needs one. Sessions that replay CUDA graphs (``compile_mode`` ``REDUCE_OVERHEAD``) get a full
-        cache with static shapes (``FullCache(static_shapes=True)``: one graph per forward length, not per held
-        length); the other caches keep dynamic shapes."""
+        ``kv`` needs one. Sessions that replay CUDA graphs (``compile_mode`` ``REDUCE_OVERHEAD``) get a full or
+        chunked cache with static shapes (``static_shapes=True``: one graph per forward length, not per held length
+        and layout); the sink window and the other modes keep dynamic shapes."""
         gate = self.chunk_gate(kv)
         extra = {} if gate is None else {"gate": gate}
-        if compile_mode is CompileMode.REDUCE_OVERHEAD and kv.mode is KVMode.FULL:
+        if compile_mode is CompileMode.REDUCE_OVERHEAD and kv.mode in STATIC_SHAPE_CACHES:
             extra["static_shapes"] = True
         return make_cache(kv, self.gate_geometry, batch=1, device=self.device, dtype=self.dtype, **extra)
 
