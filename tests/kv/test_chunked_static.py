@@ -89,3 +89,21 @@ def test_static_shapes_refuse_the_triton_backend_and_a_length_scaled_rope(model)
         ChunkedGatedCache(model.cfg.geometry, params, static_shapes=True)
     auto = ChunkedGatedCache(model.cfg.geometry, kv(KVMode.CHUNKED, "hard").params, static_shapes=True)
     assert auto.backend.kernel is None and auto.view is not None
+
+
+@torch.inference_mode()
+def test_the_extent_grows_with_the_held_keys_and_the_outputs_stay_the_dynamic_caches(model):
+    """A window wider than the smallest extent: the held keys pass 256, the attention reads 512 slots (not the
+    buffer's 1025), and the outputs equal the dynamic cache's through compressions."""
+    params = kv(KVMode.CHUNKED, "hard", capacity=1024, window=300, chunk=16, max_chunks=16).params
+    static, dynamic = (ChunkedGatedCache(model.cfg.geometry, params, static_shapes=s) for s in (True, False))
+    gen = torch.Generator().manual_seed(4)
+    extents = []
+    for i, n in enumerate([PROMPT] + [60] * 8):
+        x = torch.randn(1, n, DIM, generator=gen)
+        want = model(inputs_embeds=x, cache=dynamic, pin=i == 0)
+        static.plan_forward(n)
+        extents.append(int(static._static.key_index.shape[0]))
+        torch.testing.assert_close(model(inputs_embeds=x, cache=static, pin=i == 0), want, rtol=1e-5, atol=1e-5)
+    assert dynamic.chunks_formed > 0
+    assert extents[0] == 256 and max(extents) == 512, extents

@@ -1,13 +1,15 @@
-"""``FullCache(static_shapes=True)``: every forward attends over the whole capacity behind the plan's mask, so its
-outputs equal the dynamic cache's (prefill, decode, a bidirectional block, a key bias, rollback) while a forward
-of T tokens has one shape at every length: compiled without dynamic shapes, a prefill and any number of decode
-steps are two graphs (the dynamic cache: one per length). What ``REDUCE_OVERHEAD`` sessions (CUDA graphs) use."""
+"""``FullCache(static_shapes=True)``: every forward attends over a power-of-two extent of the buffer behind the
+plan's mask, so its outputs equal the dynamic cache's (prefill, decode, a bidirectional block, a key bias,
+rollback) while a forward of T tokens has one shape at every length within an extent: compiled without dynamic
+shapes, a prefill and any number of decode steps are two graphs (the dynamic cache: one per length). What
+``REDUCE_OVERHEAD`` sessions (CUDA graphs) use."""
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from vla_runtime.kv import FullCache, KVConfig, make_cache
+from vla_runtime.kv.static_view import static_extent
 from vla_runtime.models.llama import LLAMA_CONFIGS, LlamaModel
 from vla_runtime.policies.compiled import CompiledDecoder
 
@@ -63,3 +65,26 @@ def test_compiled_without_dynamic_shapes_a_static_cache_needs_one_graph_per_forw
     assert graphs[True] == 2, graphs  # the prefill's and the decode's
     assert graphs[False] > 2, graphs  # the dynamic cache's shapes grow with every token (what the test guards against)
 
+
+
+def test_the_extent_is_the_held_tokens_rounded_up_to_a_power_of_two():
+    assert [static_extent(n, 4096) for n in (1, 256, 257, 290, 513, 4000)] == [256, 256, 512, 512, 1024, 4096]
+    assert static_extent(300, 300) == 300  # capped at the buffer
+    with pytest.raises(ValueError, match="a static forward sees 1..48 keys, got 49"):
+        static_extent(49, 48)
+
+
+@torch.inference_mode()
+def test_a_long_episode_attends_over_a_growing_power_of_two_extent(model):
+    """Capacity 2048, a history growing past 256 and 512 tokens: each forward reads the extent its held tokens
+    need (not the capacity) and gives the dynamic cache's outputs."""
+    static, dynamic = (make_cache(KVConfig.of("full", capacity=2048), CFG.geometry, static_shapes=s) for s in (True, False))
+    gen = torch.Generator().manual_seed(2)
+    extents = []
+    for n in (200, 100, 100, 150, 1):
+        x = torch.randn(1, n, CFG.dim, generator=gen)
+        want = model(inputs_embeds=x, cache=dynamic)
+        static.plan_forward(n)
+        extents.append(static._static_mask.shape[1])
+        torch.testing.assert_close(model(inputs_embeds=x, cache=static), want, rtol=1e-5, atol=1e-5)
+    assert extents == [256, 512, 512, 1024, 1024], extents  # held after each: 200, 300, 400, 550, 551

@@ -61,9 +61,9 @@ class ChunkedGatedCache(SlotCache):
         static_shapes: bool = False,
     ) -> None:
         """``gate``: the policy's ``ChunkGate``; ``None`` builds the untrained default (mean-pooling
-        aggregator, keeps every chunk). ``static_shapes``: every forward attends over the whole rotated view behind
-        a mask (``static_view``; the torch path), so a forward of T tokens has one shape at every length and layout:
-        one CUDA graph per T (``CompileMode.REDUCE_OVERHEAD`` sessions use it)."""
+        aggregator, keeps every chunk). ``static_shapes``: every forward attends over the rotated view's first
+        ``static_extent`` slots behind a mask (``static_view``; the torch path), so a forward of T tokens has one
+        shape at every length and layout within an extent (``CompileMode.REDUCE_OVERHEAD`` sessions use it)."""
         super().__init__(geometry, params)
         p = self.params
         if gate is None:
@@ -154,7 +154,7 @@ class ChunkedGatedCache(SlotCache):
             self._key_bias.append(self._chunk_bias(layer_chunks.numel(), n))
         if self.static_shapes:  # the held keys current in the view before the first layer (``attend_static``)
             self.view.sync_layers(s, self._slots, self._n_keys, t)
-            self._static = static_plan(s, self._chunk_counts, t, causal=not self.bidirectional,
+            self._static = static_plan(s, self._chunk_counts, t, max(self._n_keys), causal=not self.bidirectional,
                                        chunk_bias=self.params.chunk_score_bias)  # fmt: skip
 
     def _chunk_bias(self, n_chunks: int, n_keys: int) -> torch.Tensor | None:

@@ -3,9 +3,10 @@
 Keys are rotated on write at their absolute positions 0, 1, 2, ... (positions never shift, so
 rotated copies are stored). Buffers are preallocated; new tokens are written by slice.
 
-``static_shapes=True``: every forward attends over the whole capacity behind a visibility mask the plan builds
-(gpt-fast's ``input_pos``), so a forward of T tokens has the same shapes at every length: one CUDA graph per T
-(``CompileMode.REDUCE_OVERHEAD`` sessions use it) instead of one per length the episode reaches.
+``static_shapes=True``: every forward attends over the first ``static_extent`` slots (the held tokens rounded up
+to a power of two) behind a visibility mask the plan builds (gpt-fast's ``input_pos``), so a forward of T tokens
+has the same shapes at every length within an extent: a few CUDA graphs per T in an episode
+(``CompileMode.REDUCE_OVERHEAD`` sessions use it) instead of one per length it reaches.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .base import CacheParams, KVStats, RowPlan
 from .geometry import CacheGeometry
 from .rope import apply_rope, rope_cos_sin
 from .slot_cache import SlotCache
+from .static_view import static_extent
 from .store import SlotStore
 
 
@@ -30,7 +32,7 @@ class FullParams(CacheParams):
 
 class FullCache(SlotCache):
     """Every token kept, absolute positions. Buffers ``store.k, store.v: [L, B, Hkv, capacity, D]`` (k rotated).
-    ``static_shapes``: attend over the whole capacity behind a mask (see the module doc)."""
+    ``static_shapes``: attend over a power-of-two extent behind a mask (see the module doc)."""
 
     params_class = FullParams
 
@@ -72,10 +74,11 @@ class FullCache(SlotCache):
         self._new_slots = torch.arange(start, start + t, device=device)  # [T]: the new tokens' slots and positions
         self._cos, self._sin = rope_cos_sin(self._new_slots, self.geometry.rope)
         self._pending = t
-        if self.static_shapes:  # [T, capacity] additive: 0 where query i sees slot j, -inf elsewhere
+        if self.static_shapes:  # [T, extent] additive: 0 where query i sees slot j, -inf elsewhere
+            slots = self._slot_index[:, : static_extent(start + t, self.capacity)]
             last = start + t - 1 if self.bidirectional else self._new_slots[:, None]
-            mask = torch.zeros(t, self.capacity, dtype=self.store.k.dtype, device=device)
-            self._static_mask = mask.masked_fill(self._slot_index > last, float("-inf"))
+            mask = torch.zeros(t, slots.shape[1], dtype=self.store.k.dtype, device=device)
+            self._static_mask = mask.masked_fill(slots > last, float("-inf"))
 
     def plan_forward(self, t: int) -> None:
         if self._cos is None:
@@ -90,9 +93,11 @@ class FullCache(SlotCache):
         k.index_copy_(2, self._new_slots, apply_rope(k_raw, self._cos, self._sin))
         v_all.index_copy_(2, self._new_slots, v)
         q = apply_rope(q, self._cos, self._sin)
-        if self.static_shapes:  # no held-token count in the graph: the mask is the only thing that changes
-            bias = self._bias_of(layer, self.capacity)
+        if self.static_shapes:  # no held-token count in the graph: the mask's values change, its extent rarely
+            extent = self._static_mask.shape[1]
+            bias = self._bias_of(layer, extent)
             mask = self._static_mask if bias is None else self._static_mask + bias.to(q.dtype)[None, :]
+            k, v_all = k[:, :, :extent], v_all[:, :, :extent]
             return F.scaled_dot_product_attention(q, k, v_all, attn_mask=mask, enable_gqa=grouped(q, k))
         start = self.length
         end = start + q.shape[2]
