@@ -9,10 +9,14 @@
 # own torch, `PYTHON -m pip install --no-deps --no-build-isolation -e .` (the tests' own imports: pytest, numpy,
 # safetensors, tokenizers, transformers, peft, triton).
 #
-# OUT (default results/gpu) receives tests.log, bench_fast_7b.{json,png,profile.txt,log}, bench_fast_steps.*.
-# TESTS_S, BENCH_S, STEPS_S: the parts' limits in seconds (defaults 180, 300, 100: under 10 minutes in all). The
-# 7B bench compiles three 32-layer variants (bf16, int8, int4): about 230 s on 16 cores with torch 2.11. Test
-# modules whose imports the machine lacks (a GPU image without the ROS or serve extras) are reported and skipped.
+# OUT (default results/gpu) receives tests.log, bench_fast_7b.{json,png,profile.txt,log}, bench_fast_steps.*,
+# bench_serve.*. TESTS_S, BENCH_S, STEPS_S, SERVE_S: the parts' limits in seconds (defaults 180, 300, 100, 240).
+# PARTS: which parts, in order (default "tests bench_fast_7b bench_fast_steps": under 10 minutes, one device call;
+# "serve" is issue 19's load benchmark on the GPU, for a second call). The 7B bench compiles three 32-layer
+# variants (bf16, int8, int4): about 230 s on 16 cores with torch 2.11. Test modules whose imports the machine
+# lacks (a GPU image without the ROS or serve extras) are reported and skipped. The serve part installs
+# openpi-client, websockets and msgpack from wheels in .device/wheels (carried; `pip download` them here) when
+# the image lacks them.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -34,8 +38,20 @@ part() {  # part NAME LIMIT_S COMMAND...: run COMMAND under LIMIT_S, log to $OUT
     echo "gpu_checks: $name exited $rc after $(( $(date +%s) - start )) s (limit $limit s)"
 }
 
-part tests "${TESTS_S:-180}" "$python" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests
-part bench_fast_7b "${BENCH_S:-300}" "$python" benchmarks/bench_fast.py --device cuda --geometry 7b-layer --layers 32 \
-    --context 290 --repeats 50 --profile 20 --out "$OUT/bench_fast_7b"
-part bench_fast_steps "${STEPS_S:-100}" "$python" benchmarks/bench_fast.py --device cuda --geometry all --repeats 50 \
-    --out "$OUT/bench_fast_steps"
+serve_deps() {  # openpi's client and the server's wire, from the carried wheels when the image lacks them
+    "$python" -c "import openpi_client, websockets, msgpack" 2>/dev/null \
+        || "$python" -m pip install -q --no-deps --no-index .device/wheels/*.whl
+}
+
+for name in ${PARTS:-tests bench_fast_7b bench_fast_steps}; do
+    case $name in
+    tests) part tests "${TESTS_S:-180}" "$python" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests ;;
+    bench_fast_7b) part bench_fast_7b "${BENCH_S:-300}" "$python" benchmarks/bench_fast.py --device cuda --geometry 7b-layer \
+        --layers 32 --context 290 --repeats 50 --profile 20 --out "$OUT/bench_fast_7b" ;;
+    bench_fast_steps) part bench_fast_steps "${STEPS_S:-100}" "$python" benchmarks/bench_fast.py --device cuda --geometry all \
+        --repeats 50 --out "$OUT/bench_fast_steps" ;;
+    serve) serve_deps && part bench_serve "${SERVE_S:-240}" "$python" benchmarks/bench_serve.py --device cuda --repeats 3 \
+        --clients 1 2 4 8 --out "$OUT/bench_serve.json" ;;
+    *) echo "gpu_checks: unknown part '$name' (tests, bench_fast_7b, bench_fast_steps, serve)" >&2; exit 2 ;;
+    esac
+done
