@@ -54,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-quantile", type=float, default=0.95, help="the new loop's step_quantile")
     p.add_argument("--margin-ms", type=float, default=3.0, help="the new loop's schedule_margin_ms")
     p.add_argument("--frame-guard-ms", type=float, default=5.0, help="the new loop's frame_guard_ms (align_to_frames)")
+    p.add_argument("--align-quantile", type=float, default=0.1, help="the new loop's align_quantile (align_to_frames)")
+    p.add_argument("--frame-wait-ms", type=float, default=0.0, help="the new loop's frame_wait_ms (0: off)")
     p.add_argument("--late-grace-ms", type=float, default=float("inf"),
                    help="the new loop's late_grace_ms (capped at 0.45 of a period by the loop; default inf: the cap)")
     p.add_argument("--control-thread-priority", type=int, default=0,
@@ -211,7 +213,8 @@ def control_run(harness, checkpoint, modules, tmp, rate, schedule, args, name) -
 
     ns = f"{name}_{schedule}_{int(rate)}"
     tuning = ({"step_quantile": args.step_quantile, "schedule_margin_ms": args.margin_ms, "publish_mode": args.publish_mode,
-               "late_grace_ms": args.late_grace_ms, "frame_guard_ms": args.frame_guard_ms}
+               "late_grace_ms": args.late_grace_ms, "frame_guard_ms": args.frame_guard_ms,
+               "align_quantile": args.align_quantile, "frame_wait_ms": args.frame_wait_ms}
               if schedule == "deadline" else {})
     proc, diag = start_node(harness, checkpoint, modules, tmp, ns, rate, args, schedule=schedule,
                             control_thread_priority=args.control_thread_priority, **tuning)
@@ -258,7 +261,7 @@ def control_table(harness, tmp, args) -> list[dict]:
                 runs.append({"policy": "openvla" if policy == "openvla" else chunk_name, **run})
     print(f"control loop: {args.stream_hz:g} Hz camera, {args.control_seconds:g} s per cell; old = the asap loop (a step "
           "as soon as a frame arrives and the queue is empty, as before issue 16), new = deadline scheduling "
-          f"(step_quantile {args.step_quantile:g}, margin {args.margin_ms:g} ms, frame guard {args.frame_guard_ms:g} ms, late_grace {args.late_grace_ms:g} ms, publish_mode {args.publish_mode}; control thread priority {args.control_thread_priority} in both). "
+          f"(step_quantile {args.step_quantile:g}, margin {args.margin_ms:g} ms, frame guard {args.frame_guard_ms:g} ms, align quantile {args.align_quantile:g}, frame wait {args.frame_wait_ms:g} ms, late_grace {args.late_grace_ms:g} ms, publish_mode {args.publish_mode}; control thread priority {args.control_thread_priority} in both). "
           "latency = frame receipt -> action published; age = frame receipt -> step start; plan = the step time "
           "the schedule plans with; empty = ticks without an action of their own; late = ticks whose step overran them "
           "by less than late_grace_ms, published when it landed; missed = ticks the node's control thread reached more "

@@ -109,6 +109,11 @@ class ControlConfig:
         align_window: steps whose frame ages decide a phase move.
         align_quantile: the phase moves by this quantile of their frame ages less the guard: that share of
             steps may find their frame not arrived yet and take the one before (a camera period older).
+        frame_wait_ms: a step whose start finds the camera's next frame due within this long waits for it (at
+            most this long) and takes it on arrival, rather than the newest frame, a camera period older (0: off,
+            the default). The camera's period and phase come from the frames' receipt times
+            (``timing.FrameClock``). With it the phase can be aligned to frames arriving about at the start
+            (``frame_guard_ms`` 0), where without it a late frame costs a whole camera period.
     """
 
     rate_hz: float = 5.0
@@ -129,6 +134,7 @@ class ControlConfig:
     frame_guard_ms: float = 5.0
     align_window: int = 20
     align_quantile: float = 0.1
+    frame_wait_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name, kind in ENUMS.items():
@@ -148,8 +154,8 @@ class ControlConfig:
             raise ValueError(f"`temporal_coeff` ({self.temporal_coeff}) and `adaptive_alpha` ({self.adaptive_alpha}) must be >= 0")
         if not self.late_grace_ms >= 0:  # NaN too
             raise ValueError(f"`late_grace_ms` must be >= 0, got {self.late_grace_ms}")
-        if self.frame_guard_ms < 0:
-            raise ValueError(f"`frame_guard_ms` must be >= 0, got {self.frame_guard_ms}")
+        if self.frame_guard_ms < 0 or self.frame_wait_ms < 0:
+            raise ValueError(f"`frame_guard_ms` ({self.frame_guard_ms}) and `frame_wait_ms` ({self.frame_wait_ms}) must be >= 0")
         if not 0.0 <= self.align_quantile <= 1.0:
             raise ValueError(f"`align_quantile` must be in [0, 1], got {self.align_quantile}")
         if self.align_window < 1:

@@ -1,4 +1,4 @@
-"""Step-time estimate and the tick grid the control loop plans on.
+"""Step-time estimate, the camera's frame clock and the tick grid the control loop plans on.
 
 Times are seconds on one monotonic clock (``time.monotonic()`` in a node, a fake clock in tests).
 Tick ``k`` is at ``t0 + k * period``.
@@ -59,3 +59,33 @@ class TickGrid:
     def nearest(self, t: float) -> int:
         """The tick nearest to ``t`` (a timer callback that fired at ``t`` runs this tick)."""
         return max(0, round((t - self.t0) / self.period))
+
+
+class FrameClock:
+    """The camera's period, from the receipt times of its last ``window`` frames (the median interval), and when
+    its next frame is due. A driver feeds every frame's receipt; ``wait_for_next`` says whether a step starting
+    now should wait for that frame (``ControlConfig.frame_wait_ms``)."""
+
+    def __init__(self, window: int = 16) -> None:
+        self._last: float | None = None
+        self._intervals: deque[float] = deque(maxlen=window)
+
+    def add(self, received: float) -> None:
+        if self._last is not None and received > self._last:
+            self._intervals.append(received - self._last)
+        self._last = received
+
+    def period(self) -> float | None:
+        """The median interval between frames; ``None`` before four intervals."""
+        if len(self._intervals) < 4:
+            return None
+        return float(np.median(np.fromiter(self._intervals, float)))
+
+    def wait_for_next(self, now: float, limit_s: float) -> float:
+        """Seconds a step starting at ``now`` waits for the camera's next frame: ``limit_s`` when that frame is
+        due within ``limit_s`` either way (about to come, or a little late), else 0 (no estimate yet, or the next
+        frame is further off). The wait ends early when a frame comes."""
+        period = self.period()
+        if period is None or limit_s <= 0:
+            return 0.0
+        return limit_s if abs(self._last + period - now) <= limit_s else 0.0

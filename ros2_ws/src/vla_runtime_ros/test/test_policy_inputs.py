@@ -1,6 +1,9 @@
 """The policy node's input pairing and watchdog (``vla_runtime_ros.inputs``) as functions of a clock: no
 DDS, no node, every moment given explicitly."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -106,3 +109,40 @@ def test_each_frame_is_used_once_and_an_unused_one_replaced_counts_as_dropped():
     assert box.usable_frame(0.2) is None and not box.pending()
     assert box.add_frame(image(4.0), 0.3, active=True) is False  # the previous one was used
     assert box.usable_frame(0.3).stamp == pytest.approx(4.0)
+
+
+def control_over(box: Inputs):
+    """``PolicyControl``'s frame wait over ``box``, without a node (its lock and condition only)."""
+    from vla_runtime_ros.policy_control import PolicyControl
+
+    control = object.__new__(PolicyControl)
+    control._lock = threading.Lock()
+    control._frame_arrived = threading.Condition(control._lock)
+    control._inputs = box
+    return control
+
+
+def test_a_step_whose_next_frame_is_due_waits_for_it_and_one_that_is_not_does_not():
+    box, period = inputs(use_joint_state=False), 1 / 30
+    start = time.monotonic()
+    for i in range(6):  # the camera's clock: the last frame arrived a period ago, the next is due now
+        box.add_frame(image(float(i)), start - (6 - i) * period, active=True)
+    control, waited, holding = control_over(box), [], threading.Event()
+
+    def step(cancel=threading.Event()):
+        with control._lock:
+            holding.set()
+            waited.append(control._await_next_frame(cancel, 60.0))  # a limit no machine reaches: the frame ends it
+
+    worker = threading.Thread(target=step)
+    worker.start()
+    holding.wait()
+    with control._lock:  # only free once the worker waits (the wait releases it)
+        box.add_frame(image(6.0), time.monotonic(), active=True)
+        control._frame_arrived.notify_all()
+    worker.join(timeout=120)
+    assert not worker.is_alive() and waited == [True]
+    assert box.usable_frame(time.monotonic()).seq == 7  # the frame it waited for is the one it takes
+    with control._lock:  # the next frame is a whole period off: no wait within 5 ms
+        assert control._await_next_frame(threading.Event(), 0.005) is False
+    assert box.clock.period() == pytest.approx(period, rel=0.2)

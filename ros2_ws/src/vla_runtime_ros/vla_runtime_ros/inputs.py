@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from vla_runtime.control.timing import FrameClock
 
 UNPAIRED_GRACE_S = 0.1  # a frame waits at least this long for the joint state of its moment before the watchdog speaks
 
@@ -59,6 +60,7 @@ class Inputs:
         self.state_error = ""  # why the newest joint state was rejected
         self._recent_states: deque[tuple[float, np.ndarray]] = deque(maxlen=64)  # (stamp, state), stamped ones
         self.frames_stale = 0  # frames that became too old before a step used them
+        self.clock = FrameClock()  # the camera's period and next frame (``ControlConfig.frame_wait_ms``)
 
     # ------------------------------------------------------------------ arrivals
     def add_frame(self, msg: Any, now: float, *, active: bool) -> bool:
@@ -66,6 +68,7 @@ class Inputs:
         dropped = active and self.frame is not None and self.frame.seq > self.used_seq
         self.frame_seq += 1
         self.frame = Frame(msg, now, self.frame_seq)
+        self.clock.add(now)
         return dropped
 
     def add_state(self, state: np.ndarray, stamp: float) -> None:

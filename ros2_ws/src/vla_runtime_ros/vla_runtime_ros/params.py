@@ -77,6 +77,13 @@ class PolicyNodeConfig:
         default=True,
     )
     frame_guard_ms: float = _help("align_to_frames: how long before a step's start the latest frames are placed", default=5.0)
+    align_quantile: float = _help(
+        "align_to_frames: the phase moves by this quantile of recent frame ages (less the guard)", default=0.1
+    )
+    frame_wait_ms: float = _help(
+        "a step whose start finds the camera's next frame due within this long waits for it (0 = off: the newest"
+        " frame at the start)", default=0.0,
+    )
     fallback: str = _help("a tick without an action: hold (publish nothing), zero, repeat_last", default="hold")
     late_grace_ms: float = _help(
         "a tick whose step is still running waits up to this long for it (at most 0.45 of a period) before the"
@@ -156,6 +163,7 @@ class PolicyNodeConfig:
             step_quantile=self.step_quantile, margin_ms=self.schedule_margin_ms, refill_threshold=self.refill_threshold,
             latency_skip=self.latency_skip, blend=self.blend, fallback=self.fallback, fallback_keep_dims=tuple(self.fallback_keep_dims),
             align_to_frames=self.align_to_frames, frame_guard_ms=self.frame_guard_ms, late_grace_ms=self.late_grace_ms,
+            align_quantile=self.align_quantile, frame_wait_ms=self.frame_wait_ms,
         )
 
 

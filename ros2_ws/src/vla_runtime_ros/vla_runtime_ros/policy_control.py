@@ -180,20 +180,26 @@ class PolicyControl:
         # frame it will take arrives about at its start
         prefix = self._loop.guidance(plan.start_at, max(now, plan.start_at))
         self._loop.started(plan)
-        self._future = self._worker.submit(self._step, plan.start_at, self._cancel, episode, prefix)
+        self._future = self._worker.submit(self._step, plan.start_at, self._cancel, episode, prefix,
+                                           self._loop.cfg.frame_wait_ms / 1e3)  # fmt: skip
         self._future.add_done_callback(lambda _: self._wake())
 
-    def _step(self, start_at: float, cancel: threading.Event, episode: int, prefix: ActionPrefix | None = None) -> StepOutcome | None:
-        """Worker: wait until ``start_at``, take the newest usable frame and step the session on it.
+    def _step(self, start_at: float, cancel: threading.Event, episode: int, prefix: ActionPrefix | None = None,
+              frame_wait_s: float = 0.0) -> StepOutcome | None:  # fmt: skip
+        """Worker: wait until ``start_at`` (and for a frame due within ``frame_wait_s``), take the newest usable
+        frame and step the session on it.
 
         ``None`` when cancelled, or when no frame is usable at the start (the next tick or frame plans again).
         """
         if cancel.wait(max(0.0, start_at - time.monotonic())):
             return None
         with self._lock:
+            waited = self._await_next_frame(cancel, frame_wait_s)
             frame = self._usable_frame(time.monotonic())
             if frame is None or episode != self._episode:
                 return None
+            if waited:  # the plan's turnaround counts from the frame's arrival, not the wait for it
+                start_at = max(start_at, frame.received)
             self._inputs.skip_frames_until(frame.seq)
             found, state = self._inputs.state_at(frame)
             if not found:
@@ -201,6 +207,16 @@ class PolicyControl:
                 return None
             self._busy = True
         return self._runner.step(frame, state, episode=episode, start_at=start_at, prefix=prefix)
+
+    def _await_next_frame(self, cancel: threading.Event, frame_wait_s: float) -> bool:
+        """Worker, holding ``_lock``: when the camera's next frame is due within ``frame_wait_s``, wait for it (at
+        most that long; the lock is released meanwhile). Whether a frame arrived in the wait."""
+        limit = self._inputs.clock.wait_for_next(time.monotonic(), frame_wait_s)
+        if limit <= 0:
+            return False
+        seq = self._inputs.frame_seq
+        return self._frame_arrived.wait_for(lambda: self._inputs.frame_seq > seq or cancel.is_set(), timeout=limit) \
+            and not cancel.is_set()
 
     def _collect(self) -> None:
         """Account for a finished worker job: a started episode, or a step's actions (into the loop)."""

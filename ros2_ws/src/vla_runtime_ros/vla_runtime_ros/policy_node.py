@@ -114,6 +114,7 @@ class PolicyNode(PolicyControl, LifecycleNode):
         declare_config(self, PolicyNodeConfig)
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self._lock = threading.Lock()  # guards everything the callbacks share below
+        self._frame_arrived = threading.Condition(self._lock)  # a step waiting for a frame due (``frame_wait_ms``)
         self._inputs = Inputs(InputLimits())
         self._episode_instruction: str | None = None
         self._episode = 0
@@ -298,6 +299,7 @@ class PolicyNode(PolicyControl, LifecycleNode):
         with self._lock:
             self._telemetry.frames_received += 1
             self._telemetry.frames_dropped += self._inputs.add_frame(msg, now, active=self._active)
+            self._frame_arrived.notify_all()
         if self._future is None:  # a job in flight takes the newest frame itself (module docstring)
             self._wake()
 
