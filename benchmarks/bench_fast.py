@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import re
 import sys
 import tempfile
 import time
@@ -299,6 +300,15 @@ def bandwidth_limits(groups: list[Group], results: dict, bandwidth: float) -> di
     return limits
 
 
+GEMM_KERNEL = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|splitk", re.IGNORECASE)  # cuBLAS / CUTLASS kernel names
+
+
+def is_gemm_kernel(name: str) -> bool:
+    """Whether a device kernel's name is a matrix multiply's (cuBLAS, cuBLASLt, CUTLASS): the part of a decode
+    that reads the weights. The rest (norms, RoPE, attention, cache writes, copies) is what fusing would cut."""
+    return bool(GEMM_KERNEL.search(name))
+
+
 def profile_decode_rows(groups: list[Group], args: argparse.Namespace) -> tuple[dict[str, dict], str]:
     """``--profile N`` calls of every decode row under ``torch.profiler`` -> per row the wall time, the summed
     kernel time on the device and the kernels per call (the gap between wall and kernel time is host work and
@@ -318,8 +328,10 @@ def profile_decode_rows(groups: list[Group], args: argparse.Namespace) -> tuple[
                 synchronize(args.device)
                 wall_s = time.perf_counter() - start
             kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+            gemm_us = sum(e.device_time_total for e in kernels if is_gemm_kernel(e.key))
             rows[row] = {"wall_ms": wall_s * 1e3 / args.profile,
                          "kernel_ms": sum(e.device_time_total for e in kernels) / 1e3 / args.profile,
+                         "gemm_ms": gemm_us / 1e3 / args.profile,
                          "kernels_per_call": sum(e.count for e in kernels) / args.profile}  # fmt: skip
             sort = "self_device_time_total" if cuda else "self_cpu_time_total"
             tables.append(f"## {row}\n{prof.key_averages().table(sort_by=sort, row_limit=15)}")
@@ -366,8 +378,11 @@ def run(args: argparse.Namespace) -> int:
         profiled, tables = profile_decode_rows(groups, args)
         args.out.with_suffix(".profile.txt").write_text(tables)
         for row, p in profiled.items():
+            gemm = ""
+            if p["gemm_ms"] > 0 and row in limits:  # the weights' bytes over the GEMMs' time: their own bandwidth
+                gemm = f"; GEMMs {p['gemm_ms']:.3f} ms at {limits[row]['weight_bytes'] / p['gemm_ms'] / 1e6:.0f} GB/s"
             print(f"{row}: {p['wall_ms']:.3f} ms wall per call, {p['kernel_ms']:.3f} ms of device kernels "
-                  f"({p['kernels_per_call']:.0f} kernels)")
+                  f"({p['kernels_per_call']:.0f} kernels{gemm})")
     write_json(args.out.with_suffix(".json"), env=environment(device=args.device, dtype=args.dtype, threads=args.threads),
                args=args, results=results, setup_s={g.name: g.setup_s for g in groups},
                agreement={g.name: g.agreement for g in groups}, copy_bandwidth_bytes_per_s=bandwidth,

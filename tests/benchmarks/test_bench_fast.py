@@ -38,7 +38,7 @@ def test_bench_fast_small_geometry_writes_every_variant(tmp_path):
     assert record["copy_bandwidth_bytes_per_s"] > 0 and all(v["x_limit"] > 0 for v in limits.values())
     assert limits["small decode: weight-only int8"]["weight_bytes"] < limits["small decode: eager"]["weight_bytes"] / 3
     profiled = record["profile"]  # --profile: every decode row, wall time per call; no device kernels on a CPU
-    assert set(profiled) == set(limits) and all(p["wall_ms"] > 0 and p["kernels_per_call"] == 0 for p in profiled.values())
+    assert set(profiled) == set(limits) and all(p["wall_ms"] > 0 and p["kernels_per_call"] == p["gemm_ms"] == 0 for p in profiled.values())
     assert "## small decode: compiled\n" in (tmp_path / "b.profile.txt").read_text()
 
 
@@ -71,3 +71,14 @@ def test_bench_fast_device_defaults_and_the_weight_bandwidth_limit():
     assert limits["g decode: eager"] == {"weight_bytes": 2_000_000, "limit_ms": pytest.approx(2.0), "x_limit": pytest.approx(2.0)}
     assert limits["g decode: weight-only int8"]["x_limit"] == pytest.approx(4.0)
     assert bench.copy_bandwidth(torch.device("cpu"), mib=4, repeats=3) > 1e6  # bytes/s of a real copy
+
+
+def test_the_profile_tells_matrix_multiply_kernels_from_the_rest():
+    """``--profile`` on CUDA splits the kernel time into GEMMs (the weights' reads) and the rest, by kernel name."""
+    gemms = ["sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "void gemv2T_kernel_val<int, int, __nv_bfloat16>",
+             "nvjet_hsh_64x32_64x16_4x1_v_bz_splitK_TNT", "cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu>"]
+    others = ["triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "void at::native::elementwise_kernel<128, 2>",
+              "flash_fwd_splitkv_kernel", "void at::native::(anonymous namespace)::indexFuncLargeIndex<float>"]
+    bench_fast = get_benchmark("fast").load_script()
+    assert all(bench_fast.is_gemm_kernel(n) for n in gemms)
+    assert not any(bench_fast.is_gemm_kernel(n) for n in others)
