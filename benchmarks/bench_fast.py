@@ -300,7 +300,7 @@ def bandwidth_limits(groups: list[Group], results: dict, bandwidth: float) -> di
     return limits
 
 
-GEMM_KERNEL = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|splitk", re.IGNORECASE)  # cuBLAS / CUTLASS kernel names
+GEMM_KERNEL = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|splitKreduce", re.IGNORECASE)  # cuBLAS / CUTLASS kernel names
 
 
 def is_gemm_kernel(name: str) -> bool:

@@ -76,7 +76,7 @@ def test_bench_fast_device_defaults_and_the_weight_bandwidth_limit():
 def test_the_profile_tells_matrix_multiply_kernels_from_the_rest():
     """``--profile`` on CUDA splits the kernel time into GEMMs (the weights' reads) and the rest, by kernel name."""
     gemms = ["sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "void gemv2T_kernel_val<int, int, __nv_bfloat16>",
-             "nvjet_hsh_64x32_64x16_4x1_v_bz_splitK_TNT", "cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu>"]
+             "nvjet_hsh_64x32_64x16_4x1_v_bz_splitK_TNT", "void splitKreduce_kernel<32, 16, int, float>", "cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu>"]
     others = ["triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "void at::native::elementwise_kernel<128, 2>",
               "flash_fwd_splitkv_kernel", "void at::native::(anonymous namespace)::indexFuncLargeIndex<float>"]
     bench_fast = get_benchmark("fast").load_script()
