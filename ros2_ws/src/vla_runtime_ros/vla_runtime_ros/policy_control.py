@@ -196,7 +196,7 @@ class PolicyControl:
         with self._lock:
             waited = self._await_next_frame(cancel, frame_wait_s)
             frame = self._usable_frame(time.monotonic())
-            if frame is None or episode != self._episode:
+            if frame is None or episode != self._episode or cancel.is_set():  # deactivated during a frame wait
                 return None
             if waited:  # the plan's turnaround counts from the frame's arrival, not the wait for it
                 start_at = max(start_at, frame.received)
