@@ -82,6 +82,7 @@ class ChunkedGatedCache(SlotCache):
         self.view = RotatedView(self.store) if self.backend.kernel is None else None
         if static_shapes:  # every view slot is read (masked): none may hold NaN from an uninitialised buffer
             check_static_rope(self.store)
+            self._slot_index = torch.arange(self.store.slots, device=device)  # the plans' key index, sliced
             self.view.k.zero_()
             self.view.v.zero_()
         n, m = geometry.n_layers, p.max_chunks
@@ -154,8 +155,8 @@ class ChunkedGatedCache(SlotCache):
             self._key_bias.append(self._chunk_bias(layer_chunks.numel(), n))
         if self.static_shapes:  # the held keys current in the view before the first layer (``attend_static``)
             self.view.sync_layers(s, self._slots, self._n_keys, t)
-            self._static = static_plan(s, self._chunk_counts, t, max(self._n_keys), causal=not self.bidirectional,
-                                       chunk_bias=self.params.chunk_score_bias)  # fmt: skip
+            self._static = static_plan(s, self._slot_index, self._chunk_counts, t, max(self._n_keys),
+                                       causal=not self.bidirectional, chunk_bias=self.params.chunk_score_bias)  # fmt: skip
 
     def _chunk_bias(self, n_chunks: int, n_keys: int) -> torch.Tensor | None:
         """[n_keys] score bias of one layer's keys in attention order: ``chunk_score_bias`` on its ``n_chunks``

@@ -63,10 +63,12 @@ class StaticPlan:
 
 
 def static_plan(
-    store: SlotStore, chunk_counts: torch.Tensor, t: int, n_keys: int, *, causal: bool, chunk_bias: float = 0.0
+    store: SlotStore, slot_index: torch.Tensor, chunk_counts: torch.Tensor, t: int, n_keys: int, *, causal: bool,
+    chunk_bias: float = 0.0,
 ) -> StaticPlan:
-    """The plan of a forward of ``t`` new tokens; ``chunk_counts``: [L] long (device), retained chunks per layer;
-    ``n_keys``: the most keys a layer sees (host-side: it sets the extent).
+    """The plan of a forward of ``t`` new tokens; ``slot_index``: [S] long, ``0 .. S-1`` (built once by the cache;
+    the plan slices it); ``chunk_counts``: [L] long (device), retained chunks per layer; ``n_keys``: the most keys a
+    layer sees (host-side: it sets the extent).
 
     Layer l holds ``n_pinned + chunk_counts[l] + n_raw`` keys before the forward (pinned | chunks | raw, in view
     order); the new tokens follow. ``chunk_bias``: added to every chunk key's score (0: none)."""
@@ -74,7 +76,7 @@ def static_plan(
     held = chunk_counts + (store.n_pinned + store.n_raw)  # [L]
     write = held[:, None] + torch.arange(t, device=store.device)  # [L, T]
     limit = write if causal else (held + (t - 1))[:, None].expand(-1, t)
-    key_index = torch.arange(static_extent(n_keys, store.slots), device=store.device)
+    key_index = slot_index[: static_extent(n_keys, store.slots)]
     key_bias = None
     if chunk_bias:
         first = store.n_pinned
