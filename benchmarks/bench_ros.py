@@ -225,8 +225,10 @@ def control_run(harness, checkpoint, modules, tmp, rate, schedule, args, name) -
         for i in camera_clock(args.stream_hz, int(args.warmup_seconds * args.stream_hz)):  # warm-up: step times settle
             pub.publish(msgs[i % len(msgs)])
         first, start = diag.latest(), len(actions)
+        sent = []
         for i in camera_clock(args.stream_hz, int(args.control_seconds * args.stream_hz)):
             pub.publish(msgs[i % len(msgs)])
+            sent.append(time.monotonic())
         last = diag.latest()
     finally:
         proc.interrupt()
@@ -240,7 +242,14 @@ def control_run(harness, checkpoint, modules, tmp, rate, schedule, args, name) -
             "latency_p50": float(last["latency_ms_p50"]), "latency_p95": float(last["latency_ms_p95"]),
             "frame_age_p50": float(last["frame_age_ms_p50"]), "step_plan_ms": float(last["step_plan_ms"]),
             "step_p50": float(last["step_ms_p50"]), "step_p95": float(last["step_ms_p95"]),
-            "jitter_ms": float(np.std(gaps)), "actions": len(times)}
+            "jitter_ms": float(np.std(gaps)), "actions": len(times), **camera_gaps(sent, args.stream_hz)}
+
+
+def camera_gaps(sent: list[float], hz: float) -> dict:
+    """The benchmark's own camera: intervals between its publishes over 1.5 periods (a tick that needed a fresh
+    frame then had none, whatever the node did) and the longest interval, ms."""
+    intervals = np.diff(sent) if len(sent) > 1 else np.array([0.0])
+    return {"camera_gaps": int(np.sum(intervals > 1.5 / hz)), "camera_max_gap_ms": float(intervals.max() * 1e3)}
 
 
 def control_table(harness, tmp, args) -> list[dict]:
@@ -265,15 +274,17 @@ def control_table(harness, tmp, args) -> list[dict]:
           "latency = frame receipt -> action published; age = frame receipt -> step start; plan = the step time "
           "the schedule plans with; empty = ticks without an action of their own; late = ticks whose step overran them "
           "by less than late_grace_ms, published when it landed; missed = ticks the node's control thread reached more "
-          "than a period late (it runs the latest one due; nothing published for those before; not in ticks); jitter = std of action inter-arrival")
+          "than a period late (it runs the latest one due; nothing published for those before; not in ticks); jitter = std of action inter-arrival; "
+          "camera gaps = the benchmark camera's publish intervals over 1.5 periods in the new loop's cell (longest interval, ms)")
     print("policy               |  Hz | step p50/p95 ms | latency p50 old -> new | latency p95 old -> new | "
-          "age p50 old -> new | plan ms | empty/ticks old -> new | late new | missed old -> new | jitter ms old -> new")
+          "age p50 old -> new | plan ms | empty/ticks old -> new | late new | missed old -> new | jitter ms old -> new | camera gaps")
     for old, new in zip(runs[::2], runs[1::2]):
         print(f"{new['policy']:20s} | {new['rate']:3.0f} | {new['step_p50']:6.1f} / {new['step_p95']:6.1f} | "
               f"{old['latency_p50']:8.1f} -> {new['latency_p50']:7.1f}   | {old['latency_p95']:8.1f} -> {new['latency_p95']:7.1f}   | "
               f"{old['frame_age_p50']:6.1f} -> {new['frame_age_p50']:6.1f} | {new['step_plan_ms']:7.1f} | "
               f"{old['empty_ticks']:4d}/{old['ticks']:<4d} -> {new['empty_ticks']:4d}/{new['ticks']:<4d} | {new['late_ticks']:8d} | "
-              f"{old['missed_ticks']:5d} -> {new['missed_ticks']:5d} | {old['jitter_ms']:6.2f} -> {new['jitter_ms']:6.2f}")
+              f"{old['missed_ticks']:5d} -> {new['missed_ticks']:5d} | {old['jitter_ms']:6.2f} -> {new['jitter_ms']:6.2f} | "
+              f"{new['camera_gaps']:3d} ({new['camera_max_gap_ms']:.0f})")
     return runs
 
 

@@ -349,6 +349,27 @@ def test_ticks_move_earlier_to_meet_the_cameras_frames():
     assert out.tick == 4 and loop.grid.t0 == pytest.approx(-0.025) and loop.stats.phase_shifts == 1
 
 
+def test_ticks_move_later_when_steps_wait_for_frames_that_come_after_their_start():
+    """``frame_wait_ms``: a step ready at its planned start waits for a frame that arrives 4 ms later (its age is
+    negative); the ticks move 4 ms later, so the next steps' plans hold the wait instead of landing late."""
+    loop = make(align_window=3, frame_guard_ms=0.0, align_quantile=0.5, margin_ms=0.0)
+    loop.timer.add(0.02)
+    for k in range(3):
+        loop.on_tick(k * P, due=k * P)
+        ready = (k + 1) * P - 0.02
+        loop.on_result(np.array([[float(k)]]), frame_time=ready + 0.004, step_s=0.02, now=ready + 0.024, started=ready)
+        assert loop.phase_shift() == (pytest.approx(-0.004) if k == 2 else 0.0)
+    assert loop.grid.t0 == pytest.approx(0.004) and loop.stats.phase_shifts == 1
+    assert loop.plan(0.29).start_at == pytest.approx(0.4 + 0.004 - 0.02)  # tick 4 (3 has its action) is due at 0.404
+    out = loop.on_tick(0.304, due=0.304)  # the driver's tick at the moved time is tick 3, and the phase stays
+    assert (out.tick, out.action[0]) == (3, 2.0) and loop.grid.t0 == pytest.approx(0.004)
+    # a wait under a millisecond (or none) moves nothing
+    still = make(align_window=1, frame_guard_ms=0.0, align_quantile=0.5)
+    still.on_tick(0.0, due=0.0)
+    still.on_result(np.array([[0.0]]), frame_time=0.0805, step_s=0.01, now=0.09, started=0.08)
+    assert still.phase_shift() == 0.0
+
+
 def test_a_step_in_flight_during_a_phase_move_is_late_by_the_moved_tick():
     loop = make(align_window=1, frame_guard_ms=5.0, margin_ms=0.0)
     loop.timer.add(0.02)

@@ -176,7 +176,8 @@ class ControlLoop:
 
         ``frame_time``: when the frame it saw arrived; ``step_s``: seconds from the planned start to the
         actions (the driver's wake-up and frame decoding included: what the schedule plans for); ``started``:
-        when the step took its frame (for ``align_to_frames``). Chunk row ``i`` serves the ``i``-th tick from the frame's arrival
+        when the step took its frame, or for a step that waited for its frame (``frame_wait_ms``) when it began
+        waiting (for ``align_to_frames``: a frame that came after that has a negative age). Chunk row ``i`` serves the ``i``-th tick from the frame's arrival
         (``latency_skip``); rows for ticks already served are skipped, overlaps blended.
         Returns the action to publish at once in ``PublishMode.IMMEDIATE``, else ``None``.
         """
@@ -255,16 +256,24 @@ class ControlLoop:
         nearest to its tick, and shortens the interval after it). Where frames and ticks
         are not locked (a camera slower than the control rate, rates that are not multiples) steps keep waiting
         for fresh frames (age ~0) and nothing moves.
+
+        A negative quantile (steps waited for frames that came after their planned start, ``frame_wait_ms``)
+        moves the phase later by that much (a negative return; one interval is longer): waiting steps land late
+        by their wait, and the moved ticks leave the wait inside the plan. Only a driver whose ticks follow
+        ``grid`` (the ROS node's control thread) should wait for frames.
         """
         cfg = self.cfg
         aligns = cfg.align_to_frames and cfg.schedule is Schedule.DEADLINE and cfg.publish_mode is PublishMode.TICK
         if not aligns or len(self._ages) < cfg.align_window:
             return 0.0
         age = float(np.quantile(np.fromiter(self._ages, float), cfg.align_quantile, method="lower"))
-        shift = min(age - cfg.frame_guard_ms / 1e3, cfg.period / 2)
         self._ages.clear()
-        if shift < max(cfg.frame_guard_ms / 1e3, 1e-3):  # already aligned (or frames come late)
-            return 0.0
+        if age <= -1e-3:  # frames come after the steps are ready: later ticks
+            shift = max(age, -cfg.period / 2)
+        else:
+            shift = min(age - cfg.frame_guard_ms / 1e3, cfg.period / 2)
+            if shift < max(cfg.frame_guard_ms / 1e3, 1e-3):  # already aligned
+                return 0.0
         # the grid moves now: plans from here on are for the new phase, and a step in flight is late or not by it
         self.grid.t0 -= shift
         if self._planned is not None:

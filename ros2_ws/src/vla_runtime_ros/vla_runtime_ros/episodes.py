@@ -41,6 +41,7 @@ class StepOutcome:
     frame: Frame
     started: float  # time.monotonic() when the step took its frame
     turnaround_s: float  # from the planned start to the actions: waking up, decoding, the step (what a plan needs)
+    frame_wait_s: float = 0.0  # how long past its planned start the step waited for its frame (``frame_wait_ms``)
 
 
 class BadInputError(ValueError):

@@ -193,6 +193,7 @@ class PolicyControl:
         """
         if cancel.wait(max(0.0, start_at - time.monotonic())):
             return None
+        planned = start_at
         with self._lock:
             waited = self._await_next_frame(cancel, frame_wait_s)
             frame = self._usable_frame(time.monotonic())
@@ -206,7 +207,9 @@ class PolicyControl:
                 self._telemetry.frames_unpaired += 1
                 return None
             self._busy = True
-        return self._runner.step(frame, state, episode=episode, start_at=start_at, prefix=prefix)
+        outcome = self._runner.step(frame, state, episode=episode, start_at=start_at, prefix=prefix)
+        outcome.frame_wait_s = max(0.0, frame.received - planned) if waited else 0.0
+        return outcome
 
     def _await_next_frame(self, cancel: threading.Event, frame_wait_s: float) -> bool:
         """Worker, holding ``_lock``: when the camera's next frame is due within ``frame_wait_s``, wait for it (at
@@ -262,7 +265,7 @@ class PolicyControl:
         if not self._cfg.dry_run:
             self._outputs.publish_chunk(outcome.result.actions)
         action = self._loop.on_result(outcome.actions, frame_time=outcome.frame.received, step_s=outcome.turnaround_s,
-                                      now=time.monotonic(), started=outcome.started)
+                                      now=time.monotonic(), started=outcome.started - outcome.frame_wait_s)
         self._latency_mark = (self._loop.placed_from, outcome.frame.received) if self._loop.placed_from is not None else None
         if action is not None and not hold:  # PublishMode.IMMEDIATE
             self._latency_mark = None

@@ -38,8 +38,11 @@ for frames after clearing the job): results are queued at once (``publish_mode: 
 them at once), and a step due now starts on the frame that just arrived. An executor timer would run
 late under load (rclpy's spin thread rebuilds its wait set in Python for every callback) and rcl drops
 a callback more than a period late; the thread wakes on time and a late tick is served late, named by
-its due time. Diagnostics, the inputs and the reset service have callback groups of their own under a
-``MultiThreadedExecutor``.
+its due time. The executor is rclpy's ``SingleThreadedExecutor``: the callbacks are short (the reset
+service waits for the control thread to apply the episode, at most a tick and the step in flight, and
+the other callbacks wait meanwhile). A ``MultiThreadedExecutor``'s spin thread hands each ready callback
+to its pool again and again until a pool thread starts it (ros2/rclpy#1452), holding the GIL the worker
+needs: at 30 Hz with a 30 Hz camera that doubled the step's p95 (README, ROS section).
 """
 
 from __future__ import annotations
@@ -409,7 +412,7 @@ def start_policy_node(stop: Stop) -> PolicyNode:
 
 def main(args: list[str] | None = None) -> NoReturn:
     """``python -m vla_runtime_ros.policy_node --ros-args --params-file FILE`` (or ``ros2 run``); see ``runner``."""
-    run_node(start_policy_node, args, name="vla_policy", threads=4)
+    run_node(start_policy_node, args, name="vla_policy", threads=1)
 
 
 if __name__ == "__main__":
