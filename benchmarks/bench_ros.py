@@ -51,11 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="issue 16 table: control rates compared old (asap) vs deadline scheduling; none = skip")
     p.add_argument("--control-seconds", type=float, default=60.0, help="camera stream per control-table cell")
     p.add_argument("--chunk-step-periods", type=float, default=3.0, help="chunk policy: step time in control periods")
-    p.add_argument("--step-quantile", type=float, default=0.95, help="the new loop's step_quantile")
-    p.add_argument("--margin-ms", type=float, default=3.0, help="the new loop's schedule_margin_ms")
-    p.add_argument("--frame-guard-ms", type=float, default=5.0, help="the new loop's frame_guard_ms (align_to_frames)")
-    p.add_argument("--align-quantile", type=float, default=0.1, help="the new loop's align_quantile (align_to_frames)")
-    p.add_argument("--frame-wait-ms", type=float, default=0.0, help="the new loop's frame_wait_ms (0: off)")
+    p.add_argument("--step-quantile", type=float, default=0.5, help="the new loop's step_quantile")
+    p.add_argument("--margin-ms", type=float, default=1.0, help="the new loop's schedule_margin_ms")
+    p.add_argument("--frame-guard-ms", type=float, default=0.0, help="the new loop's frame_guard_ms (align_to_frames)")
+    p.add_argument("--align-quantile", type=float, default=0.5, help="the new loop's align_quantile (align_to_frames)")
+    p.add_argument("--frame-wait-ms", type=float, default=5.0, help="the new loop's frame_wait_ms (0: off)")
     p.add_argument("--late-grace-ms", type=float, default=float("inf"),
                    help="the new loop's late_grace_ms (capped at 0.45 of a period by the loop; default inf: the cap)")
     p.add_argument("--control-thread-priority", type=int, default=0,

@@ -224,12 +224,20 @@ def test_the_frame_published_just_before_a_tick_is_the_one_acted_on(harness, nod
         assert int(values["frames_dropped"]) >= 3, values  # every A was replaced before a step could take it
 
 
-def test_no_empty_ticks_when_the_step_is_far_under_the_period(harness, node_factory, tmp_path):
+# the defaults plan a step at its median turnaround and wait for the camera's next frame (low latency: about half
+# the steps land a little after their tick and are served late); "punctual" plans at the 95 % quantile
+PLANS = {"defaults": {}, "punctual": {"step_quantile": 0.95, "schedule_margin_ms": 3.0, "frame_wait_ms": 0.0,
+                                      "frame_guard_ms": 5.0, "align_quantile": 0.1}}
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_no_empty_ticks_when_the_step_is_far_under_the_period(harness, node_factory, tmp_path, plan):
     rate = 10.0
     period = 1.0 / rate
     ckpt = write_checkpoint(tmp_path / "quick", step_ms=0.1 * 1e3 * period)  # a step takes a tenth of a period
-    proc, diag, actions = node_factory("/steady", ckpt, control_rate_hz=rate, fallback="hold")
-    camera = harness.stream(Image, "/steady/image_raw", qos_profile_sensor_data, 30.0,
+    ns = f"/steady_{plan}"  # a namespace per case (sharing one, the second node was not seen ready within 30 s)
+    proc, diag, actions = node_factory(ns, ckpt, control_rate_hz=rate, fallback="hold", **PLANS[plan])
+    camera = harness.stream(Image, f"{ns}/image_raw", qos_profile_sensor_data, 30.0,
                             conversions.array_to_image_msg(solid_image(70)))
     try:
         _, first = diag.wait(lambda s, v: int(v["steps"]) >= 10, what="ten steps (step times measured)")
@@ -254,6 +262,7 @@ def test_no_empty_ticks_when_the_step_is_far_under_the_period(harness, node_fact
     detail = (f"{empty} empty, {late} late steps overrunning {overrun} ticks ({served_late} of them served late), "
               f"{starved} camera gaps in {ticks} ticks: {last}")
     assert empty + served_late <= overrun + starved, detail
-    assert late <= ticks // 4, detail
+    if plan == "punctual":
+        assert late <= ticks // 4, detail
     published = len(actions) - start
     assert published >= ticks - empty - 2, f"{published} actions; {detail}"

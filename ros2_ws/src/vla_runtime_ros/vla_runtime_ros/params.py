@@ -61,8 +61,8 @@ class PolicyNodeConfig:
         "deadline (a step starts so that it ends just before the tick it serves, on the newest frame) or asap"
         " (a step starts when a frame arrives and the queue is empty: the loop before issue 16)", default="deadline",
     )
-    step_quantile: float = _help("quantile of recent step times the deadline schedule plans with", default=0.95)
-    schedule_margin_ms: float = _help("time planned between a step's expected end and its tick", default=3.0)
+    step_quantile: float = _help("quantile of recent step times the deadline schedule plans with", default=0.5)
+    schedule_margin_ms: float = _help("time planned between a step's expected end and its tick", default=1.0)
     refill_threshold: int = _help(
         "chunk policies: the next chunk is planned to land while this many actions are still queued (0 = just in time)",
         default=1,
@@ -76,13 +76,13 @@ class PolicyNodeConfig:
         "deadline schedule: move the tick phase (not the rate) so that camera frames arrive just before steps start",
         default=True,
     )
-    frame_guard_ms: float = _help("align_to_frames: how long before a step's start the latest frames are placed", default=5.0)
+    frame_guard_ms: float = _help("align_to_frames: how long before a step's start the latest frames are placed", default=0.0)
     align_quantile: float = _help(
-        "align_to_frames: the phase moves by this quantile of recent frame ages (less the guard)", default=0.1
+        "align_to_frames: the phase moves by this quantile of recent frame ages (less the guard)", default=0.5
     )
     frame_wait_ms: float = _help(
         "a step whose start finds the camera's next frame due within this long waits for it (0 = off: the newest"
-        " frame at the start)", default=0.0,
+        " frame at the start)", default=5.0,
     )
     fallback: str = _help("a tick without an action: hold (publish nothing), zero, repeat_last", default="hold")
     late_grace_ms: float = _help(
