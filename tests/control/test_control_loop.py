@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from vla_runtime.control.loop import FIRST_ALIGN_STEPS
+from vla_runtime.control.timing import FramePhase
 from vla_runtime.control import (
     Blend, ChunkBroker, ControlConfig, ControlLoop, Fallback, Missed, PublishMode, Schedule, Source, StepTimer, TickGrid,
     blend,
@@ -394,6 +396,65 @@ def test_no_phase_move_while_some_step_waits_for_its_frame_or_off():
         off.on_tick(0.0)
         off.on_result(np.array([[0.0]]), frame_time=0.0, step_s=0.01, now=0.09, started=0.08)
         assert off.phase_shift() == 0.0, kw
+
+
+def test_a_chunk_refill_starts_on_a_frame_that_lands_just_before_a_tick_when_ticks_and_frames_are_not_locked():
+    """100 Hz ticks, a 30 Hz camera: the refill planned to land on tick 20 (start 0.1685) would take a frame 30 ms
+    old; the arrival at 0.13833 lands 0.2 ms before tick 17 and starts the refill on a fresh frame instead."""
+    loop = ControlLoop(ControlConfig(rate_hz=100, refill_threshold=1, margin_ms=0.0), t0=0.0, chunked=True)
+    loop.timer.add(0.0315)
+    loop.on_tick(0.0, due=0.0)
+    loop.on_result(chunk(21), frame_time=0.0, step_s=0.0315, now=0.0)  # rows for ticks 0..20
+    camera = FramePhase(last=0.005, period=1 / 30)  # arrivals at 0.005 + n / 30
+    assert loop.plan(0.01).start_at == pytest.approx(0.2 - 0.0315)  # no camera phase: the deadline plan
+    plan = loop.plan(0.01, frames=camera)
+    assert plan.start_at == pytest.approx(0.005 + 4 / 30) and plan.tick == 17  # lands at 0.16983, before tick 17
+    # the refill's frame is fresh and its first action waits 0.2 ms for its tick: 31.7 ms from frame to action,
+    # against 30.2 + 31.5 (+0 wait) on the deadline plan's newest frame
+    for k in range(1, 17):
+        loop.on_tick(k * 0.01, due=k * 0.01)
+    loop.on_result(chunk(16, base=100.0), frame_time=plan.start_at, step_s=0.0315, now=plan.start_at + 0.0315)
+    out = loop.on_tick(0.17, due=0.17)
+    assert out.tick == 17 and out.action[0] == 100.0 + 3  # frame at tick 13.8 -> row 0 serves tick 14, row 3 tick 17
+    assert out.tick * 0.01 - plan.start_at == pytest.approx(0.0317, abs=1e-4)
+
+
+def test_a_chunk_refill_keeps_its_deadline_start_where_ticks_and_frames_are_locked_or_no_arrival_is_ahead():
+    loop = ControlLoop(ControlConfig(rate_hz=10, refill_threshold=1, margin_ms=0.0), t0=0.0, chunked=True)
+    loop.timer.add(0.3)
+    loop.on_tick(0.0, due=0.0)
+    loop.on_result(chunk(21), frame_time=0.0, step_s=0.3, now=0.0)  # rows for ticks 0..20
+    # 10 Hz ticks, 30 Hz camera: every arrival's landing waits as long as the planned start's frame is old (the
+    # phase alignment moves the ticks instead)
+    assert loop.plan(0.01, frames=FramePhase(last=0.012, period=1 / 30)).start_at == pytest.approx(2.0 - 0.3)
+    # the arrivals before the planned start are past already
+    fast = ControlLoop(ControlConfig(rate_hz=100, refill_threshold=1, margin_ms=0.0), t0=0.0, chunked=True)
+    fast.timer.add(0.0315)
+    fast.on_tick(0.0, due=0.0)
+    fast.on_result(chunk(3), frame_time=0.0, step_s=0.0315, now=0.0)  # rows for ticks 0..2: the refill is due now
+    assert fast.plan(0.0, frames=FramePhase(last=-0.03, period=1 / 30)).start_at == 0.0
+    # off without align_to_frames
+    off = ControlLoop(ControlConfig(rate_hz=100, refill_threshold=1, margin_ms=0.0, align_to_frames=False), t0=0.0,
+                      chunked=True)
+    off.timer.add(0.0315)
+    off.on_tick(0.0, due=0.0)
+    off.on_result(chunk(21), frame_time=0.0, step_s=0.0315, now=0.0)
+    assert off.plan(0.01, frames=FramePhase(last=0.005, period=1 / 30)).start_at == pytest.approx(0.2 - 0.0315)
+
+
+def test_the_first_phase_move_needs_only_a_few_steps_and_later_ones_the_whole_window():
+    """A chunk policy steps once per refill: at 5 Hz, 20 steps are a minute; the first move comes after
+    ``FIRST_ALIGN_STEPS``."""
+    loop = make(align_window=20, frame_guard_ms=0.0, align_quantile=0.5, margin_ms=0.0)
+    loop.timer.add(0.02)
+    shifts = []
+    for k in range(FIRST_ALIGN_STEPS + 20):
+        loop.on_tick(k * P + loop.grid.t0, due=k * P + loop.grid.t0)
+        start = loop.grid.time(k + 1) - 0.02
+        loop.on_result(np.array([[0.0]]), frame_time=start - 0.03, step_s=0.02, now=start + 0.02, started=start)
+        shifts.append(loop.phase_shift())
+    moved = [i for i, shift in enumerate(shifts) if shift]
+    assert moved == [FIRST_ALIGN_STEPS - 1, FIRST_ALIGN_STEPS + 19]
 
 
 def test_behind_schedule_a_step_starts_at_once_for_the_first_tick_without_an_action():

@@ -15,6 +15,7 @@ Every time is seconds on the driver's monotonic clock; tests pass a fake one.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
@@ -24,7 +25,11 @@ import numpy as np
 from .broker import ChunkBroker, Missed
 from ..api import ActionPrefix
 from .config import Blend, ControlConfig, Fallback, PublishMode, Schedule
-from .timing import StepTimer, TickGrid
+from .timing import FramePhase, StepTimer, TickGrid
+
+# camera periods a chunk refill may start early, on a frame (a 30 Hz camera has 3 phases against 50 or 100 Hz ticks)
+REFILL_FRAMES_BACK = 3
+FIRST_ALIGN_STEPS = 4  # steps whose frame ages decide the first phase move (``align_window``: later ones)
 
 
 class Source(str, Enum):
@@ -95,6 +100,7 @@ class ControlLoop:
         self._calibrated = False  # the grid's phase comes from the first on_tick (then the earliest callback)
         self._ages: deque[float] = deque(maxlen=cfg.align_window)  # frame age when each recent step started
         self._graced: int | None = None  # the tick grace_until last let wait for a late step
+        self._align_checked = False  # a phase move was decided (on FIRST_ALIGN_STEPS steps; later: align_window)
 
     def reset(self) -> None:
         """A new episode: forget queued actions and the last action (step-time statistics stay)."""
@@ -107,9 +113,12 @@ class ControlLoop:
         """Seconds planned for a step: the running quantile of step times plus the margin."""
         return self.timer.estimate() + self.cfg.margin_ms / 1e3
 
-    def plan(self, now: float) -> Plan | None:
+    def plan(self, now: float, *, frames: FramePhase | None = None) -> Plan | None:
         """When the next step should start (``>= now``); ``None``: no step is needed yet (``ASAP`` with a
-        non-empty queue). The driver starts it at ``start_at`` on the newest frame of that moment."""
+        non-empty queue). The driver starts it at ``start_at`` on the newest frame of that moment.
+
+        ``frames``: when the camera's frames arrive. With ``align_to_frames`` a time-indexed chunk refill then
+        starts on a frame's arrival (``_refill_on_a_frame``)."""
         cfg, lead = self.cfg, self.lead()
         first_open = self.served + 1
         earliest = max(first_open, self.grid.at_or_after(now + lead))
@@ -128,7 +137,35 @@ class ControlLoop:
             return Plan(start, covered + 1)
         threshold = cfg.refill_threshold if self.chunked else 0
         target = max(covered + 1 - threshold, earliest)
-        return Plan(max(now, self.grid.time(target) - lead), target)
+        start = self.grid.time(target) - lead
+        if frames is not None and cfg.align_to_frames and self._time_indexed():
+            start = self._refill_on_a_frame(start, lead, frames, now)
+            target = min(target, max(first_open, self.grid.at_or_after(start + lead)))
+        return Plan(max(now, start), target)
+
+    def _refill_on_a_frame(self, start: float, lead: float, frames: FramePhase, now: float) -> float:
+        """A chunk refill planned to start at ``start``: that start, or one on a frame's arrival at most
+        ``REFILL_FRAMES_BACK`` camera periods earlier (never later: the queue's margin stays), whichever acts
+        soonest on its frame.
+
+        A refill's first action goes out at the first tick after it lands, so its frame->action latency is the
+        frame's age at the start + the step + the wait for that tick. ``start`` lands on a tick; its frame is
+        as old as the time since the last arrival. An arrival has a frame ~0 ms old and waits for the tick after
+        its landing. Where ticks and frames are locked (the rate a divisor of the camera's) the two are equal,
+        ``start`` stays, and the phase alignment (``phase_shift``) moves the ticks onto the frames instead; where
+        they are not (100 Hz ticks, a 30 Hz camera) an arrival landing just before a tick is what brings the
+        latency down. The driver's ``frame_wait_ms`` covers a frame that comes a little late. Arrivals already
+        past (a ms of slack) are not candidates.
+        """
+        arrival = frames.at_or_before(start)
+        best, best_cost = start, start - arrival  # ties: the planned start
+        while arrival >= start - REFILL_FRAMES_BACK * frames.period and arrival >= now - 1e-3:
+            landing = arrival + lead
+            wait = self.grid.time(self.grid.at_or_after(landing)) - landing
+            if wait < best_cost - 1e-4:
+                best, best_cost = arrival, wait
+            arrival -= frames.period
+        return best
 
     def guidance(self, frame_time: float, now: float) -> ActionPrefix | None:
         """``Blend.RTC``, chunk policies: the actions queued for the chunk a step starting ``now`` on a frame of
@@ -247,9 +284,10 @@ class ControlLoop:
     def phase_shift(self) -> float:
         """Seconds by which the driver moves its ticks earlier, from the tick after the next one on (0: none).
 
-        Called after ``on_tick``, before the next step is planned. With ``align_to_frames``, once ``align_window`` steps have started since the
-        last move: the ``align_quantile`` of the ages their frames had when they started, less ``frame_guard_ms``,
-        is how much earlier all but that share of them could have started on the same frame; the phase moves
+        Called after ``on_tick``, before the next step is planned. With ``align_to_frames``, once ``align_window``
+        steps have started since the last decision (the first: ``FIRST_ALIGN_STEPS``, so that a chunk policy, which
+        steps once per refill, aligns within its first refills): the ``align_quantile`` of the ages their frames had
+        when they started, less ``frame_guard_ms``, is how much earlier all but that share of them could have started on the same frame; the phase moves
         by that much (at most half a period), so the next steps take frames about ``frame_guard_ms`` old. The
         rate is unchanged; one interval is shorter (a driver that waits on ``grid``, as the ROS node's control
         thread does, follows at once; one whose next callback is scheduled already runs it at the old time, still
@@ -264,10 +302,12 @@ class ControlLoop:
         """
         cfg = self.cfg
         aligns = cfg.align_to_frames and cfg.schedule is Schedule.DEADLINE and cfg.publish_mode is PublishMode.TICK
-        if not aligns or len(self._ages) < cfg.align_window:
+        window = cfg.align_window if self._align_checked else min(cfg.align_window, FIRST_ALIGN_STEPS)
+        if not aligns or len(self._ages) < window:
             return 0.0
         age = float(np.quantile(np.fromiter(self._ages, float), cfg.align_quantile, method="lower"))
         self._ages.clear()
+        self._align_checked = True
         if age <= -1e-3:  # frames come after the steps are ready: later ticks
             shift = max(age, -cfg.period / 2)
         else:

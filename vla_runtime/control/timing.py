@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -61,6 +62,18 @@ class TickGrid:
         return max(0, round((t - self.t0) / self.period))
 
 
+@dataclass(frozen=True)
+class FramePhase:
+    """When a steady camera's frames arrive: ``last + n * period`` (a snapshot of ``FrameClock``)."""
+
+    last: float
+    period: float
+
+    def at_or_before(self, t: float) -> float:
+        """The latest arrival at or before ``t`` (``t`` may lie before ``last``)."""
+        return self.last + math.floor((t - self.last) / self.period + EPS) * self.period
+
+
 class FrameClock:
     """The camera's period, from the receipt times of its last ``window`` frames (the median interval), and when
     its next frame is due. A driver feeds every frame's receipt; ``wait_for_next`` says whether a step starting
@@ -80,6 +93,11 @@ class FrameClock:
         if len(self._intervals) < 4:
             return None
         return float(np.median(np.fromiter(self._intervals, float)))
+
+    def phase(self) -> FramePhase | None:
+        """The camera's arrival times as of now (``None`` before ``period`` is known)."""
+        period = self.period()
+        return None if period is None else FramePhase(self._last, period)
 
     def wait_for_next(self, now: float, limit_s: float) -> float:
         """Seconds a step starting at ``now`` waits for the camera's next frame: ``limit_s`` when that frame is

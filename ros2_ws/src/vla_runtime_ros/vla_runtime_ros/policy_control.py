@@ -168,7 +168,9 @@ class PolicyControl:
         if self._future is not None or not self._ready or self._loop is None:
             return
         now = time.monotonic()
-        plan = self._loop.plan(now)
+        with self._lock:
+            frames = self._inputs.clock.phase()  # a chunk refill starts on a frame's arrival
+        plan = self._loop.plan(now, frames=frames)
         if plan is None or plan.start_at > max(now, self._loop.grid.time(self._loop.served + 1)):
             return
         with self._lock:
