@@ -15,7 +15,6 @@ Every time is seconds on the driver's monotonic clock; tests pass a fake one.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
