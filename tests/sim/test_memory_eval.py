@@ -10,7 +10,9 @@ import pytest
 from vla_runtime import api
 from vla_runtime.cli import main
 from vla_runtime.data import LeRobotDataset
+from vla_runtime.cli.sim_args import parse_tasks
 from vla_runtime.sim import MEMORY_TASKS
+from vla_runtime.sim.memory import MEMORY_GROUP
 from vla_runtime.sim.collect import record_cue_steps
 
 from replay_policy import make_replay_policy
@@ -19,15 +21,21 @@ pytestmark = [
     pytest.mark.sim,
     pytest.mark.skipif(importlib.util.find_spec("metaworld") is None, reason="metaworld is not installed"),
 ]
-TASKS = list(MEMORY_TASKS)
+TASKS = [*MEMORY_GROUP, "memory-tally"]
 SEED = 3
+
+
+def test_the_memory_group_is_the_shipped_policies_suite_and_every_task_is_named():
+    assert parse_tasks("memory", "metaworld") == ["memory-reference", "memory-counting", "memory-order"]
+    assert sorted(TASKS) == sorted(MEMORY_TASKS)
 
 
 @pytest.fixture(scope="module")
 def memory_demos(tmp_path_factory):
-    """One expert episode per memory task, collected through the CLI exactly as the README says."""
+    """One expert episode per memory task, collected through the CLI as the README says (the ``memory`` group and
+    ``memory-tally``)."""
     root = tmp_path_factory.mktemp("memory") / "demos"
-    code = main(["collect", "--sim", "metaworld", "--tasks", "memory", "--episodes", "1", "--seed", str(SEED),
+    code = main(["collect", "--sim", "metaworld", "--tasks", ",".join(TASKS), "--episodes", "1", "--seed", str(SEED),
                  "--resolution", "32", "--out", str(root)])  # fmt: skip
     assert code == 0
     return root
@@ -36,9 +44,9 @@ def memory_demos(tmp_path_factory):
 def test_collect_writes_the_memory_suite(memory_demos):
     ds = LeRobotDataset(memory_demos)
     info = json.loads((memory_demos / "meta/info.json").read_text())
-    assert info["total_episodes"] == 3 and ds.extra["per_episode"]["episode_seeds"] == [SEED] * 3
+    assert info["total_episodes"] == len(TASKS) and ds.extra["per_episode"]["episode_seeds"] == [SEED] * len(TASKS)
     assert "observation.images.corner" in info["features"]  # the camera the cues are made for, by default
-    instructions = [ds.episode(i).task for i in range(3)]
+    instructions = [ds.episode(i).task for i in range(len(TASKS))]
     assert instructions == [MEMORY_TASKS[t].sample(SEED).instruction() for t in TASKS]
     for i, task in enumerate(TASKS):
         ep = ds.episode(i)
@@ -76,7 +84,7 @@ def test_eval_reports_memory_tasks_beside_chance(memory_demos, tmp_path, monkeyp
     (memory_demos / "REPLAY").touch()  # marks the dataset as a checkpoint of the test family below
     monkeypatch.setitem(api.FAMILIES, "test-replay", (lambda p: (p / "REPLAY").exists(), lambda p, **kw: make_replay_policy(p)))
     out = tmp_path / "eval"
-    code = main(["eval", "--checkpoint", str(memory_demos), "--sim", "metaworld", "--tasks", "memory", "--episodes", "1",
+    code = main(["eval", "--checkpoint", str(memory_demos), "--sim", "metaworld", "--tasks", ",".join(TASKS), "--episodes", "1",
                  "--seed", str(SEED), "--resolution", "32", "--no-video", "--out", str(out)])  # fmt: skip
     assert code == 0
     printed = capsys.readouterr().out
@@ -90,6 +98,8 @@ def test_eval_reports_memory_tasks_beside_chance(memory_demos, tmp_path, monkeyp
     n = MEMORY_TASKS["memory-counting"].sample(SEED).presses
     assert answers["memory-counting"] == {f"N={n} made {n}": 1}
     assert answers["memory-order"]["first"] == 1 and answers["memory-reference"]["< 6 cm"] == 1
+    flashes = MEMORY_TASKS["memory-tally"].sample(SEED).count
+    assert answers["memory-tally"] == {f"N={flashes} answered {flashes}": 1}
     assert f"memory-counting answers: N={n} made {n}: 1" in printed
     assert summary["overall"]["chance_level"] == pytest.approx(np.mean([MEMORY_TASKS[t].chance_level() for t in TASKS]))
 

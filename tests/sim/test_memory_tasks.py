@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from vla_runtime.sim import MEMORY_TASKS, MetaWorldConfig, MetaWorldEnv
-from vla_runtime.sim.memory import CountingTask, OrderTask, Outcome, ReferenceTask, memory_task
+from vla_runtime.sim.memory import CountingTask, OrderTask, Outcome, ReferenceTask, TallyTask, memory_task
 from vla_runtime.sim.memory.counting import PressStage
 from vla_runtime.sim.memory.reach import DELAY_MAX, DELAY_MIN, SUCCESS_RADIUS, with_delay
 from vla_runtime.sim.memory.reference import GOAL_HIGH, GOAL_LOW
@@ -69,8 +69,9 @@ def frames_and_states(env: MetaWorldEnv, episode, steps: int):
     [
         (ReferenceTask(delay=22, goal=(-0.2, 0.5)), ReferenceTask(delay=22, goal=(0.1, 0.7))),
         (OrderTask(delay=21, row=(-0.06, 0.6), first=0, second=2), OrderTask(delay=21, row=(-0.06, 0.6), first=2, second=0)),
+        (TallyTask(delay=21, row=(-0.06, 0.6), lit=(0, 2, 4)), TallyTask(delay=21, row=(-0.06, 0.6), lit=(1,))),
     ],
-    ids=["reference", "order"],
+    ids=["reference", "order", "tally"],
 )
 def test_no_leak_after_the_cue_phase(first, second):
     """Episodes with different cues render the same frames and robot state from the end of the cue to the go
@@ -138,6 +139,26 @@ def test_chance_levels_match_the_cue_distributions():
     assert OrderTask.chance_level() == pytest.approx(1 / 3) and firsts.max() == pytest.approx(1 / 3, abs=0.03)
     counts = np.bincount([CountingTask.sample(s).presses for s in seeds], minlength=5)[1:] / len(seeds)
     assert CountingTask.chance_level() == 0.25 and counts.max() == pytest.approx(0.25, abs=0.03)
+    tallies = [TallyTask.sample(s) for s in seeds]
+    flashes = np.bincount([t.count for t in tallies], minlength=4)[1:] / len(seeds)
+    assert TallyTask.chance_level() == pytest.approx(1 / 3) and flashes.max() == pytest.approx(1 / 3, abs=0.03)
+
+
+def test_tally_frames_after_the_cue_and_the_go_step_say_nothing_about_the_count():
+    """The cue phase has one length for every count, and every slot is lit about as often whatever the count:
+    neither when the lamp turns green nor when a flash came tells how many there were."""
+    tallies = [TallyTask.sample(s) for s in range(3000)]
+    assert {t.cue_steps for t in tallies} == {20} and {t.go_step - t.delay for t in tallies} == {20}
+    for count in (1, 2, 3):
+        lit = np.zeros(5)
+        group = [t for t in tallies if t.count == count]
+        for t in group:
+            lit[list(t.lit)] += 1
+        np.testing.assert_allclose(lit / len(group), count / 5, atol=0.05)  # a flash at any slot, whatever the count
+        delays = [t.delay for t in group]
+        assert min(delays) == DELAY_MIN and max(delays) == DELAY_MAX
+    shown = TallyTask(delay=30, row=(0.0, 0.6), lit=(1, 3)).cue_shown()
+    assert shown == [4, 5, 12, 13]  # two flashes of two frames, dark between
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -154,7 +175,7 @@ def test_cues_vary_by_seed_beyond_fifty_variations(task):
 
 
 def test_bad_episode_parameters_and_names_are_clear_errors():
-    with pytest.raises(KeyError, match="unknown memory task 'memory-x'; known: memory-reference, memory-counting, memory-order"):
+    with pytest.raises(KeyError, match="unknown memory task 'memory-x'; known: memory-reference, memory-counting, memory-order, memory-tally"):
         memory_task("memory-x")
     with pytest.raises(ValueError, match=r"`presses` must be one of \(1, 2, 3, 4\), got 5"):
         CountingTask(presses=5, box=(0.0, 0.8))
@@ -162,6 +183,10 @@ def test_bad_episode_parameters_and_names_are_clear_errors():
         ReferenceTask(delay=0, goal=(0.0, 0.6))
     with pytest.raises(ValueError, match="two different pads"):
         OrderTask(delay=30, row=(0.0, 0.6), first=1, second=1)
+    with pytest.raises(ValueError, match=r"`lit` must be 1..3 increasing slots in 0..4, got \(2, 2\)"):
+        TallyTask(delay=30, row=(0.0, 0.6), lit=(2, 2))
+    with pytest.raises(ValueError, match=r"`lit` must be .*, got \(\)"):
+        TallyTask(delay=30, row=(0.0, 0.6), lit=())
     with pytest.raises(ValueError, match="seed must be >= 0"):
         ReferenceTask.sample(-1)
 
@@ -206,6 +231,8 @@ def test_answers_tell_the_cue_followed_from_the_one_believed(blind_env, task):
     elif task == "memory-reference":  # the corner of the goal area farthest from the spot
         corners = [(x, y) for x in (GOAL_LOW[0], GOAL_HIGH[0]) for y in (GOAL_LOW[1], GOAL_HIGH[1])]
         wrong = replace(episode, goal=max(corners, key=lambda c: np.hypot(c[0] - episode.goal[0], c[1] - episode.goal[1])))
+    elif task == "memory-tally":  # one flash missed, or one too many when there was a single flash
+        wrong = replace(episode, lit=episode.lit[1:] if episode.count > 1 else (0, 1))
     else:
         wrong = replace(episode, presses=episode.presses + 1 if episode.presses < 4 else 1)
     infos = []
@@ -222,6 +249,10 @@ def test_answers_tell_the_cue_followed_from_the_one_believed(blind_env, task):
         assert infos[0]["miss_m"] < SUCCESS_RADIUS and infos[1]["miss_m"] >= 3 * SUCCESS_RADIUS
         assert counted == {"< 6 cm": 1, "6-12 cm": 0, "12-18 cm": 0, ">= 18 cm": 1, "no answer": 0}
         assert cls.answers([{}])["no answer"] == 1
+    elif task == "memory-tally":
+        n, m = episode.count, wrong.count
+        assert counted == dict(sorted({f"N={n} answered {n}": 1, f"N={n} answered {m}": 1}.items()))
+        assert cls.answers([{"count": 2.0}]) == {"no answer": 1}
     else:
         n, m = episode.presses, wrong.presses
         assert counted == dict(sorted({f"N={n} made {n}": 1, f"N={n} made {m}": 1}.items()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..sim import MEMORY_TASKS, METAWORLD_TASKS, MetaWorldConfig, RLBenchConfig
-from ..sim.memory import MEMORY_CAMERA
+from ..sim.memory import MEMORY_CAMERA, MEMORY_GROUP
 
 # task groups a user can name instead of listing tasks
 METAWORLD_GROUPS = {
@@ -14,7 +14,7 @@ METAWORLD_GROUPS = {
         "reach-v3", "push-v3", "pick-place-v3", "door-open-v3", "drawer-open-v3",
         "drawer-close-v3", "button-press-topdown-v3", "peg-insert-side-v3", "window-open-v3", "window-close-v3",
     ],
-    "memory": list(MEMORY_TASKS),
+    "memory": list(MEMORY_GROUP),  # memory-tally by its name (see MEMORY_GROUP)
 }
 
 

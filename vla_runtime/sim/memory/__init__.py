@@ -13,9 +13,14 @@ from .base import Marker, MarkerShape, MemoryTask, Outcome
 from .counting import CountingExpert, CountingTask
 from .order import OrderTask
 from .reference import ReferenceTask
+from .tally import TallyTask
 
-#: task name -> episode class, in the order the ``memory`` group lists them
-MEMORY_TASKS: dict[str, type[MemoryTask]] = {cls.name: cls for cls in (ReferenceTask, CountingTask, OrderTask)}
+#: task name -> episode class
+MEMORY_TASKS: dict[str, type[MemoryTask]] = {cls.name: cls for cls in (ReferenceTask, CountingTask, OrderTask, TallyTask)}
+#: the CLI's ``memory`` group: the suite the shipped memory policies were trained and evaluated on.
+#: ``memory-tally`` (added 2026-11-28, counting without ``memory-counting``'s visible presses) runs by its name
+#: until a policy is trained on it
+MEMORY_GROUP: tuple[str, ...] = ("memory-reference", "memory-counting", "memory-order")
 #: the camera the cues and the go lamp are placed and sized for (the demo policy's); from Meta-World's default
 #: ``corner2`` the arm hides the lamp while it is held
 MEMORY_CAMERA = "corner"
@@ -40,6 +45,7 @@ def memory_task(name: str) -> type[MemoryTask]:
 
 __all__ = [
     "MEMORY_CAMERA",
+    "MEMORY_GROUP",
     "MEMORY_TASKS",
     "CountingExpert",
     "CountingTask",
@@ -49,6 +55,7 @@ __all__ = [
     "OrderTask",
     "Outcome",
     "ReferenceTask",
+    "TallyTask",
     "answers",
     "chance_level",
     "memory_task",
