@@ -239,6 +239,7 @@ def control_run(harness, checkpoint, modules, tmp, rate, schedule, args, name) -
     return {"rate": rate, "schedule": schedule, "ticks": ticks, "empty_ticks": int(last["fallbacks"]) - int(first["fallbacks"]),
             "late_ticks": int(last.get("ticks_late", 0)) - int(first.get("ticks_late", 0)),
             "missed_ticks": int(last.get("ticks_missed", 0)) - int(first.get("ticks_missed", 0)),
+            "steps_without_frame": int(last.get("steps_without_frame", 0)) - int(first.get("steps_without_frame", 0)),
             "latency_p50": float(last["latency_ms_p50"]), "latency_p95": float(last["latency_ms_p95"]),
             "frame_age_p50": float(last["frame_age_ms_p50"]), "step_plan_ms": float(last["step_plan_ms"]),
             "step_p50": float(last["step_ms_p50"]), "step_p95": float(last["step_ms_p95"]),
@@ -275,16 +276,18 @@ def control_table(harness, tmp, args) -> list[dict]:
           "the schedule plans with; empty = ticks without an action of their own; late = ticks whose step overran them "
           "by less than late_grace_ms, published when it landed; missed = ticks the node's control thread reached more "
           "than a period late (it runs the latest one due; nothing published for those before; not in ticks); jitter = std of action inter-arrival; "
-          "camera gaps = the benchmark camera's publish intervals over 1.5 periods in the new loop's cell (longest interval, ms)")
+          "camera gaps = the benchmark camera's publish intervals over 1.5 periods in the new loop's cell (longest interval, ms); "
+          "no frame = the new loop's steps that found no new frame at their start and in their frame wait (the camera late)")
     print("policy               |  Hz | step p50/p95 ms | latency p50 old -> new | latency p95 old -> new | "
-          "age p50 old -> new | plan ms | empty/ticks old -> new | late new | missed old -> new | jitter ms old -> new | camera gaps")
+          "age p50 old -> new | plan ms | empty/ticks old -> new | late new | missed old -> new | jitter ms old -> new | camera gaps "
+          "| no frame")
     for old, new in zip(runs[::2], runs[1::2]):
         print(f"{new['policy']:20s} | {new['rate']:3.0f} | {new['step_p50']:6.1f} / {new['step_p95']:6.1f} | "
               f"{old['latency_p50']:8.1f} -> {new['latency_p50']:7.1f}   | {old['latency_p95']:8.1f} -> {new['latency_p95']:7.1f}   | "
               f"{old['frame_age_p50']:6.1f} -> {new['frame_age_p50']:6.1f} | {new['step_plan_ms']:7.1f} | "
               f"{old['empty_ticks']:4d}/{old['ticks']:<4d} -> {new['empty_ticks']:4d}/{new['ticks']:<4d} | {new['late_ticks']:8d} | "
               f"{old['missed_ticks']:5d} -> {new['missed_ticks']:5d} | {old['jitter_ms']:6.2f} -> {new['jitter_ms']:6.2f} | "
-              f"{new['camera_gaps']:3d} ({new['camera_max_gap_ms']:.0f})")
+              f"{new['camera_gaps']:3d} ({new['camera_max_gap_ms']:.0f}) | {new['steps_without_frame']:5d}")
     return runs
 
 

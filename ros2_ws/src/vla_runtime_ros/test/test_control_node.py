@@ -224,6 +224,47 @@ def test_the_frame_published_just_before_a_tick_is_the_one_acted_on(harness, nod
         assert int(values["frames_dropped"]) >= 3, values  # every A was replaced before a step could take it
 
 
+def test_frames_later_than_the_wait_are_waited_for_and_the_ticks_move_to_them(harness, node_factory, tmp_path):
+    """Frames arrive 30 ms after the steps' planned starts, past ``frame_wait_ms`` (5): each step waits for its frame
+    (``steps_without_frame``), lands late, and counts the frame's age as negative; the phase alignment then moves the
+    ticks 30 ms later and the steps land on time. (A step that gave up instead would start again on the frame's
+    arrival, see an age of 0 and leave every tick late.) A punctual plan, so that few steps land late once aligned."""
+    rate, late = 10.0, 0.03
+    period = 1.0 / rate
+    ckpt = write_checkpoint(tmp_path / "quick", step_ms=10.0)
+    ns = "/late_camera"
+    proc, diag, actions = node_factory(ns, ckpt, control_rate_hz=rate, image_reliability="reliable", step_quantile=0.95,
+                                       schedule_margin_ms=3.0, frame_wait_ms=5.0)
+    pub = harness.publisher(Image, f"{ns}/image_raw", RELIABLE_CAMERA)
+    msg = conversions.array_to_image_msg(solid_image(80))
+    for _ in range(10):  # step times settle, the node learns the camera's period and the ticks their phase
+        pub.publish(msg)
+        time.sleep(period)
+    values = idle(diag, "the node idle after the warm-up")
+    lead = float(values["step_plan_ms"]) / 1e3
+    assert lead + late < 0.45 * period, f"a step planned at {lead * 1e3:.0f} ms leaves no room for the late frames: {values}"
+    ticks = np.array([r.t for r in actions.items[-5:]])  # published at the node's ticks (a punctual plan is on time)
+    phase = float(np.median(ticks % period))
+
+    def publish_late(frames):
+        """One frame per tick, ``late`` after the planned start of the step for the next tick (the old phase)."""
+        for _ in range(frames):
+            now = time.monotonic()
+            due = (math.floor((now - phase) / period) + 1) * period + phase - lead + late
+            due += period if due < now + 0.005 else 0.0
+            time.sleep(due - time.monotonic())
+            pub.publish(msg)
+
+    publish_late(25)  # the first 20 decide the move
+    _, moved = diag.wait(lambda s, v: True, after=len(diag.statuses), what="a status")
+    waited = int(moved["steps_without_frame"]) - int(values["steps_without_frame"])
+    assert waited >= 5 and int(moved["phase_shifts"]) > int(values["phase_shifts"]), moved
+    publish_late(10)
+    _, last = diag.wait(lambda s, v: True, after=len(diag.statuses), what="a status")
+    served_late = int(last["ticks_late"]) - int(moved["ticks_late"])
+    assert served_late <= 5, f"{served_late} of the last 10 ticks served late: the ticks did not move to the frames; {last}"
+
+
 # the defaults plan a step at its median turnaround and wait for the camera's next frame (low latency: about half
 # the steps land a little after their tick and are served late); "punctual" plans at the 95 % quantile
 PLANS = {"defaults": {}, "punctual": {"step_quantile": 0.95, "schedule_margin_ms": 3.0, "frame_wait_ms": 0.0,

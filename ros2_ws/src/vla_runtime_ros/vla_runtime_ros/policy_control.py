@@ -191,14 +191,22 @@ class PolicyControl:
         """Worker: wait until ``start_at`` (and for a frame due within ``frame_wait_s``), take the newest usable
         frame and step the session on it.
 
-        ``None`` when cancelled, or when no frame is usable at the start (the next tick or frame plans again).
+        ``None`` when cancelled, or when no frame is usable at the start (the next tick or frame plans again). With
+        ``frame_wait_s`` a frame later than that is waited for up to a camera period (``steps_without_frame``).
         """
         if cancel.wait(max(0.0, start_at - time.monotonic())):
             return None
         planned = start_at
         with self._lock:
             waited = self._await_next_frame(cancel, frame_wait_s)
-            frame = self._usable_frame(time.monotonic())
+            now = time.monotonic()
+            frame = self._usable_frame(now)
+            if frame is None and frame_wait_s > 0 and self._camera_late(episode, cancel, now):
+                # the frame is later than the wait: wait for it up to a camera period. Its negative age then moves
+                # the ticks later (a step that gave up would start again on its arrival and look aligned)
+                self._telemetry.steps_without_frame += 1
+                waited = self._await_frame(cancel, self._inputs.clock.period() or 0.0)
+                frame = self._usable_frame(time.monotonic())
             if frame is None or episode != self._episode or cancel.is_set():  # deactivated during a frame wait
                 return None
             if waited:  # the plan's turnaround counts from the frame's arrival, not the wait for it
@@ -215,8 +223,18 @@ class PolicyControl:
 
     def _await_next_frame(self, cancel: threading.Event, frame_wait_s: float) -> bool:
         """Worker, holding ``_lock``: when the camera's next frame is due within ``frame_wait_s``, wait for it (at
-        most that long; the lock is released meanwhile). Whether a frame arrived in the wait."""
-        limit = self._inputs.clock.wait_for_next(time.monotonic(), frame_wait_s)
+        most that long). Whether a frame arrived in the wait."""
+        return self._await_frame(cancel, self._inputs.clock.wait_for_next(time.monotonic(), frame_wait_s))
+
+    def _camera_late(self, episode: int, cancel: threading.Event, now: float) -> bool:
+        """Worker, holding ``_lock``: no usable frame at a step's start only because none came since the last step
+        (not an episode change, a cancel or stale inputs)."""
+        return episode == self._episode and not cancel.is_set() and self._episode_request is None \
+            and not self._watchdog(now)
+
+    def _await_frame(self, cancel: threading.Event, limit: float) -> bool:
+        """Worker, holding ``_lock``: wait up to ``limit`` s for a new frame (the lock is released meanwhile).
+        Whether one arrived."""
         if limit <= 0:
             return False
         seq = self._inputs.frame_seq

@@ -62,6 +62,7 @@ class PolicyTelemetry:
     frames_dropped: int = 0  # replaced by a newer frame before inference used them
     frames_stale: int = 0  # control ticks skipped because the newest frame was too old
     frames_unpaired: int = 0  # skipped: no joint state stamped within joint_state_max_skew_s of the frame
+    steps_without_frame: int = 0  # frame_wait_ms: a step's start and wait came with no new frame (camera late)
     bad_inputs: int = 0  # rejected images, instructions, joint states
     inference_errors: int = 0
     setup_errors: int = 0  # e.g. a camera whose QoS cannot match the subscription
@@ -121,6 +122,7 @@ class PolicyTelemetry:
             "frames_dropped": self.frames_dropped,
             "frames_stale": self.frames_stale,
             "frames_unpaired": self.frames_unpaired,
+            "steps_without_frame": self.steps_without_frame,
             "frame_stamp": self.frame_stamp,
             "joint_state_stamp": self.joint_state_stamp,
             "bad_inputs": self.bad_inputs,
