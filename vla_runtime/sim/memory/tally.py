@@ -22,7 +22,9 @@ from typing import ClassVar
 import numpy as np
 
 from .base import Marker, MarkerShape, episode_rng
-from .order import LIGHT_RADIUS, LIGHT_RGBA, LIGHT_Z, N_PADS, PAD_HALF_HEIGHT, PAD_OFFSETS, PAD_RADIUS, PAD_RGBA, ROW_HIGH, ROW_LOW
+from .order import (
+    LIGHT_RADIUS, LIGHT_RGBA, LIGHT_Z, N_PADS, PAD_HALF_HEIGHT, PAD_OFFSETS, PAD_RADIUS, PAD_RGBA, ROW_HIGH, ROW_LOW,
+)
 from .reach import DELAY_MAX, DELAY_MIN, TARGET_Z, ReachMemoryTask
 
 COUNTS = (1, 2, 3)
@@ -31,7 +33,6 @@ COUNTS = (1, 2, 3)
 SLOTS, SLOT_STEPS, LIT_STEPS = 5, 4, 2
 #: the light's offset from the middle pad, metres: behind the row (away from the camera), over no pad
 LIGHT_BEHIND = 0.12
-COUNT_WORDS = {1: "once", 2: "twice", 3: "three times"}
 
 
 @dataclass
@@ -53,7 +54,9 @@ class TallyTask(ReachMemoryTask):
         super().__post_init__()
         slots_ok = all(0 <= s < SLOTS for s in self.lit) and list(self.lit) == sorted(set(self.lit))
         if len(self.lit) not in COUNTS or not slots_ok:
-            raise ValueError(f"`lit` must be {COUNTS[0]}..{COUNTS[-1]} increasing slots in 0..{SLOTS - 1}, got {self.lit}")
+            raise ValueError(
+                f"`lit` must be {COUNTS[0]}..{COUNTS[-1]} increasing slots in 0..{SLOTS - 1}, got {self.lit}"
+            )
 
     @property
     def count(self) -> int:
