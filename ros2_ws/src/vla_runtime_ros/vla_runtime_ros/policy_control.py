@@ -183,16 +183,17 @@ class PolicyControl:
         prefix = self._loop.guidance(plan.start_at, max(now, plan.start_at))
         self._loop.started(plan)
         self._future = self._worker.submit(self._step, plan.start_at, self._cancel, episode, prefix,
-                                           self._loop.cfg.frame_wait_ms / 1e3)  # fmt: skip
+                                           self._loop.cfg.frame_wait_ms / 1e3, self._loop.grid.time(plan.tick))  # fmt: skip
         self._future.add_done_callback(lambda _: self._wake())
 
     def _step(self, start_at: float, cancel: threading.Event, episode: int, prefix: ActionPrefix | None = None,
-              frame_wait_s: float = 0.0) -> StepOutcome | None:  # fmt: skip
+              frame_wait_s: float = 0.0, tick_due: float = float("inf")) -> StepOutcome | None:  # fmt: skip
         """Worker: wait until ``start_at`` (and for a frame due within ``frame_wait_s``), take the newest usable
         frame and step the session on it.
 
         ``None`` when cancelled, or when no frame is usable at the start (the next tick or frame plans again). With
-        ``frame_wait_s`` a frame later than that is waited for up to a camera period (``steps_without_frame``).
+        ``frame_wait_s`` a frame later than that is waited for (``steps_without_frame``) up to a camera period and
+        until ``tick_due``, the step's tick: a frame that comes after its tick is left to the next step.
         """
         if cancel.wait(max(0.0, start_at - time.monotonic())):
             return None
@@ -202,10 +203,10 @@ class PolicyControl:
             now = time.monotonic()
             frame = self._usable_frame(now)
             if frame is None and frame_wait_s > 0 and self._camera_late(episode, cancel, now):
-                # the frame is later than the wait: wait for it up to a camera period. Its negative age then moves
-                # the ticks later (a step that gave up would start again on its arrival and look aligned)
+                # the frame is later than the wait: wait for it until the tick. Its negative age then moves the
+                # ticks later (a step that gave up would start again on its arrival and look aligned)
                 self._telemetry.steps_without_frame += 1
-                waited = self._await_frame(cancel, self._inputs.clock.period() or 0.0)
+                waited = self._await_frame(cancel, min(self._inputs.clock.period() or 0.0, tick_due - now))
                 frame = self._usable_frame(time.monotonic())
             if frame is None or episode != self._episode or cancel.is_set():  # deactivated during a frame wait
                 return None
