@@ -81,8 +81,9 @@ class PolicyNodeConfig:
         "align_to_frames: the phase moves by this quantile of recent frame ages (less the guard)", default=0.5
     )
     frame_wait_ms: float = _help(
-        "a step whose start finds the camera's next frame due within this long waits for it (0 = off: the newest"
-        " frame at the start)", default=5.0,
+        "a step whose start finds the camera's next frame due within this long waits for it; one later than that,"
+        " with no new frame yet, is waited for until the step's tick (0 = off: the newest frame at the start)",
+        default=5.0,
     )
     fallback: str = _help("a tick without an action: hold (publish nothing), zero, repeat_last", default="hold")
     late_grace_ms: float = _help(
