@@ -32,8 +32,26 @@ LIGHT_RGBA = (1.0, 0.85, 0.0, 1.0)
 LIGHT_STEPS, GAP_STEPS = 4, 2
 
 
+class PadRow:
+    """Three white pads in a row centred at ``self.row`` (x, y), metres: the scene of ``memory-order`` and
+    ``memory-tally``."""
+
+    row: tuple[float, float]
+
+    def pad_xy(self, pad: int) -> tuple[float, float]:
+        return self.row[0] + PAD_OFFSETS[pad], self.row[1]
+
+    def nearest_pad(self, hand: np.ndarray) -> int:
+        """The pad (0..2) nearest the hand position [>= 2] in x, y."""
+        return int(np.argmin([np.linalg.norm(np.asarray(self.pad_xy(p)) - hand[:2]) for p in range(N_PADS)]))
+
+    def layout_markers(self) -> list[Marker]:
+        size = (PAD_RADIUS, PAD_HALF_HEIGHT, 0.0)
+        return [Marker(MarkerShape.CYLINDER, (*self.pad_xy(p), PAD_HALF_HEIGHT), size, PAD_RGBA) for p in range(N_PADS)]
+
+
 @dataclass
-class OrderTask(ReachMemoryTask):
+class OrderTask(PadRow, ReachMemoryTask):
     """Args:
     delay: steps the arm is held after the second light.
     row: (x, y) of the middle pad, metres.
@@ -75,9 +93,6 @@ class OrderTask(ReachMemoryTask):
         return ("Two yellow lights flash over the pads, one after the other; when the lamp turns green, "
                 "put the hand over the pad that lit first and hold still")  # fmt: skip
 
-    def pad_xy(self, pad: int) -> tuple[float, float]:
-        return self.row[0] + PAD_OFFSETS[pad], self.row[1]
-
     def target(self) -> np.ndarray:
         return np.array([*self.pad_xy(self.first), TARGET_Z])
 
@@ -86,8 +101,7 @@ class OrderTask(ReachMemoryTask):
         that kept only the latest flash answers ``second``)."""
         out = {**super().info(), "first": float(self.first), "second": float(self.second)}
         if self._answer is not None:
-            gaps = [np.linalg.norm(np.asarray(self.pad_xy(p)) - self._answer[:2]) for p in range(N_PADS)]
-            out["pad"] = float(np.argmin(gaps))
+            out["pad"] = float(self.nearest_pad(self._answer))
         return out
 
     @classmethod
@@ -100,10 +114,6 @@ class OrderTask(ReachMemoryTask):
             key = "no answer" if pad is None else next((k for k in ("first", "second") if pad == info[k]), "other")
             out[key] += 1
         return out
-
-    def layout_markers(self) -> list[Marker]:
-        size = (PAD_RADIUS, PAD_HALF_HEIGHT, 0.0)
-        return [Marker(MarkerShape.CYLINDER, (*self.pad_xy(p), PAD_HALF_HEIGHT), size, PAD_RGBA) for p in range(N_PADS)]
 
     def cue_markers(self, t: int) -> list[Marker]:
         if t < LIGHT_STEPS:

@@ -22,9 +22,7 @@ from typing import ClassVar
 import numpy as np
 
 from .base import Marker, MarkerShape, episode_rng
-from .order import (
-    LIGHT_RADIUS, LIGHT_RGBA, LIGHT_Z, N_PADS, PAD_HALF_HEIGHT, PAD_OFFSETS, PAD_RADIUS, PAD_RGBA, ROW_HIGH, ROW_LOW,
-)
+from .order import LIGHT_RADIUS, LIGHT_RGBA, LIGHT_Z, ROW_HIGH, ROW_LOW, PadRow
 from .reach import DELAY_MAX, DELAY_MIN, TARGET_Z, ReachMemoryTask
 
 COUNTS = (1, 2, 3)
@@ -36,7 +34,7 @@ LIGHT_BEHIND = 0.12
 
 
 @dataclass
-class TallyTask(ReachMemoryTask):
+class TallyTask(PadRow, ReachMemoryTask):
     """Args:
     delay: steps the arm is held after the cue phase.
     row: (x, y) of the middle pad, metres.
@@ -84,9 +82,6 @@ class TallyTask(ReachMemoryTask):
         return ("Count the yellow flashes; when the lamp turns green, put the hand over the pad whose place in the "
                 "row is that count and hold still")  # fmt: skip
 
-    def pad_xy(self, pad: int) -> tuple[float, float]:
-        return self.row[0] + PAD_OFFSETS[pad], self.row[1]
-
     def target(self) -> np.ndarray:
         return np.array([*self.pad_xy(self.count - 1), TARGET_Z])
 
@@ -94,8 +89,7 @@ class TallyTask(ReachMemoryTask):
         """Adds ``count`` and, once committed, ``pad``: the pad nearest the hand (counted 1..3 like the flashes)."""
         out = {**super().info(), "count": float(self.count)}
         if self._answer is not None:
-            gaps = [np.linalg.norm(np.asarray(self.pad_xy(p)) - self._answer[:2]) for p in range(N_PADS)]
-            out["pad"] = float(np.argmin(gaps) + 1)
+            out["pad"] = float(self.nearest_pad(self._answer) + 1)
         return out
 
     @classmethod
@@ -107,10 +101,6 @@ class TallyTask(ReachMemoryTask):
             key = "no answer" if "pad" not in info else f"N={int(info['count'])} answered {int(info['pad'])}"
             out[key] = out.get(key, 0) + 1
         return dict(sorted(out.items()))
-
-    def layout_markers(self) -> list[Marker]:
-        size = (PAD_RADIUS, PAD_HALF_HEIGHT, 0.0)
-        return [Marker(MarkerShape.CYLINDER, (*self.pad_xy(p), PAD_HALF_HEIGHT), size, PAD_RGBA) for p in range(N_PADS)]
 
     def cue_markers(self, t: int) -> list[Marker]:
         slot, phase = divmod(t, SLOT_STEPS)
