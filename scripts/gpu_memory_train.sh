@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The memory recipe's trainings in one GPU call of under 10 minutes (issue 15; CI has no GPU):
+#   1. history policy through the full cache (whole episodes, goal and cue-count losses) beside the single-frame
+#      policy, T1 minutes each;
+#   2. a chunk gate fitted to the frozen full model (TG minutes, budget 128 chunks per layer, chunk_mass);
+#   3. every weight fine-tuned through that chunked cache for what is left before END seconds.
+# The data comes packed by scripts/pack_frame_cache.py (PACKED: meta.tar + cache.tar.xz). The three models come
+# back in OUT as 15-MiB tar parts (the device tool returns files of at most 16 MiB) without tokenizer.json (the
+# init's, equal to every tiny checkpoint's), the logs as logs.tar:
+#
+#   # here:   python scripts/pack_frame_cache.py runs/memory/data .device/data
+#   # device: OUT=$OUT PACKED=.device/data bash scripts/gpu_memory_train.sh          (carry .device)
+#   # here:   for m in full single f2c; do cat PARTS/$m.tar.part-* | tar -x; cp INIT/tokenizer.json $m/; done
+#
+# Stages whose model exists in WORK are skipped. DEVICE=cpu with small budgets runs the same path on a CPU.
+set -u
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda}
+T1=${T1:-4.0}              # minutes of stage 1 (both policies)
+TG=${TG:-0.75}             # minutes of the gate fit
+END=${END:-570}            # seconds after the start by which every training has written its model
+STARTUP=${STARTUP:-45}     # a training process's seconds before its own budget starts counting
+THREADS=${THREADS:-4}
+PACKED=${PACKED:-.device/data}
+OUT=${OUT:-results/memory-gpu}
+WORK=${WORK:-/tmp/memory-gpu}
+LOGS=$WORK/logs
+mkdir -p "$OUT" "$WORK" "$LOGS"
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/steps.log"; }
+have() { [ -f "$WORK/$1/model.safetensors" ] || [ -f "$WORK/$1/gates.safetensors" ]; }
+
+command -v vla-runtime >/dev/null || "$PY" -m pip install -q --no-deps --no-build-isolation -e . > "$LOGS/pip.log" 2>&1
+CLI=$(command -v vla-runtime) || { stamp "no vla-runtime: see $LOGS/pip.log"; exit 2; }
+"$PY" - "$WORK" "$PACKED" <<'EOF' >> "$OUT/steps.log" 2>&1 || { stamp "unpacking failed"; exit 2; }
+import shutil, sys, tarfile
+from pathlib import Path
+
+import torch
+
+from vla_finetune.frames import cache_key
+from vla_finetune.recipes.metaworld_memory import llm_geometry
+from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
+
+work, packed = Path(sys.argv[1]), Path(sys.argv[2])
+if not (work / "data" / "meta" / "info.json").is_file():
+    for name, into in (("meta.tar", work), ("cache.tar.xz", work / "unpacked")):
+        with tarfile.open(packed / name) as t:
+            t.extractall(into, filter="data")
+target = work / "frame-cache" / f"data-corner-{cache_key(work / 'data', 'corner')}"  # the name training looks for
+if not target.exists():
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(next((work / "unpacked").iterdir())), target)
+if not (work / "init" / "config.json").is_file():  # what the memory recipe makes
+    make_tiny_openvla(work / "init", seed=0, image_size=84, proprio_dim=4, llm=llm_geometry(128, 4), dtype=torch.float32)
+print("frames", target, "init", work / "init")
+EOF
+stamp "data and init ready ($CLI)"
+
+common=(finetune --dataset "$WORK/data" --camera corner --dataset-name metaworld_memory --lr-schedule cosine
+        --max-steps 100000 --save-dtype bfloat16 --device "$DEVICE" --threads "$THREADS" --cache-dir "$WORK/frame-cache")
+chunked=(--history observations --kv chunked --window 0 --chunk 16 --max-chunks 128 --chunk-mass --gate-budget hard
+         --retention-weight 0 --batch-size 16)
+
+have full || "$CLI" "${common[@]}" --from-scratch --checkpoint "$WORK/init" --history observations --window 0 --kv full \
+    --batch-size 16 --lr 1e-3 --warmup-steps 20 --goal-weight 1 --cue-weight 1 --time-budget "$T1" --seed 0 \
+    --out "$WORK/full" > "$LOGS/full.log" 2>&1 &
+full_pid=$!
+have single || "$CLI" "${common[@]}" --from-scratch --checkpoint "$WORK/init" --history single --kv full --batch-size 256 \
+    --lr 1e-3 --warmup-steps 20 --time-budget "$T1" --seed 0 --out "$WORK/single" > "$LOGS/single.log" 2>&1 &
+single_pid=$!
+wait $full_pid; stamp "full: exit $?"
+
+have gates || "$CLI" "${common[@]}" --gates-only --checkpoint "$WORK/full" "${chunked[@]}" --warmup-steps 10 \
+    --goal-weight 0 --time-budget "$TG" --seed 0 --out "$WORK/gates" > "$LOGS/gates.log" 2>&1
+stamp "gates: exit $?"
+"$PY" -c "import sys; from pathlib import Path; from vla_finetune.recipes.metaworld_memory import gated_checkpoint
+gated_checkpoint(*map(Path, sys.argv[1:]))" "$WORK/full" "$WORK/gates" "$WORK/gated" >> "$OUT/steps.log" 2>&1
+left=$(( END - ($(date +%s) - t0) - STARTUP ))
+budget=$("$PY" -c "print(round(max(0.3, $left / 60), 2))")
+stamp "f2c: $budget min"
+have f2c || timeout $(( END + 20 - ($(date +%s) - t0) )) "$CLI" "${common[@]}" --from-scratch --checkpoint "$WORK/gated" \
+    "${chunked[@]}" --lr 2e-4 --gate-lr 1e-3 --warmup-steps 10 --goal-weight 1 --cue-weight 1 --time-budget "$budget" \
+    --seed 1 --out "$WORK/f2c" > "$LOGS/f2c.log" 2>&1
+stamp "f2c: exit $?"
+wait $single_pid; stamp "single: exit $?"
+
+for m in full single f2c; do
+    have $m && tar -C "$WORK" -cf - --exclude tokenizer.json --exclude checkpoints "$m" | split -b 15m - "$OUT/$m.tar.part-"
+done
+tar -C "$WORK" -cf "$OUT/logs.tar" logs
+stamp "packed into $OUT"
