@@ -4,11 +4,11 @@
 #      policy, T1 minutes each;
 #   2. a chunk gate fitted to the frozen full model (TG minutes, budget 128 chunks per layer, chunk_mass);
 #   3. every weight fine-tuned through that chunked cache for what is left before END seconds.
-# The data comes packed by scripts/pack_frame_cache.py (PACKED: meta.tar + cache.tar.xz). The three models come
-# back in OUT as 15-MiB tar parts (the device tool returns files of at most 16 MiB) without tokenizer.json (the
-# init's, equal to every tiny checkpoint's), the logs as logs.tar:
+# The data comes packed by `python -m vla_finetune.frame_pack pack` (PACKED: meta.tar + cache.tar.xz). The three
+# models come back in OUT as 15-MiB tar parts (the device tool returns files of at most 16 MiB) without
+# tokenizer.json (the init's, equal to every tiny checkpoint's), the logs as logs.tar:
 #
-#   # here:   python scripts/pack_frame_cache.py runs/memory/data .device/data
+#   # here:   python -m vla_finetune.frame_pack pack runs/memory/data .device/data
 #   # device: OUT=$OUT PACKED=.device/data bash scripts/gpu_memory_train.sh          (carry .device)
 #   # here:   for m in full single f2c; do cat PARTS/$m.tar.part-* | tar -x; cp INIT/tokenizer.json $m/; done
 #
@@ -33,29 +33,11 @@ have() { [ -f "$WORK/$1/model.safetensors" ] || [ -f "$WORK/$1/gates.safetensors
 
 command -v vla-runtime >/dev/null || "$PY" -m pip install -q --no-deps --no-build-isolation -e . > "$LOGS/pip.log" 2>&1
 CLI=$(command -v vla-runtime) || { stamp "no vla-runtime: see $LOGS/pip.log"; exit 2; }
-"$PY" - "$WORK" "$PACKED" <<'EOF' >> "$OUT/steps.log" 2>&1 || { stamp "unpacking failed"; exit 2; }
-import shutil, sys, tarfile
-from pathlib import Path
-
-import torch
-
-from vla_finetune.frames import cache_key
-from vla_finetune.recipes.metaworld_memory import llm_geometry
-from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
-
-work, packed = Path(sys.argv[1]), Path(sys.argv[2])
-if not (work / "data" / "meta" / "info.json").is_file():
-    for name, into in (("meta.tar", work), ("cache.tar.xz", work / "unpacked")):
-        with tarfile.open(packed / name) as t:
-            t.extractall(into, filter="data")
-target = work / "frame-cache" / f"data-corner-{cache_key(work / 'data', 'corner')}"  # the name training looks for
-if not target.exists():
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(next((work / "unpacked").iterdir())), target)
-if not (work / "init" / "config.json").is_file():  # what the memory recipe makes
-    make_tiny_openvla(work / "init", seed=0, image_size=84, proprio_dim=4, llm=llm_geometry(128, 4), dtype=torch.float32)
-print("frames", target, "init", work / "init")
-EOF
+"$PY" -m vla_finetune.frame_pack unpack "$PACKED" "$WORK" >> "$OUT/steps.log" 2>&1 || { stamp "unpacking failed"; exit 2; }
+[ -f "$WORK/init/config.json" ] || "$PY" -c "import sys, torch; from vla_finetune.recipes.metaworld_memory import llm_geometry
+from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla  # what the memory recipe makes
+make_tiny_openvla(sys.argv[1], seed=0, image_size=84, proprio_dim=4, llm=llm_geometry(128, 4), dtype=torch.float32)" \
+    "$WORK/init" >> "$OUT/steps.log" 2>&1 || { stamp "no init checkpoint"; exit 2; }
 stamp "data and init ready ($CLI)"
 
 common=(finetune --dataset "$WORK/data" --camera corner --dataset-name metaworld_memory --lr-schedule cosine

@@ -1,0 +1,41 @@
+"""A dataset carried as its meta and decoded frames (``vla_finetune.frame_pack``) trains where its data files are
+absent: the unpacked cache sits under the name the unpacked dataset hashes to and holds the same arrays."""
+
+import numpy as np
+
+from vla_finetune.frame_pack import main, pack, unpack
+from vla_finetune.frames import cached_dataset
+from vla_finetune.trainer import Trainer
+from vla_runtime.data import LeRobotDataset
+
+from .conftest import make_config, write_dataset
+
+
+def test_an_unpacked_dataset_trains_from_its_frames_without_its_data_files(tiny_ckpt, tmp_path):
+    dataset = write_dataset(tmp_path / "data-28", size=28, lengths=(6, 7, 5))
+    original = cached_dataset(LeRobotDataset(dataset), "front", tmp_path / "original-cache", build=True)
+    meta, frames = pack(dataset, tmp_path / "packed", camera="front", preset=1)
+    assert meta.is_file() and frames.is_file()
+
+    data, caches = unpack(tmp_path / "packed", tmp_path / "elsewhere", camera="front")
+    assert not (data / "data").exists()  # only meta/ travels: the data files' PNGs are what the pack leaves behind
+    unpacked = cached_dataset(LeRobotDataset(data), "front", caches, build=False)  # raises if misplaced
+    assert np.array_equal(unpacked.frames, original.frames) and np.array_equal(unpacked.actions, original.actions)
+    assert np.array_equal(unpacked.states, original.states)
+    assert (unpacked.lengths, unpacked.tasks) == (original.lengths, original.tasks)
+    assert unpack(tmp_path / "packed", tmp_path / "elsewhere", camera="front") == (data, caches)  # idempotent
+    assert len(list(caches.iterdir())) == 1
+
+    out = tmp_path / "run"
+    trainer = Trainer(make_config(tiny_ckpt, data, out, max_steps=1, data={"camera": "front", "cache_dir": caches}))
+    trainer.train()
+    assert (out / "adapter_model.safetensors").is_file() and '"step": 1' in (out / "train_log.jsonl").read_text()
+
+
+def test_the_command_line_packs_and_unpacks(tmp_path, capsys):
+    dataset = write_dataset(tmp_path / "ds", size=16, lengths=(3, 4))
+    main(["pack", str(dataset), str(tmp_path / "p"), "--camera", "front"])
+    assert "cache.tar.xz" in capsys.readouterr().out
+    main(["unpack", str(tmp_path / "p"), str(tmp_path / "w"), "--camera", "front"])
+    work = tmp_path / "w"
+    assert f"--dataset {work / 'data'} --cache-dir {work / 'frame-cache'}" in capsys.readouterr().out
