@@ -1,0 +1,146 @@
+"""Is a memory task's answer in the policy's hidden state? A linear probe on expert episodes.
+
+The policy watches an expert episode of a memory task (teacher-forced: in frames-only history the context holds
+only the frames, so it sees what the expert saw), and at three steps the final-normed hidden state at the position
+that predicts the step's first action token is kept: the end of the cue phase (step 19), 10 steps before the go
+step, and the go step (the first step the expert moves: the action that answers). A softmax regression on those
+vectors, cross-validated over episodes, says whether the answer is linearly readable there:
+
+- ``memory-tally``: the count of flashes (1..3);
+- ``memory-order``: the pad that lit first (1..3).
+
+Chance is the largest class's share. A policy that answers right reads the answer off its state (the shipped
+policy on order: 97 % at the go step); one whose probe sits at chance never formed it, whatever its cache kept.
+
+    python benchmarks/probe_memory.py --checkpoint assets/mw-memory-openvla --dataset DATA [--kv full]
+
+DATA: ``vla-runtime collect --sim metaworld --tasks memory-tally --episodes 90 --camera corner --resolution 84
+--seed 5000 --out DATA`` (seeds no policy trained on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from vla_runtime.config import HistoryMode, SessionConfig
+from vla_runtime.data import LeRobotDataset
+from vla_runtime.kv.config import KVConfig, KVMode
+from vla_runtime.policies.base import Observation
+from vla_runtime.policies.registry import load_policy
+from vla_runtime.sim.memory.order import OrderTask
+
+CUE_END = 19  # the last observation of tally's cue phase (5 slots x 4 steps); order's delay has begun by then
+FULL_CAPACITY = 10452  # the memory cards' full cache (201 steps x 52 tokens)
+
+
+def answer(ds: LeRobotDataset, episode: int) -> int:
+    """The episode's answer, 0..2: tally's count - 1, order's first pad."""
+    per_episode = ds.extra["per_episode"]
+    task = per_episode["episode_sim_tasks"][episode]
+    if task == "memory-order":
+        return OrderTask.sample(int(per_episode["episode_seeds"][episode])).first
+    if task == "memory-tally":
+        return len(per_episode["episode_cue_steps"][episode]) // 2 - 1  # each flash is lit in two observations
+    raise ValueError(f"episode {episode} is {task!r}; the probe reads memory-tally and memory-order")
+
+
+def go_step(actions: np.ndarray) -> int:
+    """The first step whose action moves the hand ([T, 7] actions; the arm is held before the go lamp)."""
+    moving = np.flatnonzero(np.abs(actions[:, :3]).max(axis=1) > 1e-6)
+    if not len(moving):
+        raise ValueError("the expert never moves in this episode")
+    return int(moving[0])
+
+
+class FirstTokenState:
+    """A forward hook on the language model's final norm: the hidden state [dim] at the last position of the
+    first forward after ``arm()`` (a step's prefill: that position predicts the step's first action token)."""
+
+    def __init__(self, policy) -> None:
+        norms = [
+            m for n, m in policy.model.named_modules() if n.endswith("norm") and "language" in n and "layers" not in n
+        ]
+        if len(norms) != 1:
+            raise ValueError(f"expected one final norm in the language model, found {len(norms)}")
+        norms[0].register_forward_hook(self._hook)
+        self.armed, self.state = False, None
+
+    def arm(self) -> None:
+        self.armed, self.state = True, None
+
+    def _hook(self, module, inputs, output) -> None:
+        if self.armed:
+            self.state, self.armed = output[0, -1].detach().float().clone(), False
+
+
+def probe_accuracy(features: torch.Tensor, labels: torch.Tensor, *, folds: int = 5, l2: float = 1e-2) -> float:
+    """Cross-validated accuracy of an L2-regularised softmax regression: features [N, D], labels [N] in 0..C-1."""
+    x = (features - features.mean(0)) / (features.std(0) + 1e-6)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+    classes, right = int(labels.max()) + 1, 0
+    for fold in range(folds):
+        test = order[fold::folds]
+        train = order[torch.isin(order, test, invert=True)]
+        w = torch.zeros(x.shape[1], classes, requires_grad=True)
+        b = torch.zeros(classes, requires_grad=True)
+        opt = torch.optim.LBFGS([w, b], max_iter=200)
+
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(x[train] @ w + b, labels[train]) + l2 * (w**2).sum()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        right += int(((x[test] @ w + b).argmax(1) == labels[test]).sum())
+    return right / len(labels)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--dataset", type=Path, required=True, help="expert episodes of memory-tally and/or memory-order")
+    p.add_argument("--kv", choices=["checkpoint", "full"], default="checkpoint",
+                   help="the checkpoint's own session config (default) or history through a full cache")  # fmt: skip
+    p.add_argument("--episodes", type=int, default=0, help="the first N episodes (0 = all)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    ds = LeRobotDataset(args.dataset)
+    policy = load_policy(args.checkpoint, device="cpu", dtype="float32")
+    config = None  # the checkpoint's session_config.json
+    if args.kv == "full":
+        config = SessionConfig(kv=KVConfig.of(KVMode.FULL, capacity=FULL_CAPACITY), history=HistoryMode.OBSERVATIONS)
+    hook = FirstTokenState(policy)
+    points = {"cue end": [], "go - 10": [], "go": []}
+    labels = []
+    for e in tqdm(range(args.episodes or len(ds)), desc="episodes"):
+        ep = ds.episode(e)
+        frames = next(iter(ep.images.values()))
+        go = go_step(ep.action)
+        session = policy.new_session(ep.tasks_per_frame()[0], config)
+        states = []
+        for t in range(go + 1):
+            hook.arm()
+            session.step(Observation(images={"primary": frames[t]}, state=ep.state[t], t=t / ds.info["fps"]))
+            states.append(hook.state)
+        for name, t in (("cue end", CUE_END), ("go - 10", go - 10), ("go", go)):
+            points[name].append(states[t])
+        labels.append(answer(ds, e))
+    y = torch.tensor(labels)
+    result = {
+        "checkpoint": str(args.checkpoint), "dataset": str(args.dataset), "kv": args.kv, "episodes": len(labels),
+        "chance": float(np.bincount(labels).max() / len(labels)),
+        "accuracy": {name: probe_accuracy(torch.stack(v), y) for name, v in points.items()},
+    }  # fmt: skip
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

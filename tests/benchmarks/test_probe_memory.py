@@ -1,0 +1,57 @@
+"""probe_memory.py's parts: the cross-validated probe tells a readable label from an unreadable one, the go step
+is the expert's first move, and the hook keeps the prefill's last hidden state, not a later decode's."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
+from vla_runtime.policies.base import Observation
+from vla_runtime.policies.registry import load_policy
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "probe_memory.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("probe_memory", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_probe_reads_a_label_written_in_the_features_and_not_one_that_is_absent():
+    probe = load_script()
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.arange(90) % 3
+    noise = torch.randn(90, 32, generator=gen)
+    written = noise.clone()
+    written[torch.arange(90), labels] += 3.0  # each class has its own direction, as order's pads do
+    assert probe.probe_accuracy(written, labels) > 0.9
+    assert probe.probe_accuracy(noise, labels) < 0.5  # chance is 1/3
+
+
+def test_the_go_step_is_the_first_action_that_moves_the_hand():
+    probe = load_script()
+    actions = np.zeros((12, 7), np.float32)
+    actions[:, 6] = 1.0  # the gripper command alone is not a move
+    actions[7:, 1] = 0.2
+    assert probe.go_step(actions) == 7
+
+
+def test_the_hook_keeps_the_state_of_the_first_forward_after_it_is_armed(tmp_path):
+    probe = load_script()
+    policy = load_policy(make_tiny_openvla(tmp_path / "tiny", image_size=28), device="cpu", dtype="float32")
+    hook = probe.FirstTokenState(policy)
+    seen = []
+    names = {n: m for n, m in policy.model.named_modules()}
+    (norm,) = [m for n, m in names.items() if n.endswith("norm") and "language" in n and "layers" not in n]
+    norm.register_forward_hook(lambda m, i, out: seen.append(out[0, -1].detach().clone()))
+    session = policy.new_session("pick up the cup")
+    frame = np.random.default_rng(0).integers(0, 256, (28, 28, 3), dtype=np.uint8)
+    hook.arm()
+    session.step(Observation(images={"primary": frame}, state=np.zeros(4, np.float32)))
+    assert len(seen) > 1  # the prefill, then the decodes of the action tokens
+    assert hook.state.shape == seen[0].shape and torch.equal(hook.state, seen[0])
+    assert not torch.equal(hook.state, seen[-1])
