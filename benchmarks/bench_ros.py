@@ -222,20 +222,34 @@ def control_run(harness, checkpoint, modules, tmp, rate, schedule, args, name) -
     actions = harness.subscribe(Float32MultiArray, f"/{ns}/vla_policy/action", publishers=1)
     pub = harness.publisher(Image, f"/{ns}/image_raw", qos_profile_sensor_data)
     msgs = [conversions.array_to_image_msg(image) for image in frames(8, tuple(args.size), args.seed + 1)]
+    warmup, cell = int(args.warmup_seconds * args.stream_hz), int(args.control_seconds * args.stream_hz)
+    first = last = None
+    sent: list[float] = []
+    # no garbage collection in this process while the camera streams: with it, the camera paused 240-278 ms once
+    # in each of three runs (the node's ticks then had no frames to act on); without it, in none of one
+    gc.collect()
+    gc.freeze()
+    gc.disable()
     try:
-        for i in camera_clock(args.stream_hz, int(args.warmup_seconds * args.stream_hz)):  # warm-up: step times settle
+        # The cell runs from the first diagnostics status after the warm-up to the first after `cell` frames more,
+        # and the camera streams until that last one arrives: every tick the two statuses count between them had a
+        # steady camera (stopping at the cell's end left up to a status period of ticks, 15 at 30 Hz, without frames).
+        opened = mark = None  # the frame the cell opened at; the status count the next status must pass
+        for i in camera_clock(args.stream_hz, warmup + cell + int(10 * args.stream_hz)):
             pub.publish(msgs[i % len(msgs)])
-        first, start = diag.latest(), len(actions)
-        sent = []
-        # no garbage collection in this process while the camera streams: with it, the camera paused 240-278 ms once
-        # in each of three runs (the node's ticks then had no frames to act on); without it, in none of one
-        gc.collect()
-        gc.freeze()
-        gc.disable()
-        for i in camera_clock(args.stream_hz, int(args.control_seconds * args.stream_hz)):
-            pub.publish(msgs[i % len(msgs)])
-            sent.append(time.monotonic())
-        last = diag.latest()
+            if first is not None:
+                sent.append(time.monotonic())
+            if i == warmup or (opened is not None and i == opened + cell):
+                mark = len(diag.statuses)  # the next status from here opens (closes) the cell
+            if mark is None or not (found := diag.find(lambda s, v: True, after=mark)):
+                continue
+            if first is None:
+                first, start, opened, mark = found[1], len(actions), i, None
+            else:
+                last = found[1]
+                break
+        if last is None:
+            raise RuntimeError(f"{ns}: no diagnostics status within 10 s after the cell")
     finally:
         gc.enable()
         gc.unfreeze()
