@@ -4,7 +4,8 @@ The policy watches an expert episode of a memory task (teacher-forced: in frames
 only the frames, so it sees what the expert saw), and at three steps the final-normed hidden state at the position
 that predicts the step's first action token is kept: the end of the cue phase (step 19), 10 steps before the go
 step, and the go step (the first step the expert moves: the action that answers). A softmax regression on those
-vectors, cross-validated over episodes, says whether the answer is linearly readable there:
+vectors, cross-validated over episodes, says whether the answer is linearly readable there (and a ridge regression of the
+answer as a number, rounded: a count coded along one direction, which the softmax probe misses):
 
 - ``memory-tally``: the count of flashes (1..3);
 - ``memory-order``: the pad that lit first (1..3).
@@ -89,7 +90,7 @@ def probe_accuracy(features: torch.Tensor, labels: torch.Tensor, *, folds: int =
         train = order[torch.isin(order, test, invert=True)]
         w = torch.zeros(x.shape[1], classes, requires_grad=True)
         b = torch.zeros(classes, requires_grad=True)
-        opt = torch.optim.LBFGS([w, b], max_iter=200)
+        opt = torch.optim.LBFGS([w, b], max_iter=500, line_search_fn="strong_wolfe")
 
         def closure():
             opt.zero_grad()
@@ -99,6 +100,24 @@ def probe_accuracy(features: torch.Tensor, labels: torch.Tensor, *, folds: int =
 
         opt.step(closure)
         right += int(((x[test] @ w + b).argmax(1) == labels[test]).sum())
+    return right / len(labels)
+
+
+def count_accuracy(features: torch.Tensor, labels: torch.Tensor, *, folds: int = 5, alpha: float = 10.0) -> float:
+    """Cross-validated accuracy of a ridge regression of the label as a number (a count), rounded to the nearest
+    class: reads a count coded along one direction, which the softmax probe, with the middle class between the
+    others, misses among many dimensions. features [N, D], labels [N] in 0..C-1."""
+    x = (features - features.mean(0)) / (features.std(0) + 1e-6)
+    x = torch.cat([x, torch.ones(len(x), 1)], dim=1).double()
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+    right = 0
+    for fold in range(folds):
+        test = order[fold::folds]
+        train = order[torch.isin(order, test, invert=True)]
+        gram = x[train].T @ x[train] + alpha * torch.eye(x.shape[1], dtype=x.dtype)
+        w = torch.linalg.solve(gram, x[train].T @ labels[train].double())
+        guess = (x[test] @ w).round().clamp(0, int(labels.max())).long()
+        right += int((guess == labels[test]).sum())
     return right / len(labels)
 
 
@@ -137,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         "checkpoint": str(args.checkpoint), "dataset": str(args.dataset), "kv": args.kv, "episodes": len(labels),
         "chance": float(np.bincount(labels).max() / len(labels)),
         "accuracy": {name: probe_accuracy(torch.stack(v), y) for name, v in points.items()},
+        "count_accuracy": {name: count_accuracy(torch.stack(v), y) for name, v in points.items()},
     }  # fmt: skip
     print(json.dumps(result))
     return result

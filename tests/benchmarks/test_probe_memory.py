@@ -32,6 +32,17 @@ def test_the_probe_reads_a_label_written_in_the_features_and_not_one_that_is_abs
     assert probe.probe_accuracy(noise, labels) < 0.5  # chance is 1/3
 
 
+def test_the_count_probe_reads_a_count_coded_along_one_direction_which_the_softmax_probe_misses():
+    probe = load_script()
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.arange(300) % 3
+    noise = torch.randn(300, 128, generator=gen)
+    counted = noise.clone()
+    counted[:, 5] += 3.0 * labels  # 1, 2, 3 flashes along one direction, the middle between the others
+    assert probe.count_accuracy(counted, labels) > 0.7 > probe.probe_accuracy(counted, labels)
+    assert probe.count_accuracy(noise, labels) < 0.45
+
+
 def test_the_go_step_is_the_first_action_that_moves_the_hand():
     probe = load_script()
     actions = np.zeros((12, 7), np.float32)
