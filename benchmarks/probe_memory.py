@@ -64,12 +64,8 @@ class FirstTokenState:
     first forward after ``arm()`` (a step's prefill: that position predicts the step's first action token)."""
 
     def __init__(self, policy) -> None:
-        norms = [
-            m for n, m in policy.model.named_modules() if n.endswith("norm") and "language" in n and "layers" not in n
-        ]
-        if len(norms) != 1:
-            raise ValueError(f"expected one final norm in the language model, found {len(norms)}")
-        norms[0].register_forward_hook(self._hook)
+        self.norm = policy.model.language_model.model.norm  # an OpenVLA's LLaMA: the norm before the LM head
+        self.norm.register_forward_hook(self._hook)
         self.armed, self.state = False, None
 
     def arm(self) -> None:
@@ -80,45 +76,51 @@ class FirstTokenState:
             self.state, self.armed = output[0, -1].detach().float().clone(), False
 
 
-def probe_accuracy(features: torch.Tensor, labels: torch.Tensor, *, folds: int = 5, l2: float = 1e-2) -> float:
-    """Cross-validated accuracy of an L2-regularised softmax regression: features [N, D], labels [N] in 0..C-1."""
+def cross_validated(features: torch.Tensor, labels: torch.Tensor, fit_predict, folds: int = 5) -> float:
+    """Accuracy over ``folds`` folds of episodes: features [N, D] (standardised here), labels [N] in 0..C-1;
+    ``fit_predict(x_train, y_train, x_test) -> predicted labels``."""
     x = (features - features.mean(0)) / (features.std(0) + 1e-6)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
-    classes, right = int(labels.max()) + 1, 0
+    right = 0
     for fold in range(folds):
         test = order[fold::folds]
         train = order[torch.isin(order, test, invert=True)]
+        right += int((fit_predict(x[train], labels[train], x[test]) == labels[test]).sum())
+    return right / len(labels)
+
+
+def probe_accuracy(features: torch.Tensor, labels: torch.Tensor, *, folds: int = 5, l2: float = 1e-2) -> float:
+    """Cross-validated accuracy of an L2-regularised softmax regression."""
+
+    def fit_predict(x, y, x_test):
+        classes = int(labels.max()) + 1
         w = torch.zeros(x.shape[1], classes, requires_grad=True)
         b = torch.zeros(classes, requires_grad=True)
         opt = torch.optim.LBFGS([w, b], max_iter=500, line_search_fn="strong_wolfe")
 
         def closure():
             opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(x[train] @ w + b, labels[train]) + l2 * (w**2).sum()
+            loss = torch.nn.functional.cross_entropy(x @ w + b, y) + l2 * (w**2).sum()
             loss.backward()
             return loss
 
         opt.step(closure)
-        right += int(((x[test] @ w + b).argmax(1) == labels[test]).sum())
-    return right / len(labels)
+        return (x_test @ w + b).argmax(1)
+
+    return cross_validated(features, labels, fit_predict, folds)
 
 
 def count_accuracy(features: torch.Tensor, labels: torch.Tensor, *, folds: int = 5, alpha: float = 10.0) -> float:
     """Cross-validated accuracy of a ridge regression of the label as a number (a count), rounded to the nearest
     class: reads a count coded along one direction, which the softmax probe, with the middle class between the
-    others, misses among many dimensions. features [N, D], labels [N] in 0..C-1."""
-    x = (features - features.mean(0)) / (features.std(0) + 1e-6)
-    x = torch.cat([x, torch.ones(len(x), 1)], dim=1).double()
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
-    right = 0
-    for fold in range(folds):
-        test = order[fold::folds]
-        train = order[torch.isin(order, test, invert=True)]
-        gram = x[train].T @ x[train] + alpha * torch.eye(x.shape[1], dtype=x.dtype)
-        w = torch.linalg.solve(gram, x[train].T @ labels[train].double())
-        guess = (x[test] @ w).round().clamp(0, int(labels.max())).long()
-        right += int((guess == labels[test]).sum())
-    return right / len(labels)
+    others, misses among many dimensions."""
+
+    def fit_predict(x, y, x_test):
+        x, x_test = (torch.cat([v, torch.ones(len(v), 1)], dim=1).double() for v in (x, x_test))  # with an intercept
+        w = torch.linalg.solve(x.T @ x + alpha * torch.eye(x.shape[1], dtype=x.dtype), x.T @ y.double())
+        return (x_test @ w).round().clamp(0, int(labels.max())).long()
+
+    return cross_validated(features, labels, fit_predict, folds)
 
 
 def main(argv: list[str] | None = None) -> dict:
