@@ -79,7 +79,12 @@ FAMILIES = {  # --geometry: the tiny checkpoint's maker and load_policy's extra 
     "cogact": (make_tiny_cogact, {}), "hybridvla": (make_tiny_hybridvla, {}),
     "oft": (make_tiny_openvla_oft, {"cameras": ("primary", "wrist")}),
 }
-QUANTIZED = {f"weight-only {m.value}": m for m in (QuantMode.INT8, QuantMode.INT4)}
+QUANT_MODES = {m.value: m for m in (QuantMode.INT8, QuantMode.INT4)}  # --quantized
+
+
+def quantized_variants(args: argparse.Namespace) -> dict[str, QuantMode]:
+    """The weight-only rows ``--quantized`` asks for, by row name."""
+    return {f"weight-only {name}": QUANT_MODES[name] for name in args.quantized}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image", type=Path, default=ASSET, help="small: the frame (default: the bundled test scene)")
     p.add_argument("--agreement-steps", type=int, default=20, help="small: frames the quantized actions are compared on")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    p.add_argument("--quantized", nargs="*", choices=tuple(QUANT_MODES), default=list(QUANT_MODES),
+                   help="the weight-only rows (default: %(default)s; none given: no quantized rows, e.g. to spare a GPU "
+                        "lease their compilation)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="model and cache dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--compile", dest="compile_mode", choices=("default", "reduce-overhead"), default=None,
@@ -184,7 +192,7 @@ def small_group(args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
     setup_s = {COMPILED: compile_s}
     agreement = {COMPILED: {"tokens_equal": True, "max_abs_action_diff": float(np.abs(got.actions - want.actions).max())}}
     decoders = {}
-    for name, mode in QUANTIZED.items():
+    for name, mode in quantized_variants(args).items():
         quantized, setup_s[name] = timed(lambda: load_policy(path, quantize=mode, **load))
         sessions[name] = quantized.new_session(INSTRUCTION)
         agreement[name] = action_agreement(eager, sessions[name], args)
@@ -274,7 +282,7 @@ def layer_group(args: argparse.Namespace) -> Iterator[Group]:
     with torch.device(args.device):
         model = LlamaModel(cfg).to(args.dtype).eval()
     quantized = {}
-    for name, mode in QUANTIZED.items():
+    for name, mode in quantized_variants(args).items():
         quantized[name] = copy.deepcopy(model)
         quantize_linears(quantized[name].layers, mode)
     yield decode_group(f"7b-layer x{args.layers} decode", model, context=args.context, args=args, quantized=quantized)

@@ -11,6 +11,7 @@
 #
 # OUT (default results/gpu) receives tests.log, bench_fast_7b.{json,png,profile.txt,log}, bench_fast_steps.*,
 # bench_serve.*. TESTS_S, BENCH_S, STEPS_S, SERVE_S: the parts' limits in seconds (defaults 180, 300, 100, 240).
+# BENCH_ARGS: more bench_fast.py arguments for the 7B part (e.g. "--quantized": bf16 rows alone, ~130 s less).
 # PARTS: which parts, in order (default "tests bench_fast_7b bench_fast_steps": under 10 minutes, one device call;
 # "serve" is issue 19's load benchmark on the GPU, for a second call). The 7B bench compiles three 32-layer
 # variants (bf16, int8, int4): about 230 s on 16 cores with torch 2.11. Test modules whose imports the machine
@@ -47,7 +48,7 @@ for name in ${PARTS:-tests bench_fast_7b bench_fast_steps}; do
     case $name in
     tests) part tests "${TESTS_S:-180}" "$python" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests ;;
     bench_fast_7b) part bench_fast_7b "${BENCH_S:-300}" "$python" benchmarks/bench_fast.py --device cuda --geometry 7b-layer \
-        --layers 32 --context 290 --repeats 50 --profile 20 --out "$OUT/bench_fast_7b" ;;
+        --layers 32 --context 290 --repeats 50 --profile 20 ${BENCH_ARGS:-} --out "$OUT/bench_fast_7b" ;;
     bench_fast_steps) part bench_fast_steps "${STEPS_S:-100}" "$python" benchmarks/bench_fast.py --device cuda --geometry all \
         --repeats 50 --out "$OUT/bench_fast_steps" ;;
     serve) serve_deps && part bench_serve "${SERVE_S:-240}" "$python" benchmarks/bench_serve.py --device cuda --repeats 3 \

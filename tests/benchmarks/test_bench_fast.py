@@ -62,6 +62,9 @@ def test_bench_fast_device_defaults_and_the_weight_bandwidth_limit():
     bench = _bench_fast()
     args = bench.parse_args([])
     assert (args.device.type, args.dtype, args.compile_mode.value) == ("cpu", torch.float32, "default")
+    assert list(bench.quantized_variants(args)) == ["weight-only int8", "weight-only int4"]
+    assert bench.quantized_variants(bench.parse_args(["--quantized"])) == {}  # no quantized rows
+    assert list(bench.quantized_variants(bench.parse_args(["--quantized", "int4"]))) == ["weight-only int4"]
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="torch sees no CUDA device"):
             bench.parse_args(["--device", "cuda"])
