@@ -66,24 +66,23 @@ have single || [ "$SINGLE" = 0 ] || "$CLI" "${common[@]}" --from-scratch --check
 single_pid=$!
 f2c_args=("${chunked[@]}" --lr 2e-4 --gate-lr 1e-3 --warmup-steps 10 --goal-weight 1 --cue-weight "$CUE_W" --seed 1
           --out "$WORK/f2c")
-if [ -n "$F2C_FROM" ]; then
+if [ -n "$F2C_FROM" ]; then  # an earlier chunked model goes on beside stage 1
     have f2c || "$CLI" "${common[@]}" --from-scratch --checkpoint "$F2C_FROM" "${f2c_args[@]}" --time-budget "$T1" \
         > "$LOGS/f2c.log" 2>&1
     stamp "f2c (from $F2C_FROM): exit $?"
-fi
-wait $full_pid; stamp "full: exit $?"
-
-[ -n "$F2C_FROM" ] || have gates || "$CLI" "${common[@]}" --gates-only --checkpoint "$WORK/full" "${chunked[@]}" --warmup-steps 10 \
-    --goal-weight 0 --time-budget "$TG" --seed 0 --out "$WORK/gates" > "$LOGS/gates.log" 2>&1
-stamp "gates: exit $?"
-if [ -z "$F2C_FROM" ] && ! have f2c; then
+    wait $full_pid; stamp "full: exit $?"
+else  # a gate fitted to the new full model, then every weight fine-tuned through the chunked cache
+    wait $full_pid; stamp "full: exit $?"
+    have gates || "$CLI" "${common[@]}" --gates-only --checkpoint "$WORK/full" "${chunked[@]}" --warmup-steps 10 \
+        --goal-weight 0 --time-budget "$TG" --seed 0 --out "$WORK/gates" > "$LOGS/gates.log" 2>&1
+    stamp "gates: exit $?"
     "$PY" -c "import sys; from pathlib import Path; from vla_finetune.recipes.metaworld_memory import gated_checkpoint
 gated_checkpoint(*map(Path, sys.argv[1:]))" "$WORK/full" "$WORK/gates" "$WORK/gated" >> "$OUT/steps.log" 2>&1
     left=$(( END - ($(date +%s) - t0) - STARTUP ))
     budget=$("$PY" -c "print(round(max(0.3, $left / 60), 2))")
     stamp "f2c: $budget min"
-    timeout $(( END + 20 - ($(date +%s) - t0) )) "$CLI" "${common[@]}" --from-scratch --checkpoint "$WORK/gated" \
-        "${f2c_args[@]}" --time-budget "$budget" > "$LOGS/f2c.log" 2>&1
+    have f2c || timeout $(( END + 20 - ($(date +%s) - t0) )) "$CLI" "${common[@]}" --from-scratch \
+        --checkpoint "$WORK/gated" "${f2c_args[@]}" --time-budget "$budget" > "$LOGS/f2c.log" 2>&1
     stamp "f2c: exit $?"
 fi
 wait $single_pid; stamp "single: exit $?"
