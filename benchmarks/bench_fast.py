@@ -1,5 +1,5 @@
 """The fast path, ms per call: eager vs torch.compile-d (``SessionConfig.compile``) vs weight-only int8/int4 LLM
-(``--quantize``), side by side in one process, each against the eager float32 row of its geometry.
+(``--quantize``) vs fused q/k/v and gate/up projections (``--fuse``), side by side in one process, each against the eager float32 row of its geometry.
 
 Geometries (``--geometry``):
 
@@ -21,7 +21,7 @@ same graph with every guard evaluated (about 0.5 ms per call for 32 layers on a 
 
 Decode forwards run inside a cache mark and are rolled back, so every timed call sees the same context. Before
 timing, every variant's output is compared with eager's: compiled must decode identical action tokens (hidden
-states: max difference reported); the quantized models' agreement is reported, not required (small: the share of
+states: max difference reported); the fused and quantized models' agreement is reported, not required (small: the share of
 identical action tokens and the largest action difference over ``--agreement-steps`` frames; 7b-layer: the
 hidden state's difference), with the LLM's weight bytes.
 
@@ -66,6 +66,7 @@ from vla_runtime.config import CompileMode, SessionConfig
 from vla_runtime.device import synchronize
 from vla_runtime.images import read_image
 from vla_runtime.kv import KVConfig, make_cache
+from vla_runtime.models.fuse import fuse_projections
 from vla_runtime.models.llama import LlamaConfig, LlamaModel
 from vla_runtime.models.quantize import QuantMode, quantize_linears, weight_bytes
 from vla_runtime.policies.compiled import CompiledDecoder, compile_options
@@ -80,11 +81,23 @@ FAMILIES = {  # --geometry: the tiny checkpoint's maker and load_policy's extra 
     "oft": (make_tiny_openvla_oft, {"cameras": ("primary", "wrist")}),
 }
 QUANT_MODES = {m.value: m for m in (QuantMode.INT8, QuantMode.INT4)}  # --quantized
+FUSED = "fused q/k/v, gate/up"  # --fused
 
 
-def quantized_variants(args: argparse.Namespace) -> dict[str, QuantMode]:
-    """The weight-only rows ``--quantized`` asks for, by row name."""
-    return {f"weight-only {name}": QUANT_MODES[name] for name in args.quantized}
+def weight_variants(args: argparse.Namespace) -> dict[str, dict]:
+    """The rows that change the LLM's weights (``--fused``, then the weight-only rows ``--quantized`` asks for), by
+    row name -> their ``load_policy`` options."""
+    fused = {FUSED: {"fuse": True}} if args.fused else {}
+    return fused | {f"weight-only {name}": {"quantize": QUANT_MODES[name]} for name in args.quantized}
+
+
+def transformed(model: LlamaModel, options: dict) -> LlamaModel:
+    """A copy of ``model`` with ``load_policy``'s ``fuse`` / ``quantize`` ``options`` applied to its layers."""
+    out = copy.deepcopy(model)
+    if options.get("fuse"):
+        fuse_projections(out.layers)
+    quantize_linears(out.layers, options.get("quantize", QuantMode.NONE))
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantized", nargs="*", choices=tuple(QUANT_MODES), default=list(QUANT_MODES),
                    help="the weight-only rows (default: %(default)s; none given: no quantized rows, e.g. to spare a GPU "
                         "lease their compilation)")
+    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
+                   help="the fused q/k/v, gate/up rows (default: on)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="model and cache dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--compile", dest="compile_mode", choices=("default", "reduce-overhead"), default=None,
@@ -192,15 +207,15 @@ def small_group(args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
     setup_s = {COMPILED: compile_s}
     agreement = {COMPILED: {"tokens_equal": True, "max_abs_action_diff": float(np.abs(got.actions - want.actions).max())}}
     decoders = {}
-    for name, mode in quantized_variants(args).items():
-        quantized, setup_s[name] = timed(lambda: load_policy(path, quantize=mode, **load))
-        sessions[name] = quantized.new_session(INSTRUCTION)
+    for name, options in weight_variants(args).items():
+        changed, setup_s[name] = timed(lambda: load_policy(path, **options, **load))
+        sessions[name] = changed.new_session(INSTRUCTION)
         agreement[name] = action_agreement(eager, sessions[name], args)
-        decoders[name] = quantized.vlm.language_model.model
+        decoders[name] = changed.vlm.language_model.model
     yield Group("small step", {name: (lambda s=s: s.step(obs)) for name, s in sessions.items()}, setup_s, agreement)
     llm = policy.vlm.language_model.model
     context = eager.cache.stats().tokens_seen
-    yield decode_group("small decode", llm, context=context, args=args, quantized=decoders)
+    yield decode_group("small decode", llm, context=context, args=args, variants=decoders)
 
 
 def family_group(family: str, args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
@@ -239,9 +254,9 @@ def action_agreement(eager, other, args: argparse.Namespace) -> dict:
 
 
 def decode_group(name: str, model: LlamaModel, *, context: int, args: argparse.Namespace,
-                 quantized: dict[str, LlamaModel]) -> Group:
-    """Decode forwards of ``model`` (and of its ``quantized`` versions) over full caches filled with the same
-    ``context`` random tokens (one cache per model: each holds the K/V its own weights computed)."""
+                 variants: dict[str, LlamaModel]) -> Group:
+    """Decode forwards of ``model`` (and of its fused or quantized ``variants``) over full caches filled with the
+    same ``context`` random tokens (one cache per model: each holds the K/V its own weights computed)."""
     cfg = model.cfg
     gen = torch.Generator().manual_seed(args.seed)
     prompt, x = (torch.randn(1, n, cfg.dim, generator=gen).to(args.device, args.dtype) for n in (context, 1))
@@ -254,8 +269,8 @@ def decode_group(name: str, model: LlamaModel, *, context: int, args: argparse.N
 
     options = compile_options(args.compile_mode, args.device)
     calls = {EAGER: rolled_back(model, filled(model), x)}
-    compiled = {COMPILED: model} | {f"{variant} + compiled": m for variant, m in quantized.items()}
-    for variant, m in quantized.items():
+    compiled = {COMPILED: model} | {f"{variant} + compiled": m for variant, m in variants.items()}
+    for variant, m in variants.items():
         calls[variant] = rolled_back(m, filled(m), x)
     setup_s = {}
     for variant, m in compiled.items():
@@ -266,11 +281,11 @@ def decode_group(name: str, model: LlamaModel, *, context: int, args: argparse.N
             calls[GUARDED] = call
     want = calls[EAGER]()
     agreement = {variant: hidden_agreement(want, call()) for variant, call in calls.items() if variant != EAGER}
-    for variant, m in quantized.items():
+    for variant, m in variants.items():
         agreement[variant]["llm_layer_bytes"] = weight_bytes(m.layers)
     agreement[EAGER] = {"llm_layer_bytes": weight_bytes(model.layers)}
     read = {name: weight_bytes(model.layers) for name in (EAGER, COMPILED, GUARDED)}
-    for variant, m in quantized.items():
+    for variant, m in variants.items():
         read[variant] = read[f"{variant} + compiled"] = weight_bytes(m.layers)
     return Group(name, calls, setup_s, agreement, read)
 
@@ -281,11 +296,8 @@ def layer_group(args: argparse.Namespace) -> Iterator[Group]:
     cfg = LlamaConfig.from_name("llama2-7b", n_layers=args.layers, vocab_size=32)
     with torch.device(args.device):
         model = LlamaModel(cfg).to(args.dtype).eval()
-    quantized = {}
-    for name, mode in quantized_variants(args).items():
-        quantized[name] = copy.deepcopy(model)
-        quantize_linears(quantized[name].layers, mode)
-    yield decode_group(f"7b-layer x{args.layers} decode", model, context=args.context, args=args, quantized=quantized)
+    variants = {name: transformed(model, options) for name, options in weight_variants(args).items()}
+    yield decode_group(f"7b-layer x{args.layers} decode", model, context=args.context, args=args, variants=variants)
 
 
 def copy_bandwidth(device: torch.device, mib: int, repeats: int = 10) -> float:
@@ -395,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
                args=args, results=results, setup_s={g.name: g.setup_s for g in groups},
                agreement={g.name: g.agreement for g in groups}, copy_bandwidth_bytes_per_s=bandwidth,
                weight_bandwidth_limits=limits, profile=profiled)  # fmt: skip
-    plot_medians(results, args.out.with_suffix(".png"), title="eager vs compiled vs quantized", xlabel="ms per call (median, p10-p90)")
+    plot_medians(results, args.out.with_suffix(".png"), title="eager vs compiled vs fused vs quantized", xlabel="ms per call (median, p10-p90)")
     return 0
 
 

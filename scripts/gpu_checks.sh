@@ -11,7 +11,7 @@
 #
 # OUT (default results/gpu) receives tests.log, bench_fast_7b.{json,png,profile.txt,log}, bench_fast_steps.*,
 # bench_serve.*. TESTS_S, BENCH_S, STEPS_S, SERVE_S: the parts' limits in seconds (defaults 180, 300, 100, 240).
-# BENCH_ARGS: more bench_fast.py arguments for the 7B part (e.g. "--quantized": bf16 rows alone, ~130 s less).
+# BENCH_ARGS: more bench_fast.py arguments for the 7B part (e.g. "--quantized": bf16 and fused rows, no int8/int4: ~130 s less).
 # PARTS: which parts, in order (default "tests bench_fast_7b bench_fast_steps": under 10 minutes, one device call;
 # "serve" is issue 19's load benchmark on the GPU, for a second call). The 7B bench compiles three 32-layer
 # variants (bf16, int8, int4): about 230 s on 16 cores with torch 2.11. Test modules whose imports the machine

@@ -17,7 +17,7 @@ REQUIRED = {
     "eval": ["--checkpoint", "ckpt", "--tasks", "reach-v3"],
 }
 POLICY_OPTIONS = ("device", "dtype", "unnorm_key", "center_crop", "history", "kv", "kv_capacity", "kv_window", "kv_max_chunks",
-                  "compile", "quantize")
+                  "compile", "quantize", "fuse")
 
 
 def parse(command: str, *extra: str):
@@ -44,7 +44,7 @@ def test_an_option_of_another_cache_is_refused_with_its_owner():
         session_from_args(parse("predict", "--kv", "full", "--kv-max-chunks", "3"))
 
 
-def test_quantize_becomes_a_load_option_of_openvla_checkpoints_only(tmp_path):
+def test_quantize_and_fuse_become_load_options_of_openvla_checkpoints_only(tmp_path):
     from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
     from vla_runtime.models.quantize import QuantMode
 
@@ -52,6 +52,17 @@ def test_quantize_becomes_a_load_option_of_openvla_checkpoints_only(tmp_path):
     ckpt = make_tiny_openvla(tmp_path / "tiny-openvla", seed=0)
     args = build_parser().parse_args(["serve", "--checkpoint", str(ckpt), "--quantize", "int4"])
     assert load_options(args) == {"quantize": QuantMode.INT4}
+    args = build_parser().parse_args(["eval", "--checkpoint", str(ckpt), "--tasks", "reach-v3", "--fuse", "--quantize", "int8"])
+    assert load_options(args) == {"quantize": QuantMode.INT8, "fuse": True}
+
+
+def test_fuse_on_another_family_is_refused_with_the_flag_and_the_family(tmp_path):
+    from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact
+
+    ckpt = make_tiny_cogact(tmp_path / "tiny-cogact", seed=0)
+    with pytest.raises(ValueError, match="--fuse applies to OpenVLA checkpoints; .* is a cogact checkpoint"):
+        load_options(build_parser().parse_args(["predict", "--checkpoint", str(ckpt), "--image", "f.png",
+                                                "--instruction", "x", "--fuse"]))  # fmt: skip
 
 
 @pytest.mark.parametrize("command", sorted(REQUIRED))

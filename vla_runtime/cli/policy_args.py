@@ -29,6 +29,9 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=QUANT_MODES, default="none",
                    help="weight-only int8/int4 of the LLM's decoder layers (OpenVLA; activations and the KV cache stay "
                         "in --dtype; default: %(default)s)")
+    p.add_argument("--fuse", action="store_true",
+                   help="q/k/v and gate/up of the LLM's decoder layers as one GEMM each: fewer, larger GEMMs per "
+                        "decode token, the same outputs up to float rounding (OpenVLA)")
     p.add_argument("--compile", choices=COMPILE_MODES, default="off",
                    help="off = eager; default = torch.compile the vision towers and the decoder (compiled when the "
                         "session starts, about a minute on CPU); reduce-overhead = the same with CUDA graphs, CUDA "
@@ -48,18 +51,20 @@ def kv_from_args(args: argparse.Namespace) -> KVConfig:
 
 
 def load_options(args: argparse.Namespace) -> dict:
-    """``load_policy`` options of the shared flags: ``quantize`` unless ``--quantize none`` (OpenVLA checkpoints
-    only: ``ValueError`` naming the checkpoint's family otherwise)."""
+    """``load_policy`` options of the shared flags: ``quantize`` unless ``--quantize none``, ``fuse`` with
+    ``--fuse`` (OpenVLA checkpoints only: ``ValueError`` naming the flag and the checkpoint's family otherwise)."""
     mode = QuantMode(args.quantize)
-    if mode is QuantMode.NONE:
+    options = ({} if mode is QuantMode.NONE else {"quantize": mode}) | ({"fuse": True} if args.fuse else {})
+    if not options:
         return {}
     from .. import models  # noqa: F401  (registers the families)
     from ..api import detect_family
 
     family = detect_family(args.checkpoint)
     if family != "openvla":
-        raise ValueError(f"--quantize {mode.value} applies to OpenVLA checkpoints; {args.checkpoint} is a {family} checkpoint")
-    return {"quantize": mode}
+        flag = f"--quantize {mode.value}" if "quantize" in options else "--fuse"
+        raise ValueError(f"{flag} applies to OpenVLA checkpoints; {args.checkpoint} is a {family} checkpoint")
+    return options
 
 
 def session_from_args(args: argparse.Namespace, kv: KVConfig | None = None, **fields) -> SessionConfig:

@@ -163,13 +163,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.qkv_proj: nn.Module | None = None  # q, k, v as one GEMM in their place (``models.fuse``; inference)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, dim] -> q [B, T, Hq * D], k and v [B, T, Hkv * D]."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.n_kv_heads * self.head_dim
+        return self.qkv_proj(x).split((self.n_heads * self.head_dim, kv, kv), dim=-1)
 
     def forward(self, x: torch.Tensor, cache: AttendSeam) -> torch.Tensor:
         """x: [B, T, dim] -> [B, T, dim]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        q, k, v = self.project(x)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         out = cache.attend(self.layer, q, k, v)  # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, dim]
 
@@ -180,9 +189,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up as one GEMM in their place (``models.fuse``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """x: [B, T, dim] -> [B, T, dim] (SwiGLU)."""
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -31,6 +31,7 @@ from ..config import ActionDecoding, HistoryMode, SessionConfig
 from ..device import synchronize
 from ..kv import KVConfig, has_gate
 from ..models.generation import TokenHead, decode
+from ..models.fuse import fuse_projections
 from ..models.quantize import QuantMode, quantize_linears
 from ..models.openvla.processing_openvla import ActionTokenizer, history_frame, single_layout
 from ..models.prismatic.configuration_prismatic import OpenVLAConfig, read_json
@@ -265,6 +266,7 @@ def load_openvla_policy(
     unnorm_key: str | None = None,
     decoding: ActionDecoding = ActionDecoding.ACTIONS,
     quantize: QuantMode = QuantMode.NONE,
+    fuse: bool = False,
 ) -> OpenVLAPolicy:
     """Load an OpenVLA checkpoint directory as a policy (``load_policy``'s OpenVLA branch).
 
@@ -279,11 +281,16 @@ def load_openvla_policy(
     decoding: see ``OpenVLAPolicy``.
     quantize: weight-only int8/int4 of the LLM's decoder layers (``models.quantize``; after the adapter merge;
         the LM head, activations and the KV cache stay in ``dtype``).
+    fuse: q/k/v and gate/up of the LLM's decoder layers as one GEMM each (``models.fuse``; after the adapter
+        merge, before ``quantize``): fewer, larger GEMMs per decode token, the same outputs up to float rounding.
     """
     plan = plan_load(path, device=device, dtype=dtype, kv=kv, unnorm_key=unnorm_key, adapter=adapter)
     checkpoint = load_openvla(path, device=plan.device, dtype=plan.dtype)
     if adapter is not None:
         _apply_adapter(checkpoint, Path(adapter), load_weights=plan.device.type != "meta")
+    if fuse:
+        fused = fuse_projections(checkpoint.model.language_model.model.layers)
+        log.info("fused q/k/v and gate/up in %d decoder layers of the LLM", fused)
     if quantize is not QuantMode.NONE:
         replaced = quantize_linears(checkpoint.model.language_model.model.layers, quantize)
         log.info("quantized %d linear layers of the LLM to %s (weights only)", replaced, quantize.value)
