@@ -175,12 +175,14 @@ def test_a_compiled_chunked_forward_never_waits_for_the_host(tiny_openvla, frame
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kv", [{"mode": "full"}, {"mode": "chunked", "window": 16, "chunk": 8}], ids=["full", "chunked"])
-def test_a_cuda_graphed_history_episode_acts_as_eager(tiny_openvla, frame, kv, fresh_dynamo):
+@pytest.mark.parametrize(("kv", "fuse"), [({"mode": "full"}, False), ({"mode": "chunked", "window": 16, "chunk": 8}, False),
+                                        ({"mode": "full"}, True)], ids=["full", "chunked", "full-fused"])
+def test_a_cuda_graphed_history_episode_acts_as_eager(tiny_openvla, frame, kv, fuse, fresh_dynamo):
     """CUDA graphs over a static cache (history mode: the held length grows every step and the chunked cache
     compresses, the graphs' shapes do not): the same tokens as an eager session, float32 on the GPU, over steps
-    past the warm-up's lengths, no graph compiled after creation. Not run in CI here (no CUDA)."""
-    gpu = load_policy(tiny_openvla, device="cuda", dtype="float32")
+    past the warm-up's lengths, no graph compiled after creation (``full-fused``: the fused projections of
+    ``--fuse``, both sessions). Not run in CI here (no CUDA)."""
+    gpu = load_policy(tiny_openvla, device="cuda", dtype="float32", fuse=fuse)
     config = SessionConfig(history="history", kv=KVConfig.from_dict(kv))
     eager = gpu.new_session(INSTRUCTION, config)
     graphed = gpu.new_session(INSTRUCTION, replace(config, compile=CompileMode.REDUCE_OVERHEAD))
