@@ -12,8 +12,9 @@ wall times in ``OUT/recipe.json``):
        cross-entropy, the policy copied its past actions and never left the hold at the go lamp;
    (b) ``model-single``: stock single-frame OpenVLA (no history);
    (c) with ``--full-model``, ``model-history-full``: the history model through the full cache.
-   With ``--from-full`` (what made ``assets/mw-memory-openvla``), (a) is not trained from scratch; instead
-   ``model-history-full`` gets a chunk gate fitted to it frozen (``--gates-only``, ``model-history-full-gated``),
+   With ``--from-full`` (the path of ``assets/mw-memory-openvla``: its card has the commands), (a) is not trained
+   from scratch; instead ``model-history-full`` gets a chunk gate fitted to it frozen (``--gates-only``,
+   ``model-history-full-gated``),
    then every weight and the gate are fine-tuned through the chunked cache under the budget
    (``model-history-f2c``): a policy trained on raw tokens does not read the aggregated chunks until it is
    trained through them; with ``--widen-chunks N`` that model is fine-tuned once more under a budget of N chunks

@@ -21,19 +21,19 @@ pytestmark = [
     pytest.mark.sim,
     pytest.mark.skipif(importlib.util.find_spec("metaworld") is None, reason="metaworld is not installed"),
 ]
-TASKS = [*MEMORY_GROUP, "memory-tally"]
+TASKS = [*MEMORY_GROUP, "memory-counting"]
 SEED = 3
 
 
 def test_the_memory_group_is_the_shipped_policies_suite_and_every_task_is_named():
-    assert parse_tasks("memory", "metaworld") == ["memory-reference", "memory-counting", "memory-order"]
+    assert parse_tasks("memory", "metaworld") == ["memory-reference", "memory-tally", "memory-order"]
     assert sorted(TASKS) == sorted(MEMORY_TASKS)
 
 
 @pytest.fixture(scope="module")
 def memory_demos(tmp_path_factory):
     """One expert episode per memory task, collected through the CLI as the README says (the ``memory`` group and
-    ``memory-tally``)."""
+    ``memory-counting``)."""
     root = tmp_path_factory.mktemp("memory") / "demos"
     code = main(["collect", "--sim", "metaworld", "--tasks", ",".join(TASKS), "--episodes", "1", "--seed", str(SEED),
                  "--resolution", "32", "--out", str(root)])  # fmt: skip

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.sim
 
 MEMORY = Path(__file__).resolve().parents[2] / "assets" / "mw-memory-openvla"
 ROS_CONFIG = Path(__file__).resolve().parents[2] / "ros2_ws" / "src" / "vla_runtime_ros" / "config"
-MEMORY_TASKS = ("memory-reference", "memory-counting", "memory-order")
+MEMORY_TASKS = ("memory-reference", "memory-tally", "memory-order")
 
 
 def test_shipped_memory_policy_is_small_complete_and_carded():
@@ -84,7 +84,7 @@ def test_shipped_single_frame_baseline_acts_in_range_and_keeps_no_history():
     (action,) = [v["action"] for v in json.loads((SINGLE / "dataset_statistics.json").read_text()).values()]
     low, high = np.array(action["q01"]), np.array(action["q99"])
     with make_env("metaworld", MetaWorldConfig(cameras=("corner",), resolution=(84, 84))) as env:
-        obs = env.reset("memory-counting", seed=1000)
+        obs = env.reset("memory-tally", seed=1000)
         session = policy.new_session(obs.instruction)
         held = []
         for _ in range(6):

@@ -31,8 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--checkpoint", type=Path, default=DEMO_MODEL, help="policy checkpoint (default: the shipped memory policy, "
                    "assets/mw-memory-openvla)")
-    p.add_argument("--task", default=DEMO_TASK, help=f"Meta-World task or memory task (memory-reference, memory-counting, "
-                   f"memory-order); default {DEMO_TASK} (the memory policy was trained on the three memory tasks only)")  # fmt: skip
+    p.add_argument("--task", default=DEMO_TASK, help=f"Meta-World task or memory task (memory-reference, memory-tally, "
+                   f"memory-order, memory-counting); default {DEMO_TASK} (the memory policy was trained on the three memory tasks only)")  # fmt: skip
     p.add_argument("--seed", type=int, default=1000, help="episode seed (default 1000; the memory policy was trained on seeds 0-199)")
     p.add_argument("--kv", choices=tuple(CACHES), default="chunked", help="KV cache (default chunked)")
     p.add_argument("--history", choices=HISTORY_MODES, default=None,

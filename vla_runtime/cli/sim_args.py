@@ -14,7 +14,7 @@ METAWORLD_GROUPS = {
         "reach-v3", "push-v3", "pick-place-v3", "door-open-v3", "drawer-open-v3",
         "drawer-close-v3", "button-press-topdown-v3", "peg-insert-side-v3", "window-open-v3", "window-close-v3",
     ],
-    "memory": list(MEMORY_GROUP),  # memory-tally by its name (see MEMORY_GROUP)
+    "memory": list(MEMORY_GROUP),  # memory-counting by its name (see MEMORY_GROUP)
 }
 
 
@@ -22,7 +22,7 @@ def add_sim_args(parser: argparse.ArgumentParser, *, sims: tuple[str, ...]) -> N
     parser.add_argument("--sim", choices=sims, default=sims[0], help="simulator (default: %(default)s)")
     parser.add_argument(
         "--tasks", required=True,
-        help="comma-separated task names (Meta-World: reach-v3,button-press-v3,...,memory-counting; or a group: all, mt10, memory)",
+        help="comma-separated task names (Meta-World: reach-v3,button-press-v3,...,memory-tally; or a group: all, mt10, memory)",
     )
     parser.add_argument("--camera", default=None, help="comma-separated camera names, primary first (Meta-World default corner2, "
                         f"{MEMORY_CAMERA} when every task is a memory task; RLBench front,wrist)")

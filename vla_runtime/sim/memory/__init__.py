@@ -17,10 +17,10 @@ from .tally import TallyTask
 
 #: task name -> episode class
 MEMORY_TASKS: dict[str, type[MemoryTask]] = {cls.name: cls for cls in (ReferenceTask, CountingTask, OrderTask, TallyTask)}
-#: the CLI's ``memory`` group: the suite the shipped memory policies were trained and evaluated on.
-#: ``memory-tally`` (added 2026-11-28, counting without ``memory-counting``'s visible presses) runs by its name
-#: until a policy is trained on it
-MEMORY_GROUP: tuple[str, ...] = ("memory-reference", "memory-counting", "memory-order")
+#: the CLI's ``memory`` group: the suite the shipped memory policies were trained and evaluated on (since
+#: 2026-11-28 with ``memory-tally``, which counts what was seen; ``memory-counting``, whose presses a memoryless
+#: policy reads off the frame, runs by its name)
+MEMORY_GROUP: tuple[str, ...] = ("memory-reference", "memory-tally", "memory-order")
 #: the camera the cues and the go lamp are placed and sized for (the demo policy's); from Meta-World's default
 #: ``corner2`` the arm hides the lamp while it is held
 MEMORY_CAMERA = "corner"

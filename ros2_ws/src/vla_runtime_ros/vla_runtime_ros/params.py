@@ -173,7 +173,7 @@ class SimNodeConfig:
     """Parameters of ``vla_sim_node``."""
 
     sim: str = _help("simulator backend of vla_runtime.sim", default="metaworld")
-    task: str = _help("task name, e.g. reach-v3, or a memory task: memory-reference, memory-counting, memory-order", default="reach-v3")
+    task: str = _help("task name, e.g. reach-v3, or a memory task: memory-reference, memory-tally, memory-order, memory-counting", default="reach-v3")
     seed: int = _help("seed of the first episode (episode k uses seed + k)", default=0)
     episodes: int = _help("episodes to run; 0 = until shut down", default=1)
     max_steps: int = _help("steps per episode before it ends as a failure; 0 = the simulator's limit", default=0)
