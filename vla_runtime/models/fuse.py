@@ -24,14 +24,14 @@ def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     first = parts[0]
     if any(not isinstance(p, nn.Linear) or p.in_features != first.in_features for p in parts):
         raise TypeError("fused_linear takes nn.Linear layers with one input width (fuse before quantize_linears)")
-    has_bias = [p.bias is not None for p in parts]
-    out = sum(p.out_features for p in parts)
-    fused = nn.Linear(first.in_features, out, bias=any(has_bias), device=first.weight.device, dtype=first.weight.dtype)
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))  # [sum(out), in]
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in parts]))
-    return fused.requires_grad_(first.weight.requires_grad)
+    grad = first.weight.requires_grad
+    # built on the meta device (no initialisation of weights about to be replaced), then given the concatenations
+    fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=False, device="meta")
+    fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=grad)  # [sum(out), in]
+    if any(p.bias is not None for p in parts):
+        bias = [p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features) for p in parts]
+        fused.bias = nn.Parameter(torch.cat(bias), requires_grad=grad)
+    return fused
 
 
 def fuse_projections(layers: nn.ModuleList) -> int:
