@@ -48,8 +48,10 @@ from vla_runtime.memory.branches import continuation_logprobs  # noqa: E402
 from vla_runtime.memory import EmbodiedMemory, KVStore, MemoryConfig, MemoryPrefill, PrefillConfig, PromptBuilder, SentenceEncoder, StoreConfig, TierConfig  # noqa: E402
 
 # the keep* rows keep static groups on, as measured in the README's tables; the library default is off
-# since issue 20 (the keep-no-static* rows)
-STATIC = {"method": "keep", "static_grouping": True}
+# since issue 20 (the keep-no-static* rows). Every row measured before the decay sweep keeps its decay 0.8
+# (the library default is 0.6 since: the keep-decay60* rows)
+OLD = {"method": "keep", "decay": 0.8}
+STATIC = {**OLD, "static_grouping": True}
 METHODS = {
     "full": PrefillConfig(method="full"),
     "prefix": PrefillConfig(method="prefix"),
@@ -59,7 +61,7 @@ METHODS = {
     "epic": PrefillConfig(method="epic"),
     "keep": PrefillConfig(**STATIC),
     "keep-multihop": PrefillConfig(**STATIC, hops=4),
-    "keep-no-static": PrefillConfig(method="keep", static_grouping=False),
+    "keep-no-static": PrefillConfig(**OLD, static_grouping=False),
     # where the damage from stored KV sits: every segment recomputed in layers 0..d-1, stored KV above
     "keep-depth10": PrefillConfig(**STATIC, ratios=(1.0,) * 10 + (0.0,)),
     "keep-depth20": PrefillConfig(**STATIC, ratios=(1.0,) * 20 + (0.0,)),
@@ -74,14 +76,18 @@ METHODS = {
     "epic-ctx": PrefillConfig(method="epic"),
     "keep-ctx": PrefillConfig(**STATIC),
     "keep-multihop-ctx": PrefillConfig(**STATIC, hops=4),
-    "keep-no-static-ctx": PrefillConfig(method="keep", static_grouping=False),
-    # KEEP (today's defaults) with stale stored keys' scores lowered by B (``stored_bias``)
-    "keep-bias1": PrefillConfig(method="keep", stored_bias=1.0),
-    "keep-bias1-ctx": PrefillConfig(method="keep", stored_bias=1.0),
-    "keep-bias2-ctx": PrefillConfig(method="keep", stored_bias=2.0),
+    "keep-no-static-ctx": PrefillConfig(**OLD, static_grouping=False),
+    # KEEP (the defaults before the decay sweep) with stale stored keys' scores lowered by B (``stored_bias``)
+    "keep-bias1": PrefillConfig(**OLD, stored_bias=1.0),
+    "keep-bias1-ctx": PrefillConfig(**OLD, stored_bias=1.0),
+    "keep-bias2-ctx": PrefillConfig(**OLD, stored_bias=2.0),
     "reuse-bias1-ctx": PrefillConfig(method="reuse", stored_bias=1.0),
+    # the recomputed set's shrink, decay ** layer of the segments (0.6: the default since the sweep)
+    "keep-decay70-ctx": PrefillConfig(method="keep", decay=0.7),
+    "keep-decay60-ctx": PrefillConfig(method="keep", decay=0.6),
+    "keep-decay60": PrefillConfig(method="keep", decay=0.6),
 }
-DEFAULT_METHODS = ["full", "prefix", "reuse", "cacheblend", "cacheblend-seg", "epic", "keep", "keep-multihop", "keep-no-static"]
+DEFAULT_METHODS = ["full", "prefix", "reuse", "cacheblend", "cacheblend-seg", "epic", "keep", "keep-multihop", "keep-no-static", "keep-decay60"]
 KINDS = kitchen_world.KINDS
 WORLDS = {  # name -> (world class, question kinds asked in turn, system prefix, unit context filler of the *-ctx rows)
     "kitchen": (kitchen_world.KitchenWorld, kitchen_world.KINDS, kitchen_world.SYSTEM, kitchen_world.UNIT_CONTEXT),
