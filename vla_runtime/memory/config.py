@@ -98,7 +98,7 @@ class PrefillConfig:
             ``reuse`` (full reuse, Prompt Cache) | ``cacheblend`` | ``epic``.
         decay: KEEP: the share of memory segments recomputed at layer l is ``decay ** l``. 0.6 (0.8 until
             issue 20's decay sweep): on 200 KitchenWorld and 200 PlanWorld questions it agreed with full
-            recomputation as often as 0.8 (147 against 145, 137 against 138) at 1.22-1.36x its speed.
+            recomputation as often as 0.8 (147 against 145, 137 against 138) at 1.21-1.36x its speed.
         ratios: KEEP: explicit per-layer shares (the last one repeats); overrides ``decay``.
             ``(0.0,)`` recomputes nothing (= full reuse); ``(1.0,)`` recomputes everything.
         min_keep: KEEP: at least this many segments stay recomputed while any are (released code: 1).
