@@ -3,6 +3,7 @@
     vla-runtime collect --sim metaworld --tasks reach-v3,button-press-v3 --episodes 20 --out runs/mw-demos
     vla-runtime collect --sim metaworld --tasks memory --episodes 50 --resolution 84 --out runs/mw-memory
     vla-runtime collect ... --out runs/mw-demos --resume      # after a crash: same flags plus --resume
+    vla-runtime collect --sim metaworld --tasks memory ... --detours 0.5   # half the episodes with a detour after go
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="new dataset directory (or, with --resume, an interrupted one)")
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted dataset in --out: keep its finished episodes, go on with the next seeds")
+    p.add_argument("--detours", type=float, default=0.0, metavar="FRACTION",
+                   help="memory-reference/-order/-tally: in this fraction of episodes drive the arm toward a wrong "
+                        "answer for 2-16 steps after go while storing the expert's actions, which steer back "
+                        "(recovery data for history policies; default: %(default)s)")
     p.add_argument(
         "--video-codec", choices=sorted(VIDEO_CODECS), default=None,
         help="store frames as mp4 with this codec (default: lossless PNG inside the parquet; only hevc_lossless is also exact)",
@@ -38,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         env=sim_config(args, tasks),
         video_codec=args.video_codec,
         resume=args.resume,
+        detours=args.detours,
     )
     results = collect(config)
     print(f"{'task':<32} {'kept':>5} {'failed':>7} {'frames':>8}")

@@ -3,13 +3,18 @@
 Each episode runs the task's expert (``metaworld.policies``) through the same 7-D -> 4-D mapping a
 policy uses: the expert's 4-D action is converted to the 7-D policy convention, rounded to float32
 (what the dataset stores) and executed from that stored value, so the recorded actions reproduce
-the recorded trajectory exactly. Episodes where the expert fails within the step limit are
+the recorded trajectory exactly (except during a detour, below). Episodes where the expert fails within the step limit are
 skipped and counted; the next seed is tried (up to ``max_attempts_factor * episodes`` per task).
 
 Every kept episode is durable before the next rollout starts (``LeRobotWriter``); ``resume=True``
 continues a killed run: it keeps the finished episodes, and for each task goes on from the seed after
 its last kept one, so interrupted-then-resumed and uninterrupted runs with the same flags write the
 same episodes.
+
+``detours`` (memory tasks with a go step): in that fraction of episodes, drawn per seed, the arm is first driven
+toward a wrong answer for a few steps after go while the stored actions stay the expert's, which steer back
+(``memory/detour.py``: recovery data against a history policy that copies its own motion). Each episode records
+``episode_detours``: ``[go step, steps]``, or ``[]`` without one.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import numpy as np
 from ..data import DatasetFeatures, Episode, LeRobotWriter, WriterConfig
 from .actions import POLICY_ACTION_NAMES
 from .base import check_task
+from .memory import MEMORY_TASKS
+from .memory.detour import draw_detour, supports_detours
 from .metaworld_env import MetaWorldConfig, MetaWorldEnv
 from .metaworld_tasks import METAWORLD_ALL_TASKS
 
@@ -44,6 +51,7 @@ class CollectConfig:
         video_codec: ``None`` stores lossless PNG frames; a ``VIDEO_CODECS`` name stores mp4.
         max_attempts_factor: give up on a task after ``max_attempts_factor * episodes`` attempts.
         resume: continue the (interrupted) dataset in ``out`` instead of requiring a new directory.
+        detours: fraction of episodes (0..1) with a detour after go (memory-reference, -order, -tally only).
     """
 
     tasks: list[str]
@@ -54,6 +62,7 @@ class CollectConfig:
     video_codec: str | None = None
     max_attempts_factor: int = 3
     resume: bool = False
+    detours: float = 0.0
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -67,6 +76,15 @@ class CollectConfig:
             raise ValueError("collect needs at least one camera in `env.cameras`")
         if self.max_attempts_factor < 1:
             raise ValueError(f"`max_attempts_factor` must be >= 1, got {self.max_attempts_factor}")
+        if not 0.0 <= self.detours <= 1.0:
+            raise ValueError(f"`detours` is a fraction of episodes in [0, 1], got {self.detours}")
+        if self.detours > 0:
+            bad = [t for t in self.tasks if t not in MEMORY_TASKS or not supports_detours(MEMORY_TASKS[t])]
+            if bad:
+                raise ValueError(
+                    f"detours need memory tasks that hold the arm until a go step (memory-reference, memory-order, "
+                    f"memory-tally); not {', '.join(bad)}"
+                )
 
 
 @dataclass
@@ -80,30 +98,37 @@ class TaskCollection:
 
 @dataclass
 class ExpertRollout:
-    """One expert rollout: ``episode`` (the observed frames and stored actions), ``success``, and ``cue_steps``:
-    the frames a memory task drew its cue into or counted its events at (``MemoryTask.cue_shown``; ``[]``
-    for other tasks), recorded per episode as ``episode_cue_steps``."""
+    """One expert rollout: ``episode`` (the observed frames and stored actions), ``success``, ``cue_steps``: the
+    frames a memory task drew its cue into or counted its events at (``MemoryTask.cue_shown``; ``[]`` for other
+    tasks), recorded per episode as ``episode_cue_steps``; ``detour``: ``[start, steps]`` of its detour, or ``[]``."""
 
     episode: Episode
     success: bool
     cue_steps: list[int]
+    detour: list[int] = field(default_factory=list)
 
 
-def run_expert_episode(env: MetaWorldEnv, task: str, seed: int) -> ExpertRollout:
-    """One expert rollout of ``task`` from ``seed`` (``env`` without cameras records states only)."""
+def run_expert_episode(env: MetaWorldEnv, task: str, seed: int, *, detours: float = 0.0) -> ExpertRollout:
+    """One expert rollout of ``task`` from ``seed`` (``env`` without cameras records states only); ``detours``: the
+    probability of a detour (``memory.detour.draw_detour``), during which the executed action is the decoy's and
+    the stored one the expert's."""
     obs = env.reset(task, seed)
+    detour = draw_detour(env.memory_episode, seed, detours) if detours > 0 else None
     images = {cam: [] for cam in env.cameras}
     states, actions = [], []
     success = False
     done = False
     info = None
+    t = 0
     while not done:
-        action = env.expert_action().astype(np.float32)  # the stored value is the executed value
+        action = env.expert_action().astype(np.float32)  # the stored value is the executed value, but in a detour
+        executed = env.expert_action(detour.decoy).astype(np.float32) if detour is not None and detour.covers(t) else action
         for cam in env.cameras:
             images[cam].append(obs.images[cam])
         states.append(obs.state)
         actions.append(action)
-        obs, done, success, info = env.step(action)
+        obs, done, success, info = env.step(executed)
+        t += 1
     episode = Episode(
         images={cam: np.stack(frames) for cam, frames in images.items()},
         state=np.stack(states),
@@ -111,7 +136,7 @@ def run_expert_episode(env: MetaWorldEnv, task: str, seed: int) -> ExpertRollout
         task=obs.instruction,
     )
     cue_steps = [int(t) for t in info.extra.get("cue_steps", [])] if info is not None else []
-    return ExpertRollout(episode, success, cue_steps)
+    return ExpertRollout(episode, success, cue_steps, [] if detour is None else detour.record())
 
 
 def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCollection]:
@@ -128,6 +153,8 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
             action_names=list(POLICY_ACTION_NAMES),
         )
         extra = {"sim": env.name, "action_convention": "ee_delta_7d_gripper_open_1"}
+        if config.detours > 0:
+            extra["detours"] = config.detours  # the stored actions are labels, not the executed ones, in a detour
         writer_config = WriterConfig(fps=env.fps, robot_type="sawyer", video_codec=config.video_codec, extra_info=extra)
         with LeRobotWriter(config.out, features, writer_config, resume=config.resume) as writer, tqdm(
             total=config.episodes * len(config.tasks), desc="collect", unit="ep", disable=not progress
@@ -140,7 +167,7 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
                     if result.kept == config.episodes:
                         break
                     seed = config.seed + attempt
-                    rollout = run_expert_episode(env, task, seed)
+                    rollout = run_expert_episode(env, task, seed, detours=config.detours)
                     episode = rollout.episode
                     if not rollout.success:
                         result.failed += 1
@@ -149,7 +176,8 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
                         continue
                     writer.add_episode(
                         episode,
-                        per_episode={"episode_seeds": seed, "episode_sim_tasks": task, "episode_cue_steps": rollout.cue_steps},
+                        per_episode={"episode_seeds": seed, "episode_sim_tasks": task, "episode_cue_steps": rollout.cue_steps,
+                                     **({"episode_detours": rollout.detour} if config.detours > 0 else {})},
                     )
                     result.kept += 1
                     result.frames += len(episode)
@@ -197,7 +225,7 @@ def record_cue_steps(root: Path, config: MetaWorldConfig | None = None, *, progr
     cue_steps = []
     with MetaWorldEnv(replace(config or MetaWorldConfig(), cameras=())) as env:
         for i in tqdm(range(len(ds)), desc="replaying experts", unit="ep", disable=not progress):
-            rollout = run_expert_episode(env, tasks[i], seeds[i])
+            rollout = run_expert_episode(env, tasks[i], seeds[i], detours=ds.extra.get("detours", 0.0))
             stored = ds.episode(i).state
             if stored is None or rollout.episode.state.shape != stored.shape or not np.allclose(rollout.episode.state, stored, atol=1e-5):
                 raise ValueError(f"episode {i} ({tasks[i]}, seed {seeds[i]}): the expert's replay does not reproduce the stored states")

@@ -28,7 +28,7 @@ from .actions import MetaWorldActions
 from .base import SimEnv, SimObservation, StepInfo, check_task
 from .gl import import_triton_before_gl, select_gl_backend
 from .memory import MEMORY_TASKS, MemoryTask, Outcome
-from .memory.base import HOLD_ACTION
+from .memory.base import HOLD_ACTION, Expert
 from .memory.reach import with_delay
 from .memory.scene import draw_markers
 from .metaworld_tasks import METAWORLD_ALL_TASKS, METAWORLD_INSTRUCTIONS
@@ -210,12 +210,20 @@ class MetaWorldEnv(SimEnv):
         self._done = True
 
     # -- Meta-World specifics -------------------------------------------------------------------
-    def expert_action(self) -> np.ndarray:
-        """Meta-World's scripted expert for the current task and state, as a 7-D policy action [7]."""
+    @property
+    def memory_episode(self) -> MemoryTask | None:
+        """The running memory-task episode (its cue and layout); ``None`` for a Meta-World task."""
+        return self._episode
+
+    def expert_action(self, expert: Expert | None = None) -> np.ndarray:
+        """Meta-World's scripted expert for the current task and state, as a 7-D policy action [7]. ``expert``: in a
+        memory task, another expert to ask at this state (a decoy acting on another cue; default: the episode's)."""
         if self._sim is None or self._raw_obs is None:
             raise RuntimeError("call reset(task, seed) before asking the expert")
+        if expert is not None and self._episode is None:
+            raise ValueError("`expert` applies to memory tasks; this episode runs Meta-World's own expert")
         if self._episode is not None:
-            native = self._expert.act(self._steps, self._sim.env.unwrapped)
+            native = (expert or self._expert).act(self._steps, self._sim.env.unwrapped)
         else:
             native = self._sim.expert.get_action(self._raw_obs)
         return self.config.actions.from_native(native)

@@ -1,0 +1,136 @@
+"""Does a history policy read its memory, or copy its own motion? ``memory-tally`` driven by the policy and by the expert.
+
+In ``memory-tally`` the three pads lie in a row, 13 cm apart, and the hand starts between the middle and the last
+one (3-9 cm from the middle one), so the ways to the first and the middle pad coincide until the hand is 4 cm from
+the middle one: the expert moves at full speed (its gain saturates beyond 4 cm) and only then slows down to stop
+there. Whether to stop at the middle pad (two flashes) or
+go on to the first (one flash) is decided on the way, many steps after go. A policy can make that decision from
+its memory of the flashes, or, trained on clean demonstrations, from its own recent motion: a hand that has
+started to slow down near the middle pad stops there in every demonstration.
+
+Each episode runs twice (float32 CPU, 1 thread):
+
+- **expert-driven**: the expert's actions move the arm; the policy sees the same frames and its action is only
+  compared. At every step after go where the actions toward the true pad and toward the nearest other pad differ
+  by more than ``--separation`` (metres per step), the policy's action is assigned to the pad whose action it is
+  nearest: *right* when that is the true pad. Reported: the first such step and the share of all of them.
+- **policy-driven** (closed loop, as ``vla-runtime eval``): success, the pad answered, and for two flashes how far
+  the hand went past the middle pad toward the first (cm; the success radius is 6).
+
+A policy that reads its memory is right from the first separable step and slows down at the middle pad on its own;
+a policy that copies its motion is wrong at the first separable steps, right once the expert's frames show it
+slowing down, and in closed loop sails past the middle pad.
+
+    python benchmarks/copycat_memory.py --checkpoint assets/mw-memory-openvla --kv chunked --episodes 30 --seed 1000
+    python benchmarks/copycat_memory.py --checkpoint FULL --kv full --episodes 30 --seed 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from vla_runtime.cli.policy_args import saved_gate_geometry
+from vla_runtime.config import HistoryMode, SessionConfig
+from vla_runtime.kv.config import KVConfig, KVMode
+from vla_runtime.policies.registry import load_policy
+from vla_runtime.sim.memory.base import move_toward
+from vla_runtime.sim.memory.order import N_PADS
+from vla_runtime.sim.memory.reach import OPEN, TARGET_Z
+from vla_runtime.sim.metaworld_env import MetaWorldConfig, MetaWorldEnv
+
+TASK = "memory-tally"
+FULL_CAPACITY = 10452  # the memory cards' full cache
+
+
+def pad_actions(env: MetaWorldEnv, hand: np.ndarray) -> np.ndarray:
+    """[N_PADS, 3] the expert's position action (policy units) toward each pad from ``hand`` [3]."""
+    episode = env.memory_episode
+    natives = [move_toward(hand, np.array([*episode.pad_xy(k), TARGET_Z]), OPEN) for k in range(N_PADS)]
+    return np.stack([env.config.actions.from_native(n)[:3] for n in natives])
+
+
+def run(env: MetaWorldEnv, policy, config: SessionConfig, seed: int, *, expert_drives: bool, separation: float) -> dict:
+    """One episode -> the picks at separable steps (expert-driven) or the outcome and overshoot (policy-driven)."""
+    obs = env.reset(TASK, seed)
+    episode = env.memory_episode
+    true_pad = episode.count - 1
+    session = policy.new_session(obs.instruction, config)
+    picks, past_middle, done, t, success, info = [], 0.0, False, 0, False, None
+    while not done:
+        action = np.asarray(session.step(obs.to_policy()).actions)[0]
+        if t >= episode.go_step:
+            hand = np.asarray(obs.state[:3], dtype=np.float64)  # the state starts with the hand's x, y, z
+            candidates = pad_actions(env, hand)
+            others = [k for k in range(N_PADS) if k != true_pad]
+            if min(np.abs(candidates[true_pad] - candidates[k]).max() for k in others) > separation:
+                picks.append(int(np.argmin(np.linalg.norm(candidates - action[:3], axis=1))))
+            middle_x = episode.pad_xy(1)[0]
+            past_middle = max(past_middle, middle_x - hand[0])
+        obs, done, success, info = env.step(env.expert_action() if expert_drives else action)
+        t += 1
+    out = {"seed": seed, "count": episode.count}
+    if expert_drives:
+        right = [p == true_pad for p in picks]
+        out |= {"first_right": bool(right[0]) if right else None, "share_right": float(np.mean(right)) if right else None}
+    else:
+        out |= {"success": bool(success), "answered": info.extra.get("pad"), "past_middle_cm": 100 * past_middle}
+    return out
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Per flash count: episodes, first separable step right, mean share right, closed-loop successes, overshoot."""
+    table = {}
+    for count in (1, 2, 3):
+        r = [x for x in rows if x["count"] == count]
+        first = [x["first_right"] for x in r if x.get("first_right") is not None]
+        share = [x["share_right"] for x in r if x.get("share_right") is not None]
+        closed = [x for x in r if "success" in x]
+        table[count] = {
+            "episodes": len(closed),
+            "expert-driven: first separable step right": f"{sum(first)}/{len(first)}",
+            "expert-driven: separable steps right": f"{np.mean(share):.0%}" if share else "-",
+            "closed loop: success": f"{sum(x['success'] for x in closed)}/{len(closed)}",
+            "closed loop: past the middle pad, cm (median)":
+                f"{np.median([x['past_middle_cm'] for x in closed]):.1f}" if closed else "-",
+        }
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--kv", choices=["full", "chunked"], default="chunked",
+                   help="full: a full cache of the cards' capacity; chunked: the checkpoint's gate, window 47, budget 128")
+    p.add_argument("--episodes", type=int, default=30)
+    p.add_argument("--seed", type=int, default=1000)
+    p.add_argument("--separation", type=float, default=0.003, help="metres per step (0.01 = full speed)")
+    p.add_argument("--out", type=Path, default=None, help="write the per-episode rows and the summary as JSON")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if args.kv == "full":
+        kv = KVConfig.of(KVMode.FULL, capacity=FULL_CAPACITY)
+    else:
+        kv = KVConfig.from_dict({"mode": "chunked", "window": 47, "max_chunks": 128, **saved_gate_geometry(args.checkpoint)})
+    policy = load_policy(args.checkpoint, device="cpu", kv=kv)
+    config = SessionConfig(kv=kv, history=HistoryMode.OBSERVATIONS)
+    rows = []
+    with MetaWorldEnv(MetaWorldConfig(cameras=("corner",), resolution=(84, 84), max_steps=200)) as env:
+        for seed in tqdm(range(args.seed, args.seed + args.episodes), desc="episodes", unit="ep"):
+            for expert_drives in (True, False):
+                rows.append(run(env, policy, config, seed, expert_drives=expert_drives, separation=args.separation))
+    table = summarise(rows)
+    print(f"{args.checkpoint} ({args.kv} cache), {TASK}, seeds {args.seed}-{args.seed + args.episodes - 1}")
+    for count, row in table.items():
+        print(f"  {count} flash{'es' if count > 1 else ''}: " + "; ".join(f"{k} {v}" for k, v in row.items()))
+    if args.out is not None:
+        args.out.write_text(json.dumps({"rows": rows, "summary": table}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
