@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +80,8 @@ def run(env: MetaWorldEnv, policy, config: SessionConfig, seed: int, *, expert_d
         right = [p == true_pad for p in picks]
         out |= {"first_right": bool(right[0]) if right else None, "share_right": float(np.mean(right)) if right else None}
     else:
-        out |= {"success": bool(success), "answered": info.extra.get("pad"), "past_middle_cm": 100 * past_middle}
+        pad = info.extra.get("pad")  # 1..3, counted like the flashes; absent without an answer
+        out |= {"success": bool(success), "answered": None if pad is None else int(pad), "past_middle_cm": 100 * past_middle}
     return out
 
 
@@ -96,6 +98,7 @@ def summarise(rows: list[dict]) -> dict:
             "expert-driven: first separable step right": f"{sum(first)}/{len(first)}",
             "expert-driven: separable steps right": f"{np.mean(share):.0%}" if share else "-",
             "closed loop: success": f"{sum(x['success'] for x in closed)}/{len(closed)}",
+            "closed loop: pads answered": dict(sorted(Counter(str(x["answered"] or "none") for x in closed).items())),
             "closed loop: past the middle pad, cm (median)":
                 f"{np.median([x['past_middle_cm'] for x in closed]):.1f}" if closed else "-",
         }
