@@ -160,7 +160,10 @@ def test_an_instruction_older_than_its_max_age_withholds_actions(harness, policy
             resend_until(send, lambda: len(actions) > count, "an action while the instruction is fresh", hz=4.0)
 
         act_while_fresh(1, 0)
-        status, _ = diag.wait(lambda s, v: "instruction is" in s.message, what="the instruction going stale")
+        # frames keep coming (the node reports a stale image before a stale instruction, and the image's max age is
+        # 0.5 s: a status published more than 0.5 s after the last frame would only ever name the image)
+        status, _ = resend_until(lambda: camera.publish(conversions.array_to_image_msg(solid_image(1))),
+                                 lambda: diag.find(lambda s, v: "instruction is" in s.message), "the instruction going stale")
         assert status.level == DiagnosticStatus.WARN and "(max_instruction_age_s 0.3)" in status.message
         diag.wait(lambda s, v: True, after=len(diag.statuses) + 2, what="steps in flight to finish")
         count, received = len(actions), int(diag.latest()["frames_received"])
