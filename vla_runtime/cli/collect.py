@@ -4,6 +4,7 @@
     vla-runtime collect --sim metaworld --tasks memory --episodes 50 --resolution 84 --out runs/mw-memory
     vla-runtime collect ... --out runs/mw-demos --resume      # after a crash: same flags plus --resume
     vla-runtime collect --sim metaworld --tasks memory ... --detours 0.5   # half the episodes with a detour after go
+    vla-runtime collect --sim metaworld --tasks memory ... --slowdowns 0.5 # half with speed noise after go
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="memory-reference/-order/-tally: in this fraction of episodes drive the arm toward a wrong "
                         "answer for 2-16 steps after go while storing the expert's actions, which steer back "
                         "(recovery data for history policies; default: %(default)s)")
+    p.add_argument("--slowdowns", type=float, default=0.0, metavar="FRACTION",
+                   help="memory-reference/-order/-tally: in this fraction of episodes slow the executed moves after go "
+                        "down by random factors (spells of 2-8 steps) while storing the expert's actions (speed noise "
+                        "against a history policy copying its own motion; default: %(default)s)")
     p.add_argument(
         "--video-codec", choices=sorted(VIDEO_CODECS), default=None,
         help="store frames as mp4 with this codec (default: lossless PNG inside the parquet; only hevc_lossless is also exact)",
@@ -44,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         video_codec=args.video_codec,
         resume=args.resume,
         detours=args.detours,
+        slowdowns=args.slowdowns,
     )
     results = collect(config)
     print(f"{'task':<32} {'kept':>5} {'failed':>7} {'frames':>8}")

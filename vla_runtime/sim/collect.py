@@ -14,7 +14,10 @@ same episodes.
 ``detours`` (memory tasks with a go step): in that fraction of episodes, drawn per seed, the arm is first driven
 toward a wrong answer for a few steps after go while the stored actions stay the expert's, which steer back
 (``memory/detour.py``: recovery data against a history policy that copies its own motion). Each episode records
-``episode_detours``: ``[go step, steps]``, or ``[]`` without one.
+``episode_detours``: ``[go step, steps]``, or ``[]`` without one. ``slowdowns`` (the same tasks): in that fraction
+of episodes the executed moves after go are the expert's slowed down by random factors while the stored actions stay
+the expert's (``memory/slowdown.py``: speed noise against the same problem); recorded as ``episode_slowdowns``:
+``[go step]`` or ``[]``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from .actions import POLICY_ACTION_NAMES
 from .base import check_task
 from .memory import MEMORY_TASKS
 from .memory.detour import draw_detour, supports_detours
+from .memory.slowdown import draw_slowdown
 from .metaworld_env import MetaWorldConfig, MetaWorldEnv
 from .metaworld_tasks import METAWORLD_ALL_TASKS
 
@@ -52,6 +56,7 @@ class CollectConfig:
         max_attempts_factor: give up on a task after ``max_attempts_factor * episodes`` attempts.
         resume: continue the (interrupted) dataset in ``out`` instead of requiring a new directory.
         detours: fraction of episodes (0..1) with a detour after go (memory-reference, -order, -tally only).
+        slowdowns: fraction of episodes (0..1) with speed noise after go (the same tasks only).
     """
 
     tasks: list[str]
@@ -63,6 +68,7 @@ class CollectConfig:
     max_attempts_factor: int = 3
     resume: bool = False
     detours: float = 0.0
+    slowdowns: float = 0.0
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -76,13 +82,13 @@ class CollectConfig:
             raise ValueError("collect needs at least one camera in `env.cameras`")
         if self.max_attempts_factor < 1:
             raise ValueError(f"`max_attempts_factor` must be >= 1, got {self.max_attempts_factor}")
-        if not 0.0 <= self.detours <= 1.0:
-            raise ValueError(f"`detours` is a fraction of episodes in [0, 1], got {self.detours}")
-        if self.detours > 0:
+        for name, fraction in (("detours", self.detours), ("slowdowns", self.slowdowns)):
+            if not 0.0 <= fraction <= 1.0:
+                raise ValueError(f"`{name}` is a fraction of episodes in [0, 1], got {fraction}")
             bad = [t for t in self.tasks if t not in MEMORY_TASKS or not supports_detours(MEMORY_TASKS[t])]
-            if bad:
+            if fraction > 0 and bad:
                 raise ValueError(
-                    f"detours need memory tasks that hold the arm until a go step (memory-reference, memory-order, "
+                    f"{name} need memory tasks that hold the arm until a go step (memory-reference, memory-order, "
                     f"memory-tally); not {', '.join(bad)}"
                 )
 
@@ -100,20 +106,26 @@ class TaskCollection:
 class ExpertRollout:
     """One expert rollout: ``episode`` (the observed frames and stored actions), ``success``, ``cue_steps``: the
     frames a memory task drew its cue into or counted its events at (``MemoryTask.cue_shown``; ``[]`` for other
-    tasks), recorded per episode as ``episode_cue_steps``; ``detour``: ``[start, steps]`` of its detour, or ``[]``."""
+    tasks), recorded per episode as ``episode_cue_steps``; ``detour``: ``[start, steps]`` of its detour, or ``[]``;
+    ``slowdown``: ``[start]`` of its slowdown, or ``[]``."""
 
     episode: Episode
     success: bool
     cue_steps: list[int]
     detour: list[int] = field(default_factory=list)
+    slowdown: list[int] = field(default_factory=list)
 
 
-def run_expert_episode(env: MetaWorldEnv, task: str, seed: int, *, detours: float = 0.0) -> ExpertRollout:
+def run_expert_episode(
+    env: MetaWorldEnv, task: str, seed: int, *, detours: float = 0.0, slowdowns: float = 0.0
+) -> ExpertRollout:
     """One expert rollout of ``task`` from ``seed`` (``env`` without cameras records states only); ``detours``: the
     probability of a detour (``memory.detour.draw_detour``), during which the executed action is the decoy's and
-    the stored one the expert's."""
+    the stored one the expert's; ``slowdowns``: the probability of a slowdown (``memory.slowdown.draw_slowdown``),
+    which scales the executed moves after go, the stored actions unscaled."""
     obs = env.reset(task, seed)
     detour = draw_detour(env.memory_episode, seed, detours) if detours > 0 else None
+    slowdown = draw_slowdown(env.memory_episode, seed, slowdowns) if slowdowns > 0 else None
     images = {cam: [] for cam in env.cameras}
     states, actions = [], []
     success = False
@@ -123,6 +135,8 @@ def run_expert_episode(env: MetaWorldEnv, task: str, seed: int, *, detours: floa
     while not done:
         action = env.expert_action().astype(np.float32)  # the stored value is the executed value, but in a detour
         executed = env.expert_action(detour.decoy).astype(np.float32) if detour is not None and detour.covers(t) else action
+        if slowdown is not None:  # ... or a slowdown
+            executed = slowdown.executed(t, executed)
         for cam in env.cameras:
             images[cam].append(obs.images[cam])
         states.append(obs.state)
@@ -136,7 +150,9 @@ def run_expert_episode(env: MetaWorldEnv, task: str, seed: int, *, detours: floa
         task=obs.instruction,
     )
     cue_steps = [int(t) for t in info.extra.get("cue_steps", [])] if info is not None else []
-    return ExpertRollout(episode, success, cue_steps, [] if detour is None else detour.record())
+    return ExpertRollout(
+        episode, success, cue_steps, [] if detour is None else detour.record(), [] if slowdown is None else slowdown.record()
+    )
 
 
 def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCollection]:
@@ -155,6 +171,8 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
         extra = {"sim": env.name, "action_convention": "ee_delta_7d_gripper_open_1"}
         if config.detours > 0:
             extra["detours"] = config.detours  # the stored actions are labels, not the executed ones, in a detour
+        if config.slowdowns > 0:
+            extra["slowdowns"] = config.slowdowns  # ... and in a slowdown
         writer_config = WriterConfig(fps=env.fps, robot_type="sawyer", video_codec=config.video_codec, extra_info=extra)
         with LeRobotWriter(config.out, features, writer_config, resume=config.resume) as writer, tqdm(
             total=config.episodes * len(config.tasks), desc="collect", unit="ep", disable=not progress
@@ -167,7 +185,7 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
                     if result.kept == config.episodes:
                         break
                     seed = config.seed + attempt
-                    rollout = run_expert_episode(env, task, seed, detours=config.detours)
+                    rollout = run_expert_episode(env, task, seed, detours=config.detours, slowdowns=config.slowdowns)
                     episode = rollout.episode
                     if not rollout.success:
                         result.failed += 1
@@ -177,7 +195,8 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
                     writer.add_episode(
                         episode,
                         per_episode={"episode_seeds": seed, "episode_sim_tasks": task, "episode_cue_steps": rollout.cue_steps,
-                                     **({"episode_detours": rollout.detour} if config.detours > 0 else {})},
+                                     **({"episode_detours": rollout.detour} if config.detours > 0 else {}),
+                                     **({"episode_slowdowns": rollout.slowdown} if config.slowdowns > 0 else {})},
                     )
                     result.kept += 1
                     result.frames += len(episode)
@@ -225,7 +244,9 @@ def record_cue_steps(root: Path, config: MetaWorldConfig | None = None, *, progr
     cue_steps = []
     with MetaWorldEnv(replace(config or MetaWorldConfig(), cameras=())) as env:
         for i in tqdm(range(len(ds)), desc="replaying experts", unit="ep", disable=not progress):
-            rollout = run_expert_episode(env, tasks[i], seeds[i], detours=ds.extra.get("detours", 0.0))
+            rollout = run_expert_episode(
+                env, tasks[i], seeds[i], detours=ds.extra.get("detours", 0.0), slowdowns=ds.extra.get("slowdowns", 0.0)
+            )
             stored = ds.episode(i).state
             if stored is None or rollout.episode.state.shape != stored.shape or not np.allclose(rollout.episode.state, stored, atol=1e-5):
                 raise ValueError(f"episode {i} ({tasks[i]}, seed {seeds[i]}): the expert's replay does not reproduce the stored states")

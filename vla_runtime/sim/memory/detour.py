@@ -54,18 +54,23 @@ def supports_detours(task: type[MemoryTask]) -> bool:
     return issubclass(task, ReachMemoryTask)
 
 
+def require_go_step(episode: MemoryTask, fraction: float, what: str) -> None:
+    """``ValueError`` unless ``fraction`` is in [0, 1] and ``episode`` has a go step (what ``what`` needs)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"the {what} fraction must be in [0, 1], got {fraction}")
+    if not isinstance(episode, ReachMemoryTask):
+        raise ValueError(
+            f"{what} need a memory task that holds the arm until a go step (memory-reference, memory-order, "
+            f"memory-tally); {episode.name} has none"
+        )
+
+
 def draw_detour(episode: MemoryTask, seed: int, fraction: float) -> Detour | None:
     """With probability ``fraction`` (drawn from ``seed``, so a rerun or a resumed collection draws the same), a
     detour of ``episode``: 2-16 steps from its go step toward the answer of another cue at least
     ``DECOY_MIN_DISTANCE`` from the true one; ``None`` otherwise. The draws depend on the task and ``seed`` only.
     ``ValueError`` for a task without a go step."""
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"the detour fraction must be in [0, 1], got {fraction}")
-    if not isinstance(episode, ReachMemoryTask):
-        raise ValueError(
-            f"detours need a memory task that holds the arm until a go step (memory-reference, memory-order, "
-            f"memory-tally); {episode.name} has none"
-        )
+    require_go_step(episode, fraction, "detours")
     rng = np.random.default_rng([seed, _STREAM, zlib.crc32(episode.name.encode())])
     if rng.random() >= fraction:
         return None
