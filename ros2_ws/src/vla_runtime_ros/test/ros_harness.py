@@ -327,10 +327,13 @@ class Diagnostics:
     def __init__(self, harness: Harness, name: str) -> None:
         self.name = name
         self.statuses: list[DiagnosticStatus] = []
+        self.stamps: list[float] = []  # per status: its message's header.stamp (s since the epoch), filled first
         harness.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_msg, 50)
 
     def _on_msg(self, msg: DiagnosticArray) -> None:
-        self.statuses.extend(s for s in msg.status if self.name in s.name)
+        mine = [s for s in msg.status if self.name in s.name]
+        self.stamps.extend([msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9] * len(mine))
+        self.statuses.extend(mine)
 
     def find(self, predicate: Callable[[DiagnosticStatus, dict[str, str]], bool], *, after: int = 0
              ) -> tuple[DiagnosticStatus, dict[str, str]] | None:

@@ -2,6 +2,8 @@
 leaves the node unconfigured with a message naming the parameter; a good one walks every transition."""
 
 import contextlib
+import re
+import time
 
 import numpy as np
 import pytest
@@ -154,18 +156,33 @@ def test_an_instruction_older_than_its_max_age_withholds_actions(harness, policy
             can take longer than the 0.3 s max age, then that action is rightly withheld)."""
 
             def send() -> None:
+                instruction_sent[0] = time.time()
                 instructions.publish(String(data="stack the blocks"))
                 camera.publish(conversions.array_to_image_msg(solid_image(image_value)))
 
             resend_until(send, lambda: len(actions) > count, "an action while the instruction is fresh", hz=4.0)
 
+        def last_instruction_stale() -> DiagnosticStatus | None:
+            """A status naming the *last* instruction sent as stale: the one it names was received (stamp - age)
+            after that was sent. A slow first step can let an earlier one go stale between two refreshes above,
+            and a status saying so may arrive late; after the last one goes stale it stays stale."""
+            for status, stamp in zip(diag.statuses[:], diag.stamps[:]):
+                age = re.search(r"instruction is ([0-9.]+) s old", status.message)
+                if age and stamp - float(age.group(1)) >= instruction_sent[0] - 0.01:  # (the age is rounded)
+                    return status
+            return None
+
+        instruction_sent = [0.0]  # time.time() of the last instruction published
         act_while_fresh(1, 0)
         # frames keep coming (the node reports a stale image before a stale instruction, and the image's max age is
         # 0.5 s: a status published more than 0.5 s after the last frame would only ever name the image)
-        status, _ = resend_until(lambda: camera.publish(conversions.array_to_image_msg(solid_image(1))),
-                                 lambda: diag.find(lambda s, v: "instruction is" in s.message), "the instruction going stale")
+        status = resend_until(lambda: camera.publish(conversions.array_to_image_msg(solid_image(1))),
+                              last_instruction_stale, "the instruction going stale")
         assert status.level == DiagnosticStatus.WARN and "(max_instruction_age_s 0.3)" in status.message
-        diag.wait(lambda s, v: True, after=len(diag.statuses) + 2, what="steps in flight to finish")
+        # two statuses on, one that shows no step running, no frame waiting and every published action received (a
+        # frame sent just before the instruction went stale may still be stepping on a loaded machine)
+        diag.wait(lambda s, v: v["stepping"] == "False" and v["frames_pending"] == "0"
+                  and int(v["actions_published"]) == len(actions), after=len(diag.statuses) + 2, what="steps in flight to finish")
         count, received = len(actions), int(diag.latest()["frames_received"])
         mark = len(diag.statuses)
         resend_until(lambda: camera.publish(conversions.array_to_image_msg(solid_image(2))),
