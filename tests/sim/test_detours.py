@@ -1,4 +1,4 @@
-"""Detours (``collect --detours``): the arm heads for a decoy's answer after go while the stored actions stay the
+"""Detours (``collect --detours``; collect's records of slowdowns too): the arm heads for a decoy's answer after go while the stored actions stay the
 true expert's; the draws are per seed; the episode still succeeds; clear errors for tasks without a go step."""
 
 import importlib.util
@@ -15,6 +15,7 @@ from vla_runtime.sim.memory import MEMORY_TASKS, CountingTask, TallyTask
 from vla_runtime.sim.memory.base import move_toward
 from vla_runtime.sim.memory.detour import DECOY_MIN_DISTANCE, DETOUR_STEPS, draw_detour
 from vla_runtime.sim.memory.reach import OPEN
+from vla_runtime.sim.memory.slowdown import draw_slowdown
 
 needs_metaworld = pytest.mark.skipif(importlib.util.find_spec("metaworld") is None, reason="metaworld is not installed")
 REACH_TASKS = ["memory-reference", "memory-order", "memory-tally"]
@@ -76,17 +77,19 @@ def test_a_detour_heads_for_the_decoy_while_the_labels_steer_to_the_answer(blind
 
 @needs_metaworld
 @pytest.mark.sim
-def test_collect_records_each_episodes_detour(tmp_path):
+@pytest.mark.parametrize("kind, draw, other, seed", [("detours", draw_detour, "slowdowns", 0), ("slowdowns", draw_slowdown, "detours", 3)])
+def test_collect_records_each_episodes_detour_or_slowdown(tmp_path, kind, draw, other, seed):
     env = MetaWorldConfig(cameras=("corner",), resolution=(16, 16))
     out = tmp_path / "ds"
-    results = collect(CollectConfig(tasks=["memory-tally"], episodes=4, out=out, seed=0, env=env, detours=0.5), progress=False)
+    results = collect(CollectConfig(tasks=["memory-tally"], episodes=4, out=out, seed=seed, env=env, **{kind: 0.5}), progress=False)
     assert results["memory-tally"].kept == 4
     ds = LeRobotDataset(out)
-    recorded = ds.extra["per_episode"]["episode_detours"]
-    expected = [draw_detour(TallyTask.sample(s), s, 0.5) for s in ds.extra["per_episode"]["episode_seeds"]]
+    recorded = ds.extra["per_episode"][f"episode_{kind}"]
+    expected = [draw(TallyTask.sample(s), s, 0.5) for s in ds.extra["per_episode"]["episode_seeds"]]
     assert recorded == [[] if d is None else d.record() for d in expected]
-    assert ds.extra["detours"] == 0.5 and any(recorded) and not all(recorded)
-    # the cue steps of a detoured dataset can be recorded again: the replay repeats each episode's detour
+    assert ds.extra[kind] == 0.5 and any(recorded) and not all(recorded)
+    assert other not in ds.extra and f"episode_{other}" not in ds.extra["per_episode"]
+    # the cue steps of such a dataset can be recorded again: the replay repeats each episode's detour or slowdown
     cue_steps = ds.extra["per_episode"]["episode_cue_steps"]
     extra_path = out / "meta/vla_runtime.json"
     extra = json.loads(extra_path.read_text())

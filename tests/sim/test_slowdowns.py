@@ -1,17 +1,15 @@
 """Slowdowns (``collect --slowdowns``): after go the executed moves are the expert's scaled down by per-spell
-factors while the stored actions stay the expert's; the draws are per seed and task; the episode still succeeds;
+factors while the stored actions stay the expert's; the draws are per seed and task; the episode still succeeds (collect's records: ``test_detours.py``);
 clear errors for tasks without a go step."""
 
 import importlib.util
-import json
 
 import numpy as np
 import pytest
 
-from vla_runtime.data import LeRobotDataset
 from vla_runtime.sim import MetaWorldConfig, MetaWorldEnv
 from vla_runtime.sim.actions import MetaWorldActions
-from vla_runtime.sim.collect import CollectConfig, collect, record_cue_steps, run_expert_episode
+from vla_runtime.sim.collect import CollectConfig, run_expert_episode
 from vla_runtime.sim.memory import MEMORY_TASKS, CountingTask, TallyTask
 from vla_runtime.sim.memory.base import move_toward
 from vla_runtime.sim.memory.reach import OPEN
@@ -82,28 +80,6 @@ def test_a_slowdown_executes_scaled_moves_while_the_labels_stay_the_experts(task
             moved = np.linalg.norm(np.diff(hand[go : go + 8], axis=0), axis=1).sum()
             moved_clean = np.linalg.norm(np.diff(clean.episode.state[go : go + 8, :3], axis=0), axis=1).sum()
             assert moved < moved_clean  # the frames show the hand slower than the labels ask
-
-
-@needs_metaworld
-@pytest.mark.sim
-def test_collect_records_each_episodes_slowdown(tmp_path):
-    env = MetaWorldConfig(cameras=("corner",), resolution=(16, 16))
-    out = tmp_path / "ds"
-    results = collect(CollectConfig(tasks=["memory-tally"], episodes=4, out=out, seed=3, env=env, slowdowns=0.5), progress=False)
-    assert results["memory-tally"].kept == 4
-    ds = LeRobotDataset(out)
-    recorded = ds.extra["per_episode"]["episode_slowdowns"]
-    expected = [draw_slowdown(TallyTask.sample(s), s, 0.5) for s in ds.extra["per_episode"]["episode_seeds"]]
-    assert recorded == [[] if d is None else d.record() for d in expected]
-    assert ds.extra["slowdowns"] == 0.5 and any(recorded) and not all(recorded)
-    assert "detours" not in ds.extra and "episode_detours" not in ds.extra["per_episode"]
-    # the cue steps of a slowed-down dataset can be recorded again: the replay repeats each episode's slowdown
-    cue_steps = ds.extra["per_episode"]["episode_cue_steps"]
-    extra_path = out / "meta/vla_runtime.json"
-    extra = json.loads(extra_path.read_text())
-    del extra["per_episode"]["episode_cue_steps"]
-    extra_path.write_text(json.dumps(extra))
-    assert record_cue_steps(out, MetaWorldConfig(resolution=(16, 16)), progress=False) == cue_steps
 
 
 def test_slowdowns_need_a_task_with_a_go_step(tmp_path):

@@ -82,14 +82,14 @@ class CollectConfig:
             raise ValueError("collect needs at least one camera in `env.cameras`")
         if self.max_attempts_factor < 1:
             raise ValueError(f"`max_attempts_factor` must be >= 1, got {self.max_attempts_factor}")
+        no_go_step = [t for t in self.tasks if t not in MEMORY_TASKS or not supports_detours(MEMORY_TASKS[t])]
         for name, fraction in (("detours", self.detours), ("slowdowns", self.slowdowns)):
             if not 0.0 <= fraction <= 1.0:
                 raise ValueError(f"`{name}` is a fraction of episodes in [0, 1], got {fraction}")
-            bad = [t for t in self.tasks if t not in MEMORY_TASKS or not supports_detours(MEMORY_TASKS[t])]
-            if fraction > 0 and bad:
+            if fraction > 0 and no_go_step:
                 raise ValueError(
                     f"{name} need memory tasks that hold the arm until a go step (memory-reference, memory-order, "
-                    f"memory-tally); not {', '.join(bad)}"
+                    f"memory-tally); not {', '.join(no_go_step)}"
                 )
 
 

@@ -64,8 +64,9 @@ def draw_slowdown(episode: MemoryTask, seed: int, fraction: float) -> Slowdown |
     if rng.random() >= fraction:
         return None
     horizon = episode.step_limit() - episode.go_step + 1
-    spells = []
-    while sum(len(s) for s in spells) < horizon:
+    spells, covered = [], 0
+    while covered < horizon:
         steps = int(rng.integers(SPELL_STEPS[0], SPELL_STEPS[1] + 1))
         spells.append(np.repeat(rng.uniform(*SPEED_RANGE, size=(1, 3)), steps, axis=0))
+        covered += steps
     return Slowdown(episode.go_step, np.concatenate(spells)[:horizon])
