@@ -11,9 +11,9 @@ started to slow down near the middle pad stops there in every demonstration.
 Each episode runs twice (float32 CPU, 1 thread):
 
 - **expert-driven**: the expert's actions move the arm; the policy sees the same frames and its action is only
-  compared. At every step after go where the actions toward the true pad and toward the nearest other pad differ
-  by more than ``--separation`` (metres per step), the policy's action is assigned to the pad whose action it is
-  nearest: *right* when that is the true pad. Reported: the first such step and the share of all of them.
+  compared. At every separable step (``vla_runtime.sim.memory.separable``: after go, the actions toward the true
+  pad and toward each other pad differ by more than ``--separation``, metres per step), the policy's action is
+  assigned to the pad whose action it is nearest: *right* when that is the true pad. Reported: the first such step and the share of all of them.
 - **policy-driven** (closed loop, as ``vla-runtime eval``): success, the pad answered, and for two flashes how far
   the hand went past the middle pad toward the first (cm; the success radius is 6).
 
@@ -21,8 +21,14 @@ A policy that reads its memory is right from the first separable step and slows 
 a policy that copies its motion is wrong at the first separable steps, right once the expert's frames show it
 slowing down, and in closed loop sails past the middle pad.
 
+With ``--probe-episodes N``, a softmax probe for the answer pad is fit on the hidden state that predicts each step's
+first action token (``probe_memory.FirstTokenState``) at every step after go of N expert-driven episodes from
+``--probe-seed``, and read on the evaluated episodes beside the policy's picks: at go, on the shared way, at the
+first separable step and at all of them. A probe that is right where the policy is not says the memory is in the
+state and the action tokens do not follow it.
+
     python benchmarks/copycat_memory.py --checkpoint assets/mw-memory-openvla --kv chunked --episodes 30 --seed 1000
-    python benchmarks/copycat_memory.py --checkpoint FULL --kv full --episodes 30 --seed 1000
+    python benchmarks/copycat_memory.py --checkpoint FULL --kv full --episodes 30 --seed 1000 --probe-episodes 60
 """
 
 from __future__ import annotations
@@ -43,7 +49,10 @@ from vla_runtime.policies.registry import load_policy
 from vla_runtime.sim.memory.base import move_toward
 from vla_runtime.sim.memory.order import N_PADS
 from vla_runtime.sim.memory.reach import OPEN, TARGET_Z
+from vla_runtime.sim.memory.separable import separable
 from vla_runtime.sim.metaworld_env import MetaWorldConfig, MetaWorldEnv
+
+from probe_memory import FirstTokenState, fit_softmax  # a sibling script (benchmarks/ is on the path)
 
 TASK = "memory-tally"
 FULL_CAPACITY = 10452  # the memory cards' full cache
@@ -56,21 +65,29 @@ def pad_actions(env: MetaWorldEnv, hand: np.ndarray) -> np.ndarray:
     return np.stack([env.config.actions.from_native(n)[:3] for n in natives])
 
 
-def run(env: MetaWorldEnv, policy, config: SessionConfig, seed: int, *, expert_drives: bool, separation: float) -> dict:
-    """One episode -> the picks at separable steps (expert-driven) or the outcome and overshoot (policy-driven)."""
+def run(
+    env: MetaWorldEnv, policy, config: SessionConfig, seed: int, *, expert_drives: bool, separation: float,
+    hook: FirstTokenState | None = None,
+) -> dict:
+    """One episode -> the picks at separable steps (expert-driven) or the outcome and overshoot (policy-driven).
+    With ``hook`` (expert-driven), ``out["steps"]``: per step from go, ``(hidden state [dim], separable, pick)``."""
     obs = env.reset(TASK, seed)
     episode = env.memory_episode
     true_pad = episode.count - 1
     session = policy.new_session(obs.instruction, config)
-    picks, past_middle, done, t, success, info = [], 0.0, False, 0, False, None
+    picks, steps, past_middle, done, t, success, info = [], [], 0.0, False, 0, False, None
     while not done:
+        if hook is not None:
+            hook.arm()
         action = np.asarray(session.step(obs.to_policy()).actions)[0]
         if t >= episode.go_step:
             hand = np.asarray(obs.state[:3], dtype=np.float64)  # the state starts with the hand's x, y, z
-            candidates = pad_actions(env, hand)
-            others = [k for k in range(N_PADS) if k != true_pad]
-            if min(np.abs(candidates[true_pad] - candidates[k]).max() for k in others) > separation:
+            sep = separable(episode, hand, separation=separation * env.config.actions.position_scale)
+            if sep:
+                candidates = pad_actions(env, hand)
                 picks.append(int(np.argmin(np.linalg.norm(candidates - action[:3], axis=1))))
+            if hook is not None:
+                steps.append((hook.state, sep, picks[-1] if sep else None))
             middle_x = episode.pad_xy(1)[0]
             past_middle = max(past_middle, middle_x - hand[0])
         obs, done, success, info = env.step(env.expert_action() if expert_drives else action)
@@ -79,10 +96,43 @@ def run(env: MetaWorldEnv, policy, config: SessionConfig, seed: int, *, expert_d
     if expert_drives:
         right = [p == true_pad for p in picks]
         out |= {"first_right": bool(right[0]) if right else None, "share_right": float(np.mean(right)) if right else None}
+        if hook is not None:
+            out["steps"] = steps
     else:
         pad = info.extra.get("pad")  # 1..3, counted like the flashes; absent without an answer
         out |= {"success": bool(success), "answered": None if pad is None else int(pad), "past_middle_cm": 100 * past_middle}
     return out
+
+
+def probe_table(fit: list[dict], test: list[dict]) -> dict:
+    """A softmax probe for the answer pad, fit on the hidden states after go of the ``fit`` episodes (``run`` rows
+    with ``steps``) and read on the ``test`` ones, beside the policy's picks. Per flash count: the probe at go, on the
+    shared way (from go to the first separable step), at the first separable step and at all of them; the policy
+    at the last two."""
+    x = torch.stack([state for row in fit for state, _, _ in row["steps"]])
+    y = torch.tensor([row["count"] - 1 for row in fit for _ in row["steps"]])
+    mean, std = x.mean(0), x.std(0) + 1e-6
+    predict = fit_softmax((x - mean) / std, y, N_PADS)
+    table = {}
+    for count in (1, 2, 3):
+        groups = {"at go": [], "shared way": [], "first separable step": [], "separable steps": []}
+        for row in (r for r in test if r["count"] == count):
+            steps = row["steps"]
+            first = next((i for i, (_, sep, _) in enumerate(steps) if sep), len(steps))
+            groups["at go"] += steps[:1]
+            groups["shared way"] += steps[:first]
+            groups["first separable step"] += steps[first : first + 1]
+            groups["separable steps"] += [s for s in steps if s[1]]
+        line = {}
+        for name, rows in groups.items():
+            if not rows:
+                line[name] = "-"
+                continue
+            probe = predict((torch.stack([state for state, _, _ in rows]) - mean) / std) == count - 1
+            policy = [pick == count - 1 for _, sep, pick in rows if sep]
+            line[name] = f"probe {probe.float().mean():.0%}" + (f", policy {np.mean(policy):.0%}" if policy else "") + f" (n={len(rows)})"
+        table[count] = line
+    return table
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -113,6 +163,10 @@ def main() -> None:
     p.add_argument("--episodes", type=int, default=30)
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--separation", type=float, default=0.003, help="metres per step (0.01 = full speed)")
+    p.add_argument("--probe-episodes", type=int, default=0,
+                   help="also fit a probe for the answer pad on the hidden state of N expert-driven episodes from "
+                        "--probe-seed and read it on the evaluated ones (0 = off)")
+    p.add_argument("--probe-seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the per-episode rows and the summary as JSON")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -122,17 +176,29 @@ def main() -> None:
         kv = KVConfig.from_dict({"mode": "chunked", "window": 47, "max_chunks": 128, **saved_gate_geometry(args.checkpoint)})
     policy = load_policy(args.checkpoint, device="cpu", kv=kv)
     config = SessionConfig(kv=kv, history=HistoryMode.OBSERVATIONS)
-    rows = []
+    hook = FirstTokenState(policy) if args.probe_episodes else None
+    rows, fit = [], []
     with MetaWorldEnv(MetaWorldConfig(cameras=("corner",), resolution=(84, 84), max_steps=200)) as env:
         for seed in tqdm(range(args.seed, args.seed + args.episodes), desc="episodes", unit="ep"):
             for expert_drives in (True, False):
-                rows.append(run(env, policy, config, seed, expert_drives=expert_drives, separation=args.separation))
+                rows.append(run(env, policy, config, seed, expert_drives=expert_drives, separation=args.separation, hook=hook))
+        probe_seeds = range(args.probe_seed, args.probe_seed + args.probe_episodes)
+        for seed in tqdm(probe_seeds, desc="probe episodes", unit="ep", disable=not args.probe_episodes):
+            fit.append(run(env, policy, config, seed, expert_drives=True, separation=args.separation, hook=hook))
     table = summarise(rows)
     print(f"{args.checkpoint} ({args.kv} cache), {TASK}, seeds {args.seed}-{args.seed + args.episodes - 1}")
     for count, row in table.items():
         print(f"  {count} flash{'es' if count > 1 else ''}: " + "; ".join(f"{k} {v}" for k, v in row.items()))
+    result = {"rows": rows, "summary": table}
+    if fit:
+        result["probe"] = probe_table(fit, [r for r in rows if "steps" in r])
+        print(f"probe for the answer pad (fit on seeds {probe_seeds.start}-{probe_seeds.stop - 1}, expert-driven):")
+        for count, row in result["probe"].items():
+            print(f"  {count} flash{'es' if count > 1 else ''}: " + "; ".join(f"{k}: {v}" for k, v in row.items()))
+    for row in rows:
+        row.pop("steps", None)
     if args.out is not None:
-        args.out.write_text(json.dumps({"rows": rows, "summary": table}, indent=2))
+        args.out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

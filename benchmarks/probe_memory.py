@@ -89,23 +89,27 @@ def cross_validated(features: torch.Tensor, labels: torch.Tensor, fit_predict, f
     return right / len(labels)
 
 
+def fit_softmax(x: torch.Tensor, y: torch.Tensor, classes: int, *, l2: float = 1e-2):
+    """An L2-regularised softmax regression fit on x [N, D], y [N] in 0..classes-1 -> ``predict(x) -> labels``."""
+    w = torch.zeros(x.shape[1], classes, requires_grad=True)
+    b = torch.zeros(classes, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=500, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(x @ w + b, y) + l2 * (w**2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return lambda x_test: (x_test @ w + b).detach().argmax(1)
+
+
 def probe_accuracy(features: torch.Tensor, labels: torch.Tensor, *, folds: int = 5, l2: float = 1e-2) -> float:
     """Cross-validated accuracy of an L2-regularised softmax regression."""
 
     def fit_predict(x, y, x_test):
-        classes = int(labels.max()) + 1
-        w = torch.zeros(x.shape[1], classes, requires_grad=True)
-        b = torch.zeros(classes, requires_grad=True)
-        opt = torch.optim.LBFGS([w, b], max_iter=500, line_search_fn="strong_wolfe")
-
-        def closure():
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(x @ w + b, y) + l2 * (w**2).sum()
-            loss.backward()
-            return loss
-
-        opt.step(closure)
-        return (x_test @ w + b).argmax(1)
+        return fit_softmax(x, y, int(labels.max()) + 1, l2=l2)(x_test)
 
     return cross_validated(features, labels, fit_predict, folds)
 

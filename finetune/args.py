@@ -89,6 +89,10 @@ FLAGS: list[tuple[str, str, dict, str]] = [
     ("--decision-weight", "decision_weight", _FLOAT,
      "weight of the action tokens of the --decision-span steps after each recorded cue step (default 1 = off)"),
     ("--decision-span", "decision_span", _OPT_INT, "steps after each cue step that --decision-weight covers (default 12)"),
+    ("--separable-weight", "separable_weight", _FLOAT,
+     "weight of the action tokens of each episode's first --separable-span recorded separable steps, where the "
+     "expert's action depends on the answer (default 1 = off)"),
+    ("--separable-span", "separable_span", _OPT_INT, "separable steps per episode that --separable-weight covers (default 8)"),
     ("--seed", "seed", _OPT_INT, "seed of initialisation, data order and augmentation (default 0)"),
     ("--device", "device", {"metavar": "DEV"}, "cpu / cuda (default: cuda:LOCAL_RANK if available)"),
     ("--precision", "precision", {"choices": PRECISIONS}, "auto (bf16 autocast on CUDA; default), fp32, bf16"),

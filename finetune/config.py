@@ -217,6 +217,10 @@ class FinetuneConfig:
         decision_weight / decision_span: weight of every action token of the ``decision_span`` steps after each
             recorded cue step (1 = off; needs ``episode_cue_steps`` too). ``memory-counting``: the steps after
             each press, where the expert presses again or backs off, the only ones whose action reads the count.
+        separable_weight / separable_span: weight of every action token of each episode's first ``separable_span``
+            separable steps (1 = off; ``None`` span = all of them; needs ``episode_separable_steps``, as ``collect``
+            records for the pad tasks): the steps whose expert action depends on the answer (``memory-tally``:
+            where the hand slows down before the middle pad for two flashes and keeps going for one).
         seed: seeds initialisation, data order and augmentation (resumed runs repeat them exactly).
         device: ``None`` = CUDA if available (``cuda:LOCAL_RANK`` under torchrun), else CPU.
         precision: ``auto`` = bf16 autocast on CUDA, float32 on CPU; ``fp32``; ``bf16`` (autocast).
@@ -254,6 +258,8 @@ class FinetuneConfig:
     cue_weight: float = 0.0
     decision_weight: float = 1.0
     decision_span: int = 12
+    separable_weight: float = 1.0
+    separable_span: int | None = 8
     seed: int = 0
     device: str | None = None
     precision: str = "auto"
@@ -298,7 +304,9 @@ class FinetuneConfig:
             raise ValueError(f"`cue_weight` must be >= 0 (0 = no cue-count loss), got {self.cue_weight}")
         if self.decision_weight < 1:
             raise ValueError(f"`decision_weight` must be >= 1 (1 = off), got {self.decision_weight}")
-        _check_positive(self, "decision_span")
+        if self.separable_weight < 1:
+            raise ValueError(f"`separable_weight` must be >= 1 (1 = off), got {self.separable_weight}")
+        _check_positive(self, "decision_span", *(["separable_span"] if self.separable_span is not None else []))
         if self.warmup_steps < 0 or self.weight_decay < 0:
             raise ValueError(
                 f"`warmup_steps` and `weight_decay` must be >= 0, got {self.warmup_steps}, {self.weight_decay}"

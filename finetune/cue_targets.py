@@ -1,10 +1,11 @@
-"""Per-frame training targets drawn from the cue steps ``collect`` records (``episode_cue_steps`` in
-``meta/vla_runtime.json``): the cue count the cue-count probe regresses, and the action-loss weight of the decision
-steps that follow each cue step.
+"""Per-frame training targets drawn from the steps ``collect`` records per episode in ``meta/vla_runtime.json``
+(``episode_cue_steps``, ``episode_separable_steps``): the cue count the cue-count probe regresses, the action-loss
+weight of the decision steps that follow each cue step, and that of the first separable steps.
 
-    cue_steps = recorded_cue_steps(ds, wanted_by="the cue-count loss")   # per episode: its cue steps
+    cue_steps = recorded_steps(ds, CUE_STEPS, wanted_by="the cue-count loss")   # per episode: its cue steps
     cue_counts(cue_steps, lengths)                 # [F]: cue steps at or before each frame
     decision_weights(cue_steps, lengths, span=12, weight=5.0)   # [F]: 5 on the 12 frames after each, else 1
+    separable_weights(separable_steps, lengths, span=8, weight=5.0)   # [F]: 5 on each episode's first 8, else 1
 """
 
 from __future__ import annotations
@@ -15,17 +16,22 @@ from vla_runtime.data import LeRobotDataset
 from vla_runtime.data import layout as lerobot
 
 
-def recorded_cue_steps(ds: LeRobotDataset, *, wanted_by: str) -> list[list[int]]:
-    """The per-episode ``episode_cue_steps`` of ``ds``; a clear error naming ``wanted_by`` (the option that needs
+#: the per-episode keys ``collect`` writes: the frames a cue was drawn into (counting: the presses), and the
+#: frames whose expert action depends on the answer (``vla_runtime.sim.memory.separable``)
+CUE_STEPS, SEPARABLE_STEPS = "episode_cue_steps", "episode_separable_steps"
+
+
+def recorded_steps(ds: LeRobotDataset, key: str, *, wanted_by: str) -> list[list[int]]:
+    """The per-episode step lists ``key`` of ``ds``; a clear error naming ``wanted_by`` (the option that needs
     them) for a dataset without them."""
-    cue_steps = ds.extra.get(lerobot.PER_EPISODE_KEY, {}).get("episode_cue_steps")
-    if cue_steps is None or len(cue_steps) != len(ds):
+    steps = ds.extra.get(lerobot.PER_EPISODE_KEY, {}).get(key)
+    if steps is None or len(steps) != len(ds):
         raise ValueError(
-            f"{ds.root} records no cue steps for its episodes (`episode_cue_steps` in meta/vla_runtime.json), which "
-            f"{wanted_by} needs: collect it again with this version, or add them to a Meta-World dataset with "
+            f"{ds.root} records no `{key}` for its episodes (in meta/vla_runtime.json), which {wanted_by} needs: "
+            "collect it again with this version, or add them to a Meta-World dataset with "
             "`python scripts/record_cue_steps.py DATASET`"
         )
-    return cue_steps
+    return steps
 
 
 def _check(cue_steps: list[list[int]], lengths: list[int]) -> None:
@@ -53,4 +59,17 @@ def decision_weights(cue_steps: list[list[int]], lengths: list[int], *, span: in
         for c in steps:
             near[c + 1 : c + 1 + span] = True
         out.append(np.where(near, weight, 1.0))
+    return np.concatenate(out).astype(np.float32) if out else np.zeros(0, dtype=np.float32)
+
+
+def separable_weights(separable_steps: list[list[int]], lengths: list[int], *, span: int | None, weight: float) -> np.ndarray:
+    """-> float32 [F]: ``weight`` on the first ``span`` recorded separable steps of each episode (all of them for
+    ``span`` None), 1 elsewhere. The first ones are where the expert starts to act on the answer (two flashes in
+    ``memory-tally``: it slows down before the middle pad); the later ones mostly hold still over it."""
+    _check(separable_steps, lengths)
+    out = []
+    for steps, n in zip(separable_steps, lengths):
+        w = np.ones(n)
+        w[np.sort(np.asarray(steps, dtype=np.int64))[:span]] = weight
+        out.append(w)
     return np.concatenate(out).astype(np.float32) if out else np.zeros(0, dtype=np.float32)

@@ -37,7 +37,7 @@ from vla_runtime.models.prismatic.processing_prismatic import ActionStats, crop_
 from vla_runtime.models.prismatic.prompt_prismatic import PromptIds
 
 from .config import FinetuneConfig
-from .cue_targets import cue_counts, decision_weights, recorded_cue_steps
+from .cue_targets import CUE_STEPS, SEPARABLE_STEPS, cue_counts, decision_weights, recorded_steps, separable_weights
 from .frames import DecodedDataset, cached_dataset
 from .layout import FlatLayout, flatten, same_positions, window_forwards
 from .statistics import dataset_statistics, default_action_mask
@@ -133,7 +133,7 @@ class TrainingData:
         image_aug: bool,
         goal_targets: bool = False,
         cue_steps: list[list[int]] | None = None,
-        decision: tuple[int, float] | None = None,
+        step_weight: np.ndarray | None = None,
     ) -> None:
         cfg = policy.config
         self.decoded = decoded
@@ -151,11 +151,9 @@ class TrainingData:
         if cue_steps is not None:
             counts = cue_counts(cue_steps, decoded.lengths)
             self.cue_count = (counts - counts.mean()) / max(float(counts.std()), 1e-6)
-        self.step_weight = None  # [F] action-loss weight of each frame (``decision``: (span, weight) after cue steps)
-        if decision is not None:
-            if cue_steps is None:
-                raise ValueError("decision weights are drawn from the cue steps: pass `cue_steps` too")
-            self.step_weight = decision_weights(cue_steps, decoded.lengths, span=decision[0], weight=decision[1])
+        if step_weight is not None and step_weight.shape != (len(decoded.actions),):
+            raise ValueError(f"`step_weight` must be one weight per frame ({len(decoded.actions)}), got {step_weight.shape}")
+        self.step_weight = step_weight  # [F] action-loss weight of each frame (decision and separable weights)
         self.n_image_tokens = cfg.vision.num_patches
         self.action_dim = decoded.actions.shape[1]
         self.dataset_name = dataset_name
@@ -221,6 +219,14 @@ class TrainingData:
             name for name, on in (("the cue-count loss (`cue_weight` > 0)", cfg.cue_weight > 0),
                                   ("the decision weights (`decision_weight` != 1)", cfg.decision_weight != 1)) if on
         )  # fmt: skip
+        cue_steps = recorded_steps(ds, CUE_STEPS, wanted_by=cue_options) if cue_options else None
+        step_weight = None
+        if cfg.decision_weight != 1:
+            step_weight = decision_weights(cue_steps, decoded.lengths, span=cfg.decision_span, weight=cfg.decision_weight)
+        if cfg.separable_weight != 1:
+            separable = recorded_steps(ds, SEPARABLE_STEPS, wanted_by="the separable weights (`separable_weight` != 1)")
+            weights = separable_weights(separable, decoded.lengths, span=cfg.separable_span, weight=cfg.separable_weight)
+            step_weight = weights if step_weight is None else step_weight * weights
         mask = (
             cfg.data.action_mask if cfg.data.action_mask is not None else default_action_mask(decoded.actions.shape[1])
         )
@@ -236,8 +242,8 @@ class TrainingData:
             action_mask=mask,
             image_aug=cfg.data.image_aug,
             goal_targets=cfg.goal_weight > 0,
-            cue_steps=recorded_cue_steps(ds, wanted_by=cue_options) if cue_options else None,
-            decision=(cfg.decision_span, cfg.decision_weight) if cfg.decision_weight != 1 else None,
+            cue_steps=cue_steps if cfg.cue_weight > 0 else None,
+            step_weight=step_weight,
         )
 
     # ---- windows -----------------------------------------------------------------------------------
@@ -296,7 +302,7 @@ class TrainingData:
         windows' real tokens, padding excluded), the bucket ``key``, with ``goal_targets`` ``goal`` [B, P]
         (the normalised state of each window's segment at its last frame) and with ``cue_steps`` ``cue_count``
         [B, S] (the episode's cue steps at or before each step, standardised over the dataset's frames); with
-        ``decision`` ``step_weight`` [B, S] (each step's action-loss weight)."""
+        ``step_weight`` ``step_weight`` [B, S] (each step's action-loss weight)."""
         windows = [self.windows[i] for i in indices]
         key = self.bucket_key(windows[0])
         layout = self.layouts[key]

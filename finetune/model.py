@@ -70,8 +70,8 @@ class LossSettings:
     retention_target / retention_weight: the pull of the mean keep probability; budget: how the soft
     form treats chunks the budget evicts; change_weight: the weight of action tokens that differ from the
     step before's; goal_weight: the weight of the goal probe's squared error (0 = no probe); cue_weight: the
-    weight of the cue-count probe's squared error (0 = no probe); decision_weight: the weight of the decision
-    steps' action tokens (the batch's ``step_weight``; 1 = off)."""
+    weight of the cue-count probe's squared error (0 = no probe); step_weights: weight each step's action tokens
+    by the batch's ``step_weight`` (the decision and separable weights)."""
 
     action_range: tuple[int, int]
     action_vocab_loss: bool
@@ -82,7 +82,7 @@ class LossSettings:
     change_weight: float = 1.0
     goal_weight: float = 0.0
     cue_weight: float = 0.0
-    decision_weight: float = 1.0
+    step_weights: bool = False
 
 
 class PolicyTrainModule(nn.Module):
@@ -204,11 +204,11 @@ class PolicyTrainModule(nn.Module):
         n_valid = valid.sum()
         rows = b / self.loss.batch_size  # weight of this micro-batch against a full one
         steps = batch["pixels" if "pixels" in batch else "frames"].shape[1]
-        if self.loss.change_weight == 1.0 and self.loss.decision_weight == 1.0:
+        if self.loss.change_weight == 1.0 and not self.loss.step_weights:
             loss = rows * ce_sum / n_valid.clamp(min=1)  # the mean over real targets
         else:  # the weighted mean over real targets
             weight = change_weights(labels, steps=steps, weight=self.loss.change_weight) * valid
-            if self.loss.decision_weight != 1.0:  # [B, S] -> every action token of the step
+            if self.loss.step_weights:  # [B, S] -> every action token of the step
                 weight = weight * batch["step_weight"].repeat_interleave(labels.shape[1] // steps, dim=1)
             loss = rows * (ce * weight).sum() / weight.sum().clamp(min=1)
         goal_mse = cue_mse = torch.zeros((), device=x.device)

@@ -172,6 +172,8 @@ def check_oft_config(cfg: FinetuneConfig, world: int) -> None:
         problems.append("cue_weight (the cue-count loss is the token trainer's)")
     if cfg.decision_weight != 1:
         problems.append("decision_weight (the decision weights are the token trainer's)")
+    if cfg.separable_weight != 1:
+        problems.append("separable_weight (the separable weights are the token trainer's)")
     if problems:
         raise ValueError(f"{cfg.checkpoint} is an openvla-oft checkpoint; its fine-tuning does not support: {'; '.join(problems)}")
 

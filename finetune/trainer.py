@@ -91,7 +91,7 @@ class Trainer:
         first, last = self.policy.config.action_token_range
         loss = LossSettings(
             (first, last), cfg.action_vocab_loss, cfg.batch_size, cfg.gate.retention_target, cfg.gate.retention_weight,
-            cfg.gate.budget, cfg.change_weight, cfg.goal_weight, cfg.cue_weight, cfg.decision_weight,
+            cfg.gate.budget, cfg.change_weight, cfg.goal_weight, cfg.cue_weight, self.data.step_weight is not None,
         )  # fmt: skip
         module = PolicyTrainModule(
             self.policy.model,

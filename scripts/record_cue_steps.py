@@ -1,6 +1,7 @@
-"""Add ``episode_cue_steps`` (what ``vla-runtime finetune --cue-weight`` regresses) to a Meta-World dataset that
-``vla-runtime collect`` wrote before it recorded them: replays each episode's expert from its recorded task and
-seed (no rendering; the stored states are checked) and rewrites ``meta/vla_runtime.json``.
+"""Add ``episode_cue_steps`` (what ``vla-runtime finetune --cue-weight`` regresses) and ``episode_separable_steps``
+(what ``--separable-weight`` weighs) to a Meta-World dataset that ``vla-runtime collect`` wrote before it recorded
+them: replays each episode's expert from its recorded task and seed (no rendering; the stored states are checked)
+and rewrites ``meta/vla_runtime.json``.
 
     python scripts/record_cue_steps.py runs/memory/data
 """
@@ -18,7 +19,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     steps = record_cue_steps(args.dataset)
-    print(f"{args.dataset}: cue steps of {len(steps)} episodes recorded ({sum(map(len, steps))} steps in all)")
+    print(f"{args.dataset}: cue and separable steps of {len(steps)} episodes recorded ({sum(map(len, steps))} cue steps in all)")
 
 
 if __name__ == "__main__":

@@ -59,8 +59,10 @@ def write_dataset(
     seed: int = 0,
     size: int = 32,
     cue_steps: list[list[int]] | None = None,
+    separable_steps: list[list[int]] | None = None,
 ) -> Path:
-    """A random dataset; ``cue_steps``: per episode, recorded as ``episode_cue_steps`` (as ``collect`` does)."""
+    """A random dataset; ``cue_steps`` / ``separable_steps``: per episode, recorded as ``episode_cue_steps`` /
+    ``episode_separable_steps`` (as ``collect`` does)."""
     rng = np.random.default_rng(seed)
     features = DatasetFeatures(
         cameras={"front": (size, size)},
@@ -71,7 +73,10 @@ def write_dataset(
         for i, n in enumerate(lengths):
             writer.add_episode(
                 episode(rng, n, TASKS[i % 2], action_dim=action_dim, state_dim=state_dim, gripper_max=gripper_max, size=size),
-                per_episode=None if cue_steps is None else {"episode_cue_steps": cue_steps[i]},
+                per_episode={
+                    **({} if cue_steps is None else {"episode_cue_steps": cue_steps[i]}),
+                    **({} if separable_steps is None else {"episode_separable_steps": separable_steps[i]}),
+                } or None,
             )
     return root
 

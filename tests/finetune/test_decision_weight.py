@@ -69,7 +69,7 @@ def test_the_loss_is_the_mean_of_the_cross_entropy_weighted_by_decision_and_chan
     assert {4.0, 8.0} <= set(weight.unique().tolist())  # decision alone, and decision times change
     rows = 2 / trainer.cfg.batch_size
     torch.testing.assert_close(out["loss"], rows * (ce.view_as(labels) * weight).sum() / weight.sum())
-    monkeypatch.setattr(module, "loss", replace(module.loss, decision_weight=1.0))
+    monkeypatch.setattr(module, "loss", replace(module.loss, step_weights=False))
     seen.clear()
     with torch.no_grad():
         plain = module(batch, layout, temperature=0.5)["loss"]
@@ -80,7 +80,7 @@ def test_the_loss_is_the_mean_of_the_cross_entropy_weighted_by_decision_and_chan
 
 def test_a_dataset_without_cue_steps_or_a_bad_weight_is_refused(tiny_ckpt, tiny_dataset, tmp_path):
     cfg = make_config(tiny_ckpt, tiny_dataset, tmp_path / "run", trainable="all", decision_weight=3.0, **WHOLE)
-    with pytest.raises(ValueError, match="decision_weight.*record_cue_steps.py"):
+    with pytest.raises(ValueError, match="episode_cue_steps.*decision_weight.*record_cue_steps.py"):
         Trainer(cfg)
     with pytest.raises(ValueError, match="decision_weight"):
         FinetuneConfig(checkpoint=tmp_path, dataset=tmp_path, out=tmp_path, decision_weight=0.5)

@@ -14,6 +14,7 @@ from vla_runtime.cli.sim_args import parse_tasks
 from vla_runtime.sim import MEMORY_TASKS
 from vla_runtime.sim.memory import MEMORY_GROUP
 from vla_runtime.sim.collect import record_cue_steps
+from vla_runtime.sim.memory.separable import separable_steps
 
 from replay_policy import make_replay_policy
 
@@ -56,23 +57,31 @@ def test_collect_writes_the_memory_suite(memory_demos):
         assert np.all(ep.action[:go, :3] == 0) and np.abs(ep.action[go:, :3]).max() > 0
 
 
-def test_collect_records_the_cue_steps_and_a_replay_recovers_them(memory_demos, tmp_path):
-    recorded = LeRobotDataset(memory_demos).extra["per_episode"]["episode_cue_steps"]
-    for task, steps in zip(TASKS, recorded):
+def test_collect_records_the_cue_and_separable_steps_and_a_replay_recovers_them(memory_demos, tmp_path):
+    ds = LeRobotDataset(memory_demos)
+    recorded = ds.extra["per_episode"]["episode_cue_steps"]
+    separable = ds.extra["per_episode"]["episode_separable_steps"]
+    for i, (task, steps) in enumerate(zip(TASKS, recorded)):
         episode = MEMORY_TASKS[task].sample(SEED)
         if task == "memory-counting":  # the expert's presses, one step each
             assert len(steps) == episode.presses
         else:  # the frames the cue was drawn into, all before the lamp turns green
             assert steps and max(steps) < episode.go_step
         assert steps == sorted(set(steps))
+        # the steps whose action depends on the answer: after go, and only in the pad tasks
+        assert separable[i] == separable_steps(episode, ds.episode(i).state)
+        assert bool(separable[i]) == (task in ("memory-tally", "memory-order"))
+        assert all(t >= getattr(episode, "go_step", 0) for t in separable[i])
     copy = tmp_path / "demos"
     shutil.copytree(memory_demos, copy)
     extra_path = copy / "meta/vla_runtime.json"
     extra = json.loads(extra_path.read_text())
     del extra["per_episode"]["episode_cue_steps"]  # as collect wrote datasets before it recorded them
+    del extra["per_episode"]["episode_separable_steps"]
     extra_path.write_text(json.dumps(extra))
     assert record_cue_steps(copy, progress=False) == recorded
     assert LeRobotDataset(copy).extra["per_episode"]["episode_cue_steps"] == recorded
+    assert LeRobotDataset(copy).extra["per_episode"]["episode_separable_steps"] == separable
     extra = json.loads(extra_path.read_text())  # a replay that does not reproduce the stored states is refused
     extra["per_episode"]["episode_seeds"][0] += 1
     extra_path.write_text(json.dumps(extra))

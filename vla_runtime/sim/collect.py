@@ -35,6 +35,7 @@ from .actions import POLICY_ACTION_NAMES
 from .base import check_task
 from .memory import MEMORY_TASKS
 from .memory.detour import draw_detour, supports_detours
+from .memory.separable import separable_steps
 from .memory.slowdown import draw_slowdown
 from .metaworld_env import MetaWorldConfig, MetaWorldEnv
 from .metaworld_tasks import METAWORLD_ALL_TASKS
@@ -106,12 +107,14 @@ class TaskCollection:
 class ExpertRollout:
     """One expert rollout: ``episode`` (the observed frames and stored actions), ``success``, ``cue_steps``: the
     frames a memory task drew its cue into or counted its events at (``MemoryTask.cue_shown``; ``[]`` for other
-    tasks), recorded per episode as ``episode_cue_steps``; ``detour``: ``[start, steps]`` of its detour, or ``[]``;
-    ``slowdown``: ``[start]`` of its slowdown, or ``[]``."""
+    tasks), recorded per episode as ``episode_cue_steps``; ``separable_steps``: the frames whose expert action depends
+    on the answer (``memory.separable``; ``[]`` but for the pad tasks), recorded as ``episode_separable_steps``;
+    ``detour``: ``[start, steps]`` of its detour, or ``[]``; ``slowdown``: ``[start]`` of its slowdown, or ``[]``."""
 
     episode: Episode
     success: bool
     cue_steps: list[int]
+    separable_steps: list[int] = field(default_factory=list)
     detour: list[int] = field(default_factory=list)
     slowdown: list[int] = field(default_factory=list)
 
@@ -150,8 +153,11 @@ def run_expert_episode(
         task=obs.instruction,
     )
     cue_steps = [int(t) for t in info.extra.get("cue_steps", [])] if info is not None else []
+    memory = env.memory_episode
+    separable = [] if memory is None else separable_steps(memory, episode.state)  # the state starts with the hand
     return ExpertRollout(
-        episode, success, cue_steps, [] if detour is None else detour.record(), [] if slowdown is None else slowdown.record()
+        episode, success, cue_steps, separable, [] if detour is None else detour.record(),
+        [] if slowdown is None else slowdown.record(),
     )
 
 
@@ -195,6 +201,7 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
                     writer.add_episode(
                         episode,
                         per_episode={"episode_seeds": seed, "episode_sim_tasks": task, "episode_cue_steps": rollout.cue_steps,
+                                     "episode_separable_steps": rollout.separable_steps,
                                      **({"episode_detours": rollout.detour} if config.detours > 0 else {}),
                                      **({"episode_slowdowns": rollout.slowdown} if config.slowdowns > 0 else {})},
                     )
@@ -227,10 +234,11 @@ def _restore_progress(writer: LeRobotWriter, config: CollectConfig, results: dic
 
 
 def record_cue_steps(root: Path, config: MetaWorldConfig | None = None, *, progress: bool = True) -> list[list[int]]:
-    """Add ``episode_cue_steps`` to a dataset ``collect`` wrote before it recorded them: every episode's expert is
-    run again from its recorded task and seed without cameras, its states checked against the stored ones
-    (the rollouts are deterministic), and the cue steps written to ``meta/vla_runtime.json`` (atomically).
-    ``config``: the simulator settings the dataset was collected with (default: ``collect``'s)."""
+    """Add ``episode_cue_steps`` and ``episode_separable_steps`` to a dataset ``collect`` wrote before it recorded
+    them: every episode's expert is run again from its recorded task and seed without cameras, its states checked
+    against the stored ones (the rollouts are deterministic), and both written to ``meta/vla_runtime.json``
+    (atomically). ``config``: the simulator settings the dataset was collected with (default: ``collect``'s).
+    Returns the cue steps."""
     from tqdm.auto import tqdm
 
     from ..data import LeRobotDataset, layout
@@ -241,7 +249,7 @@ def record_cue_steps(root: Path, config: MetaWorldConfig | None = None, *, progr
     tasks, seeds = recorded.get("episode_sim_tasks", []), recorded.get("episode_seeds", [])
     if len(tasks) != len(ds) or len(seeds) != len(ds):
         raise ValueError(f"{root}: meta/vla_runtime.json does not record the task and seed of each of its {len(ds)} episodes")
-    cue_steps = []
+    cue_steps, separable = [], []
     with MetaWorldEnv(replace(config or MetaWorldConfig(), cameras=())) as env:
         for i in tqdm(range(len(ds)), desc="replaying experts", unit="ep", disable=not progress):
             rollout = run_expert_episode(
@@ -251,7 +259,9 @@ def record_cue_steps(root: Path, config: MetaWorldConfig | None = None, *, progr
             if stored is None or rollout.episode.state.shape != stored.shape or not np.allclose(rollout.episode.state, stored, atol=1e-5):
                 raise ValueError(f"episode {i} ({tasks[i]}, seed {seeds[i]}): the expert's replay does not reproduce the stored states")
             cue_steps.append(rollout.cue_steps)
+            separable.append(rollout.separable_steps)
     extra = json.loads((root / layout.EXTRA_PATH).read_text())
     extra[layout.PER_EPISODE_KEY]["episode_cue_steps"] = cue_steps
+    extra[layout.PER_EPISODE_KEY]["episode_separable_steps"] = separable
     write_text_atomic(root / layout.EXTRA_PATH, json.dumps(extra, indent=2))
     return cue_steps
