@@ -1,5 +1,6 @@
-"""The shipped memory-suite policy (assets/mw-memory-openvla): complete, small, and acting in range on a
-memory task under the chunked cache's trained budget."""
+"""The shipped memory-suite policies: the chunked-cache policy (assets/mw-memory-openvla), the single-frame baseline
+and the full-cache column (assets/mw-memory-full-openvla): complete, small, and acting in range on a memory task
+under the cache each was trained for."""
 
 import json
 from pathlib import Path
@@ -95,3 +96,39 @@ def test_shipped_single_frame_baseline_acts_in_range_and_keeps_no_history():
             held.append(result.kv.bytes)
             obs, *_ = env.step(a)
     assert len(set(held)) == 1 and held[0] > 0  # every step starts from an empty context: nothing accumulates
+
+
+FULL = Path(__file__).resolve().parents[2] / "assets" / "mw-memory-full-openvla"
+
+
+def test_shipped_full_cache_policy_is_small_complete_and_carded():
+    assert_shipped_checkpoint(FULL, MEMORY_TASKS, extra=("session_config.json",))
+    session = json.loads((FULL / "session_config.json").read_text())
+    assert session["history"] == "observations" and session["kv"] == {"mode": "full", "capacity": 10452}
+    assert json.loads((FULL / "dataset_statistics.json").read_text()).keys() == {"metaworld_memory"}
+
+
+def test_shipped_full_cache_policy_acts_in_range_and_keeps_every_step():
+    import torch
+
+    from vla_runtime.api import load_policy
+    from vla_runtime.kv import KVMode
+    from vla_runtime.sim import MetaWorldConfig, make_env
+
+    torch.set_num_threads(1)
+    policy = load_policy(FULL, device="cpu")
+    assert policy.kv_gate is None and policy.session.kv.mode is KVMode.FULL and policy.session.history == "observations"
+    (action,) = [v["action"] for v in json.loads((FULL / "dataset_statistics.json").read_text()).values()]
+    low, high = np.array(action["q01"]), np.array(action["q99"])
+    with make_env("metaworld", MetaWorldConfig(cameras=("corner",), resolution=(84, 84))) as env:
+        obs = env.reset("memory-tally", seed=1000)
+        session = policy.new_session(obs.instruction)
+        held = []
+        for _ in range(8):
+            result = session.step(obs.to_policy())
+            a = result.actions[0]
+            assert a.shape == (7,) and np.all(np.isfinite(a))
+            assert np.all(a[:6] >= low[:6] - 1e-6) and np.all(a[:6] <= high[:6] + 1e-6)
+            held.append(result.kv.bytes)
+            obs, *_ = env.step(a)
+    assert all(b > a for a, b in zip(held, held[1:]))  # every step stays in the cache: nothing is dropped
