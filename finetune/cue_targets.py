@@ -34,9 +34,9 @@ def recorded_steps(ds: LeRobotDataset, key: str, *, wanted_by: str) -> list[list
     return steps
 
 
-def _check(cue_steps: list[list[int]], lengths: list[int]) -> None:
-    if len(cue_steps) != len(lengths):
-        raise ValueError(f"{len(cue_steps)} episodes' cue steps for {len(lengths)} episodes")
+def _check(steps: list[list[int]], lengths: list[int], what: str = "cue steps") -> None:
+    if len(steps) != len(lengths):
+        raise ValueError(f"{len(steps)} episodes' {what} for {len(lengths)} episodes")
 
 
 def cue_counts(cue_steps: list[list[int]], lengths: list[int]) -> np.ndarray:
@@ -66,7 +66,7 @@ def separable_weights(separable_steps: list[list[int]], lengths: list[int], *, s
     """-> float32 [F]: ``weight`` on the first ``span`` recorded separable steps of each episode (all of them for
     ``span`` None), 1 elsewhere. The first ones are where the expert starts to act on the answer (two flashes in
     ``memory-tally``: it slows down before the middle pad); the later ones mostly hold still over it."""
-    _check(separable_steps, lengths)
+    _check(separable_steps, lengths, "separable steps")
     out = []
     for steps, n in zip(separable_steps, lengths):
         w = np.ones(n)

@@ -33,7 +33,7 @@ def test_the_first_span_separable_steps_of_each_episode_get_the_weight():
     np.testing.assert_array_equal(got, np.concatenate(expected).astype(np.float32))
     every = separable_weights(SEPARABLE, LENGTHS, span=None, weight=w)
     assert every.reshape(-1)[4:8].tolist() == [w] * 4 and int((every == w).sum()) == 7
-    with pytest.raises(ValueError, match="3 episodes' cue steps for 4 episodes"):
+    with pytest.raises(ValueError, match="3 episodes' separable steps for 4 episodes"):
         separable_weights(SEPARABLE[:3], LENGTHS, span=2, weight=w)
 
 
