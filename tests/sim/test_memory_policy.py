@@ -38,30 +38,41 @@ def test_ros_parameters_of_the_memory_policy_match_its_session():
     assert trained.keys() <= params["kv"].keys(), f"{ros} leaves out {sorted(trained.keys() - params['kv'].keys())}"
 
 
-def test_shipped_memory_policy_acts_in_range_and_holds_its_budget():
+def steps_in_range(checkpoint: Path, task: str, steps: int):
+    """Load ``checkpoint`` in its own session and run ``steps`` closed-loop steps of ``task`` (seed 1000), checking
+    every action is 7-D, finite and inside the training data's q01/q99 -> (policy, the step results)."""
     import torch
 
     from vla_runtime.api import load_policy
-    from vla_runtime.kv import KVMode
     from vla_runtime.sim import MetaWorldConfig, make_env
 
     torch.set_num_threads(1)
-    policy = load_policy(MEMORY, device="cpu")
-    assert policy.kv_gate is not None and policy.session.kv.mode is KVMode.CHUNKED
-    assert policy.session.history == "observations"  # frames only: past action tokens leave the context
-    (action,) = [v["action"] for v in json.loads((MEMORY / "dataset_statistics.json").read_text()).values()]
+    policy = load_policy(checkpoint, device="cpu")
+    (action,) = [v["action"] for v in json.loads((checkpoint / "dataset_statistics.json").read_text()).values()]
     low, high = np.array(action["q01"]), np.array(action["q99"])
-    layers = policy.info()["llm"]["layers"]
+    results = []
     with make_env("metaworld", MetaWorldConfig(cameras=("corner",), resolution=(84, 84))) as env:
-        obs = env.reset("memory-order", seed=1000)
-        session = policy.new_session(obs.instruction)  # the session it was trained for: chunked, budget 128
-        for _ in range(60):  # past the budget: 60 steps x 41 tokens form ~150 chunks per layer
+        obs = env.reset(task, seed=1000)
+        session = policy.new_session(obs.instruction)  # the session the checkpoint was trained for
+        for _ in range(steps):
             result = session.step(obs.to_policy())
             a = result.actions[0]
             assert a.shape == (7,) and np.all(np.isfinite(a))
             assert np.all(a[:6] >= low[:6] - 1e-6) and np.all(a[:6] <= high[:6] + 1e-6)
+            results.append(result)
             obs, *_ = env.step(a)
-        assert result.kv.chunks_retained <= 128 * layers and result.kv.chunks_dropped > 0
+    return policy, results
+
+
+def test_shipped_memory_policy_acts_in_range_and_holds_its_budget():
+    from vla_runtime.kv import KVMode
+
+    # past the budget: 60 steps x 41 tokens form ~150 chunks per layer
+    policy, results = steps_in_range(MEMORY, "memory-order", 60)
+    assert policy.kv_gate is not None and policy.session.kv.mode is KVMode.CHUNKED
+    assert policy.session.history == "observations"  # frames only: past action tokens leave the context
+    last = results[-1].kv
+    assert last.chunks_retained <= 128 * policy.info()["llm"]["layers"] and last.chunks_dropped > 0
 
 
 SINGLE = Path(__file__).resolve().parents[2] / "assets" / "mw-memory-single-openvla"
@@ -74,27 +85,9 @@ def test_shipped_single_frame_baseline_is_small_complete_and_carded():
 
 
 def test_shipped_single_frame_baseline_acts_in_range_and_keeps_no_history():
-    import torch
-
-    from vla_runtime.api import load_policy
-    from vla_runtime.sim import MetaWorldConfig, make_env
-
-    torch.set_num_threads(1)
-    policy = load_policy(SINGLE, device="cpu")
+    policy, results = steps_in_range(SINGLE, "memory-tally", 6)
     assert policy.session.history == "single"
-    (action,) = [v["action"] for v in json.loads((SINGLE / "dataset_statistics.json").read_text()).values()]
-    low, high = np.array(action["q01"]), np.array(action["q99"])
-    with make_env("metaworld", MetaWorldConfig(cameras=("corner",), resolution=(84, 84))) as env:
-        obs = env.reset("memory-tally", seed=1000)
-        session = policy.new_session(obs.instruction)
-        held = []
-        for _ in range(6):
-            result = session.step(obs.to_policy())
-            a = result.actions[0]
-            assert a.shape == (7,) and np.all(np.isfinite(a))
-            assert np.all(a[:6] >= low[:6] - 1e-6) and np.all(a[:6] <= high[:6] + 1e-6)
-            held.append(result.kv.bytes)
-            obs, *_ = env.step(a)
+    held = [r.kv.bytes for r in results]
     assert len(set(held)) == 1 and held[0] > 0  # every step starts from an empty context: nothing accumulates
 
 
@@ -109,26 +102,9 @@ def test_shipped_full_cache_policy_is_small_complete_and_carded():
 
 
 def test_shipped_full_cache_policy_acts_in_range_and_keeps_every_step():
-    import torch
-
-    from vla_runtime.api import load_policy
     from vla_runtime.kv import KVMode
-    from vla_runtime.sim import MetaWorldConfig, make_env
 
-    torch.set_num_threads(1)
-    policy = load_policy(FULL, device="cpu")
+    policy, results = steps_in_range(FULL, "memory-tally", 8)
     assert policy.kv_gate is None and policy.session.kv.mode is KVMode.FULL and policy.session.history == "observations"
-    (action,) = [v["action"] for v in json.loads((FULL / "dataset_statistics.json").read_text()).values()]
-    low, high = np.array(action["q01"]), np.array(action["q99"])
-    with make_env("metaworld", MetaWorldConfig(cameras=("corner",), resolution=(84, 84))) as env:
-        obs = env.reset("memory-tally", seed=1000)
-        session = policy.new_session(obs.instruction)
-        held = []
-        for _ in range(8):
-            result = session.step(obs.to_policy())
-            a = result.actions[0]
-            assert a.shape == (7,) and np.all(np.isfinite(a))
-            assert np.all(a[:6] >= low[:6] - 1e-6) and np.all(a[:6] <= high[:6] + 1e-6)
-            held.append(result.kv.bytes)
-            obs, *_ = env.step(a)
+    held = [r.kv.bytes for r in results]
     assert all(b > a for a, b in zip(held, held[1:]))  # every step stays in the cache: nothing is dropped
