@@ -5,6 +5,7 @@
     vla-runtime collect ... --out runs/mw-demos --resume      # after a crash: same flags plus --resume
     vla-runtime collect --sim metaworld --tasks memory ... --detours 0.5   # half the episodes with a detour after go
     vla-runtime collect --sim metaworld --tasks memory ... --slowdowns 0.5 # half with speed noise after go
+    vla-runtime collect --sim metaworld --tasks memory ... --driver CKPT --driven 0.5  # half driven by a policy after go
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="memory-reference/-order/-tally: in this fraction of episodes slow the executed moves after go "
                         "down by random factors (spells of 2-8 steps) while storing the expert's actions (speed noise "
                         "against a history policy copying its own motion; default: %(default)s)")
+    p.add_argument("--driver", metavar="CHECKPOINT",
+                   help="a trained policy checkpoint that drives the arm in the --driven episodes (its own session)")
+    p.add_argument("--driven", type=float, default=0.0, metavar="FRACTION",
+                   help="memory-reference/-order/-tally, with --driver: in this fraction of episodes the policy drives "
+                        "the arm for 2-16 steps after go while the expert's actions are stored (the learner's own "
+                        "mistakes, labelled: one DAgger round; default: %(default)s)")
     p.add_argument(
         "--video-codec", choices=sorted(VIDEO_CODECS), default=None,
         help="store frames as mp4 with this codec (default: lossless PNG inside the parquet; only hevc_lossless is also exact)",
@@ -50,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         detours=args.detours,
         slowdowns=args.slowdowns,
+        driven=args.driven,
+        driver=args.driver,
     )
     results = collect(config)
     print(f"{'task':<32} {'kept':>5} {'failed':>7} {'frames':>8}")

@@ -17,7 +17,9 @@ toward a wrong answer for a few steps after go while the stored actions stay the
 ``episode_detours``: ``[go step, steps]``, or ``[]`` without one. ``slowdowns`` (the same tasks): in that fraction
 of episodes the executed moves after go are the expert's slowed down by random factors while the stored actions stay
 the expert's (``memory/slowdown.py``: speed noise against the same problem); recorded as ``episode_slowdowns``:
-``[go step]`` or ``[]``.
+``[go step]`` or ``[]``. ``driven`` with a ``driver`` checkpoint (the same tasks): in that fraction of episodes a
+trained policy drives the arm for a few steps after go while the stored actions stay the expert's (``driven.py``:
+the learner's own mistakes, labelled); recorded as ``episode_driven``: ``[go step, steps]`` or ``[]``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 from ..data import DatasetFeatures, Episode, LeRobotWriter, WriterConfig
 from .actions import POLICY_ACTION_NAMES
 from .base import check_task
+from .driven import PolicyDriver, draw_spell
 from .memory import MEMORY_TASKS
 from .memory.detour import draw_detour, supports_detours
 from .memory.separable import separable_steps
@@ -58,6 +61,8 @@ class CollectConfig:
         resume: continue the (interrupted) dataset in ``out`` instead of requiring a new directory.
         detours: fraction of episodes (0..1) with a detour after go (memory-reference, -order, -tally only).
         slowdowns: fraction of episodes (0..1) with speed noise after go (the same tasks only).
+        driven: fraction of episodes (0..1) in which ``driver`` drives the arm after go (the same tasks only).
+        driver: the policy checkpoint that drives (loaded in the session it was trained for); needs ``driven``.
     """
 
     tasks: list[str]
@@ -70,6 +75,8 @@ class CollectConfig:
     resume: bool = False
     detours: float = 0.0
     slowdowns: float = 0.0
+    driven: float = 0.0
+    driver: Path | None = None
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -84,7 +91,7 @@ class CollectConfig:
         if self.max_attempts_factor < 1:
             raise ValueError(f"`max_attempts_factor` must be >= 1, got {self.max_attempts_factor}")
         no_go_step = [t for t in self.tasks if t not in MEMORY_TASKS or not supports_detours(MEMORY_TASKS[t])]
-        for name, fraction in (("detours", self.detours), ("slowdowns", self.slowdowns)):
+        for name, fraction in (("detours", self.detours), ("slowdowns", self.slowdowns), ("driven", self.driven)):
             if not 0.0 <= fraction <= 1.0:
                 raise ValueError(f"`{name}` is a fraction of episodes in [0, 1], got {fraction}")
             if fraction > 0 and no_go_step:
@@ -92,6 +99,14 @@ class CollectConfig:
                     f"{name} need memory tasks that hold the arm until a go step (memory-reference, memory-order, "
                     f"memory-tally); not {', '.join(no_go_step)}"
                 )
+        if (self.driver is None) != (self.driven == 0):
+            raise ValueError("driven spells need both a `driver` checkpoint and a `driven` fraction > 0, or neither")
+        if self.driver is not None:
+            self.driver = Path(self.driver)
+            if not (self.driver / "config.json").is_file():
+                raise ValueError(f"`driver` must be a policy checkpoint directory (with config.json); got {self.driver}")
+            if self.detours > 0 or self.slowdowns > 0:
+                raise ValueError("driven spells cannot be combined with detours or slowdowns: one executes at a time")
 
 
 @dataclass
@@ -109,7 +124,8 @@ class ExpertRollout:
     frames a memory task drew its cue into or counted its events at (``MemoryTask.cue_shown``; ``[]`` for other
     tasks), recorded per episode as ``episode_cue_steps``; ``separable_steps``: the frames whose expert action depends
     on the answer (``memory.separable``; ``[]`` but for the pad tasks), recorded as ``episode_separable_steps``;
-    ``detour``: ``[start, steps]`` of its detour, or ``[]``; ``slowdown``: ``[start]`` of its slowdown, or ``[]``."""
+    ``detour``: ``[start, steps]`` of its detour, or ``[]``; ``slowdown``: ``[start]`` of its slowdown, or ``[]``;
+    ``driven``: ``[start, steps]`` of its driven spell, or ``[]``."""
 
     episode: Episode
     success: bool
@@ -117,16 +133,24 @@ class ExpertRollout:
     separable_steps: list[int] = field(default_factory=list)
     detour: list[int] = field(default_factory=list)
     slowdown: list[int] = field(default_factory=list)
+    driven: list[int] = field(default_factory=list)
 
 
 def run_expert_episode(
-    env: MetaWorldEnv, task: str, seed: int, *, detours: float = 0.0, slowdowns: float = 0.0
+    env: MetaWorldEnv, task: str, seed: int, *, detours: float = 0.0, slowdowns: float = 0.0, driven: float = 0.0,
+    driver: PolicyDriver | None = None,
 ) -> ExpertRollout:
     """One expert rollout of ``task`` from ``seed`` (``env`` without cameras records states only); ``detours``: the
     probability of a detour (``memory.detour.draw_detour``), during which the executed action is the decoy's and
     the stored one the expert's; ``slowdowns``: the probability of a slowdown (``memory.slowdown.draw_slowdown``),
-    which scales the executed moves after go, the stored actions unscaled."""
+    which scales the executed moves after go, the stored actions unscaled; ``driven``: the probability of a spell
+    (``driven.draw_spell``) in which ``driver`` (fed every frame up to the spell's end) chooses the executed action."""
     obs = env.reset(task, seed)
+    spell = draw_spell(env.memory_episode, seed, driven) if driven > 0 else None
+    if spell is not None:
+        if driver is None:
+            raise ValueError("driven spells need a `driver`")
+        driver.start(obs.instruction)
     detour = draw_detour(env.memory_episode, seed, detours) if detours > 0 else None
     slowdown = draw_slowdown(env.memory_episode, seed, slowdowns) if slowdowns > 0 else None
     images = {cam: [] for cam in env.cameras}
@@ -140,6 +164,11 @@ def run_expert_episode(
         executed = env.expert_action(detour.decoy).astype(np.float32) if detour is not None and detour.covers(t) else action
         if slowdown is not None:  # ... or a slowdown
             executed = slowdown.executed(t, executed)
+        if spell is not None and t < spell.end:
+            chosen = driver.act(obs)  # the policy sees every frame until its spell ends ...
+            executed = chosen if spell.covers(t) else executed  # ... and drives during it
+            if t + 1 == spell.end:
+                driver.stop()
         for cam in env.cameras:
             images[cam].append(obs.images[cam])
         states.append(obs.state)
@@ -157,7 +186,7 @@ def run_expert_episode(
     separable = [] if memory is None else separable_steps(memory, episode.state)  # the state starts with the hand
     return ExpertRollout(
         episode, success, cue_steps, separable, [] if detour is None else detour.record(),
-        [] if slowdown is None else slowdown.record(),
+        [] if slowdown is None else slowdown.record(), [] if spell is None else spell.record(),
     )
 
 
@@ -179,6 +208,10 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
             extra["detours"] = config.detours  # the stored actions are labels, not the executed ones, in a detour
         if config.slowdowns > 0:
             extra["slowdowns"] = config.slowdowns  # ... and in a slowdown
+        if config.driven > 0:
+            extra["driven"] = config.driven  # ... and in a driven spell
+            extra["driver"] = str(config.driver)
+        driver = PolicyDriver(config.driver) if config.driver is not None else None
         writer_config = WriterConfig(fps=env.fps, robot_type="sawyer", video_codec=config.video_codec, extra_info=extra)
         with LeRobotWriter(config.out, features, writer_config, resume=config.resume) as writer, tqdm(
             total=config.episodes * len(config.tasks), desc="collect", unit="ep", disable=not progress
@@ -191,7 +224,10 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
                     if result.kept == config.episodes:
                         break
                     seed = config.seed + attempt
-                    rollout = run_expert_episode(env, task, seed, detours=config.detours, slowdowns=config.slowdowns)
+                    rollout = run_expert_episode(
+                        env, task, seed, detours=config.detours, slowdowns=config.slowdowns, driven=config.driven,
+                        driver=driver,
+                    )
                     episode = rollout.episode
                     if not rollout.success:
                         result.failed += 1
@@ -203,7 +239,8 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
                         per_episode={"episode_seeds": seed, "episode_sim_tasks": task, "episode_cue_steps": rollout.cue_steps,
                                      "episode_separable_steps": rollout.separable_steps,
                                      **({"episode_detours": rollout.detour} if config.detours > 0 else {}),
-                                     **({"episode_slowdowns": rollout.slowdown} if config.slowdowns > 0 else {})},
+                                     **({"episode_slowdowns": rollout.slowdown} if config.slowdowns > 0 else {}),
+                                     **({"episode_driven": rollout.driven} if config.driven > 0 else {})},
                     )
                     result.kept += 1
                     result.frames += len(episode)
@@ -245,6 +282,11 @@ def record_cue_steps(root: Path, config: MetaWorldConfig | None = None, *, progr
     from ..data.durable import write_text_atomic
 
     ds = LeRobotDataset(root)
+    if ds.extra.get("driven", 0.0) > 0:
+        raise ValueError(
+            f"{root} was collected with a policy driving ({ds.extra.get('driver')}): a replay cannot repeat its actions; "
+            "collect recorded its cue and separable steps itself"
+        )
     recorded = ds.extra.get(layout.PER_EPISODE_KEY, {})
     tasks, seeds = recorded.get("episode_sim_tasks", []), recorded.get("episode_seeds", [])
     if len(tasks) != len(ds) or len(seeds) != len(ds):
