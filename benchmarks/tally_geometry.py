@@ -42,7 +42,8 @@ class TallyEpisode:
 
 
 def read_episodes(run: Path, hand_xy: tuple[float, float], count: int) -> list[TallyEpisode]:
-    """The ``count``-flash tally episodes of the eval directory ``run``, with their geometry from the seed."""
+    """The ``count``-flash tally episodes of the eval directory ``run``, with their geometry from the seed, in seed
+    order (an eval with several workers writes them in the order they finish)."""
     path = run / "episodes.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run} has no episodes.jsonl: expected the --out directory of `vla-runtime eval`")
@@ -59,7 +60,7 @@ def read_episodes(run: Path, hand_xy: tuple[float, float], count: int) -> list[T
             seed=record["seed"], along_cm=100 * (hand_xy[0] - episode.row[0]), off_cm=100 * abs(hand_xy[1] - episode.row[1]),
             success=bool(record["success"]), pad=None if pad is None else int(pad),
         ))  # fmt: skip
-    return out
+    return sorted(out, key=lambda e: e.seed)
 
 
 def thirds(episodes: list[TallyEpisode], key: str, edges: np.ndarray) -> list[dict]:

@@ -94,6 +94,8 @@ def test_paired_runs_are_compared_seed_by_seed(geometry, tmp_path):
     out = geometry.report({"a": a, "b": b}, paired=True)
     gained = sum(1 for x, y in zip(a, b) if y.success and not x.success)
     assert gained > 0 and out["paired"]["a_only"] == 0 and out["paired"]["b_only"] == gained
+    shuffled = geometry.read_episodes(write_run(tmp_path / "s", reversed(seeds), off_row_fails), HAND, 2)
+    assert geometry.report({"a": a, "s": shuffled}, paired=True)["paired"]["a_only"] == 0  # paired by seed, not line
     c = geometry.read_episodes(write_run(tmp_path / "c", range(200, 320), off_row_fails), HAND, 2)
     with pytest.raises(ValueError, match="same seeds"):
         geometry.report({"a": a, "c": c}, paired=True)
