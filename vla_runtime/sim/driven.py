@@ -12,7 +12,6 @@ the states the learner itself gets into, the labels the way back: one round of D
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import numpy as np
 
 from .base import SimObservation
 from .memory.base import MemoryTask
-from .memory.detour import require_go_step
+from .memory.detour import draw_disturbed
 
 #: a spell lasts this many control steps (inclusive range): from a nudge to past the decision of memory-tally
 DRIVEN_STEPS = (2, 16)
@@ -51,9 +50,8 @@ def draw_spell(episode: MemoryTask, seed: int, fraction: float) -> DrivenSpell |
     """With probability ``fraction`` (drawn from ``seed`` and the task only, so a rerun or a resumed collection draws
     the same), a spell of 2-16 steps from ``episode``'s go step; ``None`` otherwise. ``ValueError`` for a task
     without a go step or a fraction outside [0, 1]."""
-    require_go_step(episode, fraction, "driven spells")
-    rng = np.random.default_rng([seed, _STREAM, zlib.crc32(episode.name.encode())])
-    if rng.random() >= fraction:
+    rng = draw_disturbed(episode, seed, fraction, _STREAM, "driven spells")
+    if rng is None:
         return None
     return DrivenSpell(episode.go_step, int(rng.integers(DRIVEN_STEPS[0], DRIVEN_STEPS[1] + 1)))
 

@@ -54,8 +54,11 @@ def supports_detours(task: type[MemoryTask]) -> bool:
     return issubclass(task, ReachMemoryTask)
 
 
-def require_go_step(episode: MemoryTask, fraction: float, what: str) -> None:
-    """``ValueError`` unless ``fraction`` is in [0, 1] and ``episode`` has a go step (what ``what`` needs)."""
+def draw_disturbed(episode: MemoryTask, seed: int, fraction: float, stream: int, what: str) -> np.random.Generator | None:
+    """Whether ``episode`` (of ``seed``) gets a disturbance (``what``: detours, slowdowns, driven spells): with
+    probability ``fraction``, drawn from its own random ``stream`` and the task's name and ``seed`` only (so a rerun or
+    a resumed collection draws the same), the generator to draw the disturbance's shape from; ``None`` otherwise.
+    ``ValueError`` unless ``fraction`` is in [0, 1] and ``episode`` has a go step."""
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"the {what} fraction must be in [0, 1], got {fraction}")
     if not isinstance(episode, ReachMemoryTask):
@@ -63,6 +66,8 @@ def require_go_step(episode: MemoryTask, fraction: float, what: str) -> None:
             f"{what} need a memory task that holds the arm until a go step (memory-reference, memory-order, "
             f"memory-tally); {episode.name} has none"
         )
+    rng = np.random.default_rng([seed, stream, zlib.crc32(episode.name.encode())])
+    return rng if rng.random() < fraction else None
 
 
 def draw_detour(episode: MemoryTask, seed: int, fraction: float) -> Detour | None:
@@ -70,9 +75,8 @@ def draw_detour(episode: MemoryTask, seed: int, fraction: float) -> Detour | Non
     detour of ``episode``: 2-16 steps from its go step toward the answer of another cue at least
     ``DECOY_MIN_DISTANCE`` from the true one; ``None`` otherwise. The draws depend on the task and ``seed`` only.
     ``ValueError`` for a task without a go step."""
-    require_go_step(episode, fraction, "detours")
-    rng = np.random.default_rng([seed, _STREAM, zlib.crc32(episode.name.encode())])
-    if rng.random() >= fraction:
+    rng = draw_disturbed(episode, seed, fraction, _STREAM, "detours")
+    if rng is None:
         return None
     steps = int(rng.integers(DETOUR_STEPS[0], DETOUR_STEPS[1] + 1))
     for _ in range(100):  # a discrete cue repeats 1 time in 3 at most: 100 draws all repeating is ~1e-48

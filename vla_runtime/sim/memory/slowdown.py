@@ -20,13 +20,12 @@ the way. Near the answer the expert's moves shrink and the hand still settles th
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
 from .base import MemoryTask
-from .detour import require_go_step
+from .detour import draw_disturbed
 
 #: a spell of one speed lasts this many control steps (inclusive range)
 SPELL_STEPS = (2, 8)
@@ -59,9 +58,8 @@ def draw_slowdown(episode: MemoryTask, seed: int, fraction: float) -> Slowdown |
     """With probability ``fraction`` (drawn from ``seed`` and the task's name, so a rerun or a resumed collection
     draws the same), the slowdown of ``episode`` from its go step to its step limit; ``None`` otherwise.
     ``ValueError`` for a task without a go step or a fraction outside [0, 1]."""
-    require_go_step(episode, fraction, "slowdowns")
-    rng = np.random.default_rng([seed, _STREAM, zlib.crc32(episode.name.encode())])
-    if rng.random() >= fraction:
+    rng = draw_disturbed(episode, seed, fraction, _STREAM, "slowdowns")
+    if rng is None:
         return None
     horizon = episode.step_limit() - episode.go_step + 1
     spells, covered = [], 0
