@@ -117,7 +117,8 @@ def rss_mb(pid: int) -> float:
 
 
 def start_node(harness, checkpoint, modules, tmp: Path, name: str, rate: float, args, **extra):
-    from ros_harness import Diagnostics, NodeProcess
+    from ros_harness import Diagnostics
+    from ros_nodes import NodeProcess
 
     params = dict(checkpoint=str(checkpoint), policy_modules=modules, device=args.device, control_rate_hz=rate,
                   torch_threads=args.threads, diagnostics_rate_hz=2.0, max_image_age_s=2.0,

@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("rclpy")
 
 from launch_shim import evaluate  # noqa: E402
-from ros_harness import Diagnostics, NodeProcess, wait_for  # noqa: E402
+from ros_harness import Diagnostics, wait_for  # noqa: E402
+from ros_nodes import NodeProcess  # noqa: E402
 from ros_test_planner import write_tiny_planner  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
 from vla_runtime_ros.planner_node import LATCHED_QOS  # noqa: E402

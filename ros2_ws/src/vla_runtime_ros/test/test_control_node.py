@@ -15,7 +15,9 @@ import pytest
 pytest.importorskip("rclpy")
 
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
-from ros_harness import Diagnostics, NodeProcess, resend_until, solid_image, wait_for  # noqa: E402
+from ros_harness import Diagnostics, resend_until, wait_for  # noqa: E402
+from ros_messages import solid_image  # noqa: E402
+from ros_nodes import NodeProcess  # noqa: E402
 from ros_test_policy import PREFIX_MARK, RosTestPolicyConfig, expected_actions, write_checkpoint  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Float32MultiArray, String  # noqa: E402

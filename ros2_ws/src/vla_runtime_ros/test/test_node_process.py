@@ -21,7 +21,9 @@ import pytest
 pytest.importorskip("rclpy")
 
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
-from ros_harness import PATIENCE, Diagnostics, NodeProcess, solid_image, subprocess_env, wait_for  # noqa: E402
+from ros_harness import PATIENCE, Diagnostics, subprocess_env, wait_for  # noqa: E402
+from ros_messages import solid_image  # noqa: E402
+from ros_nodes import NodeProcess  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Float32MultiArray  # noqa: E402
 from vla_runtime_ros import conversions  # noqa: E402

@@ -12,7 +12,8 @@ pytest.importorskip("rclpy")
 
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
-from ros_harness import Diagnostics, resend_until, solid_image  # noqa: E402
+from ros_harness import Diagnostics, resend_until  # noqa: E402
+from ros_messages import solid_image  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Float32MultiArray, String  # noqa: E402
 from vla_runtime_ros import conversions  # noqa: E402

@@ -14,7 +14,9 @@ from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
 from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue  # noqa: E402
 from rcl_interfaces.srv import SetParameters  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
-from ros_harness import Diagnostics, NodeProcess, solid_image  # noqa: E402
+from ros_harness import Diagnostics  # noqa: E402
+from ros_messages import solid_image  # noqa: E402
+from ros_nodes import NodeProcess  # noqa: E402
 from ros_test_policy import RosTestPolicyConfig, expected_actions  # noqa: E402
 from sensor_msgs.msg import CompressedImage  # noqa: E402
 from std_msgs.msg import Float32MultiArray  # noqa: E402

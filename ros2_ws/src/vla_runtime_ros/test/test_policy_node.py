@@ -24,9 +24,9 @@ from geometry_msgs.msg import TwistStamped  # noqa: E402
 from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue  # noqa: E402
 from rcl_interfaces.srv import SetParameters  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
-from ros_harness import (  # noqa: E402
-    Diagnostics, NodeProcess, camera_clock, raw_image_msg, resend_until, solid_image, string_cdr, wait_for,
-)
+from ros_harness import Diagnostics, camera_clock, resend_until, wait_for  # noqa: E402
+from ros_messages import raw_image_msg, solid_image, string_cdr  # noqa: E402
+from ros_nodes import NodeProcess  # noqa: E402
 import torch  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
 from std_msgs.msg import Float32, Float32MultiArray, String  # noqa: E402

@@ -12,7 +12,7 @@ pytest.importorskip("rclpy")
 from PIL import Image as PILImage  # noqa: E402
 from sensor_msgs.msg import CompressedImage, JointState  # noqa: E402
 from std_msgs.msg import Float32MultiArray, MultiArrayDimension  # noqa: E402
-from ros_harness import raw_image_msg as raw_msg  # noqa: E402
+from ros_messages import raw_image_msg as raw_msg  # noqa: E402
 from vla_runtime_ros import conversions  # noqa: E402
 
 RNG = np.random.default_rng(0)

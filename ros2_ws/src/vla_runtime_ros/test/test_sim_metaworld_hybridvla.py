@@ -12,7 +12,8 @@ if importlib.util.find_spec("metaworld") is None:
     pytest.skip("metaworld is not installed", allow_module_level=True)
 
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
-from ros_harness import Diagnostics, NodeProcess, node_logs  # noqa: E402
+from ros_harness import Diagnostics  # noqa: E402
+from ros_nodes import NodeProcess, node_logs  # noqa: E402
 from vla_runtime_ros.sim_node import RESULT_QOS  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.sim]

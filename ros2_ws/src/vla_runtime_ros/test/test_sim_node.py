@@ -8,7 +8,8 @@ pytest.importorskip("rclpy")
 
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
-from ros_harness import Diagnostics, NodeProcess, wait_for  # noqa: E402
+from ros_harness import Diagnostics, wait_for  # noqa: E402
+from ros_nodes import NodeProcess  # noqa: E402
 from ros_test_env import INSTRUCTION, TASK, LineReachEnv  # noqa: E402
 from ros_test_policy import RosTestPolicyConfig, expected_actions  # noqa: E402
 from vla_runtime_ros.sim_node import RESULT_QOS, SimNode  # noqa: E402
