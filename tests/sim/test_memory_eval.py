@@ -68,9 +68,9 @@ def test_collect_records_the_cue_and_separable_steps_and_a_replay_recovers_them(
         else:  # the frames the cue was drawn into, all before the lamp turns green
             assert steps and max(steps) < episode.go_step
         assert steps == sorted(set(steps))
-        # the steps whose action depends on the answer: after go, and only in the pad tasks
+        # the steps whose action depends on the answer: after go, in every task with a target (not counting)
         assert separable[i] == separable_steps(episode, ds.episode(i).state)
-        assert bool(separable[i]) == (task in ("memory-tally", "memory-order"))
+        assert bool(separable[i]) == (task != "memory-counting")
         assert all(t >= getattr(episode, "go_step", 0) for t in separable[i])
     copy = tmp_path / "demos"
     shutil.copytree(memory_demos, copy)

@@ -1,4 +1,4 @@
-"""Separable steps (``vla_runtime.sim.memory.separable``): the steps of a pad task whose expert action depends on
+"""Separable steps (``vla_runtime.sim.memory.separable``): the steps of a memory task whose expert action depends on
 the answer, which ``finetune --separable-weight`` weights and ``benchmarks/copycat_memory.py`` scores."""
 
 from dataclasses import replace
@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from vla_runtime.sim.memory import OrderTask, ReferenceTask, TallyTask
+from vla_runtime.sim.memory import CountingTask, OrderTask, ReferenceTask, TallyTask
 from vla_runtime.sim.memory.base import MOVE_GAIN
 from vla_runtime.sim.memory.order import PAD_OFFSETS
 from vla_runtime.sim.memory.reach import TARGET_Z
@@ -59,7 +59,33 @@ def test_separable_steps_are_the_separable_observations_from_go():
         separable_steps(episode, np.zeros(10))
 
 
-def test_a_task_without_pads_has_no_separable_step():
-    reference = ReferenceTask(delay=20, goal=(0.0, 0.6))
-    assert not separable(reference, np.array([0.0, 0.6, TARGET_Z]))
-    assert separable_steps(reference, np.zeros((80, 3))) == []
+def test_reference_separates_the_last_steps_of_the_reach_from_spots_one_success_radius_away():
+    spot = (0.0, 0.6)
+    episode = ReferenceTask(delay=20, goal=spot)
+    edge = (1.0 - SEPARATION) / MOVE_GAIN  # 2.8 cm: the wrong spot straight behind the true one draws full speed
+
+    def hand(offset) -> np.ndarray:
+        return np.array([spot[0] + offset[0], spot[1] + offset[1], TARGET_Z])
+
+    for axis in (np.array([1.0, 0.0]), np.array([0.0, -1.0])):
+        assert not separable(episode, hand(0.2 * axis))
+        assert not separable(episode, hand((edge + 0.002) * axis))
+        assert separable(episode, hand((edge - 0.002) * axis))
+    # a diagonal approach: separable once no axis is more than the edge from the spot
+    diagonal = np.array([0.6, -0.8])
+    assert not separable(episode, hand((edge + 0.002) / 0.8 * diagonal))
+    assert separable(episode, hand((edge - 0.002) / 0.8 * diagonal))
+    # holding over the spot, or anywhere inside the success disc: a wrong spot 6 cm away still draws a move
+    assert separable(episode, hand((0.0, 0.0))) and separable(episode, hand((0.02, 0.01)))
+    assert not separable(episode, hand((0.0, 0.0)), separation=1.0)  # no move exceeds full speed
+    go = episode.go_step
+    xs = [0.2] * go + [0.1, 0.05, 0.03, 0.02, 0.01, 0.0, 0.0]
+    hands = np.stack([[spot[0] + x, spot[1], TARGET_Z] for x in xs])
+    assert separable_steps(episode, hands) == [t for t in range(go, len(xs)) if xs[t] < edge]
+    assert separable_steps(episode, np.stack([hands[-1]] * len(xs))) == list(range(go, len(xs)))  # not before go
+
+
+def test_counting_has_no_separable_step():
+    episode = CountingTask.sample(0)
+    assert not separable(episode, np.array([0.0, 0.6, TARGET_Z]))
+    assert separable_steps(episode, np.zeros((200, 3))) == []
