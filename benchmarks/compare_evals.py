@@ -25,23 +25,22 @@ import statistics
 from pathlib import Path
 
 from vla_runtime.bench.stats import mcnemar_exact, paired_bootstrap_diff
+from vla_runtime.sim.evaluate import EpisodeResult
+from vla_runtime.sim.results import RESULTS_FILE, load_results
 
 Key = tuple[str, int]
 
 
-def read_side(runs: list[Path]) -> dict[Key, dict]:
+def read_side(runs: list[Path]) -> dict[Key, EpisodeResult]:
     """The episodes of ``runs`` pooled, keyed by (task, seed); a key twice is an error."""
-    episodes: dict[Key, dict] = {}
+    episodes: dict[Key, EpisodeResult] = {}
     origin: dict[Key, Path] = {}
     for run in runs:
-        path = run / "episodes.jsonl"
+        path = run / RESULTS_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: expected a `vla-runtime eval --out` directory")
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            episode = json.loads(line)
-            key = (episode["task"], int(episode["seed"]))
+        for episode in load_results(path):
+            key = (episode.task, episode.seed)
             if key in episodes:
                 raise ValueError(
                     f"{key[0]} seed {key[1]} appears in both {origin[key]} and {run}: pool runs over different seeds"
@@ -50,7 +49,11 @@ def read_side(runs: list[Path]) -> dict[Key, dict]:
     return episodes
 
 
-def compare(a: dict[Key, dict], b: dict[Key, dict]) -> dict:
+def _info(episode: EpisodeResult) -> dict:
+    return episode.final_info or {}
+
+
+def compare(a: dict[Key, EpisodeResult], b: dict[Key, EpisodeResult]) -> dict:
     """Paired counts, McNemar and bootstrap over the keys of ``a`` and ``b`` (which must be the same);
     ``{"episodes": 0}`` when there are none."""
     if set(a) != set(b):
@@ -62,8 +65,8 @@ def compare(a: dict[Key, dict], b: dict[Key, dict]) -> dict:
     keys = sorted(a)
     if not keys:
         return {"episodes": 0}
-    sa = [bool(a[k]["success"]) for k in keys]
-    sb = [bool(b[k]["success"]) for k in keys]
+    sa = [bool(a[k].success) for k in keys]
+    sb = [bool(b[k].success) for k in keys]
     test = mcnemar_exact(sa, sb)
     diff = paired_bootstrap_diff([float(x) for x in sa], [float(y) for y in sb])
     out = {
@@ -71,9 +74,9 @@ def compare(a: dict[Key, dict], b: dict[Key, dict]) -> dict:
         "p_value": test.p_value, "diff_points": [100 * diff.estimate, 100 * diff.low, 100 * diff.high],
     }  # fmt: skip
     misses = [
-        (a[k]["final_info"].get("miss_m"), b[k]["final_info"].get("miss_m"))
+        (_info(a[k]).get("miss_m"), _info(b[k]).get("miss_m"))
         for k in keys
-        if "miss_m" in a[k].get("final_info", {}) or "miss_m" in b[k].get("final_info", {})
+        if "miss_m" in _info(a[k]) or "miss_m" in _info(b[k])
     ]
     if misses:
         for side, index in (("a", 0), ("b", 1)):
@@ -83,7 +86,11 @@ def compare(a: dict[Key, dict], b: dict[Key, dict]) -> dict:
 
 
 def report(
-    a: dict[Key, dict], b: dict[Key, dict], *, tasks: list[str] | None = None, go_split: int | None = None
+    a: dict[Key, EpisodeResult],
+    b: dict[Key, EpisodeResult],
+    *,
+    tasks: list[str] | None = None,
+    go_split: int | None = None,
 ) -> dict:
     """-> {"tasks": {task: compare(...)}, "all": compare(...), "go_split": {...}} over ``tasks`` (default: all)."""
     present = sorted({task for task, _ in a} | {task for task, _ in b})
@@ -92,7 +99,7 @@ def report(
     if missing or not names:
         raise ValueError(f"no episodes of {missing or 'any task'} in the runs, which hold {present}")
 
-    def keep(side: dict[Key, dict], predicate) -> dict[Key, dict]:
+    def keep(side: dict[Key, EpisodeResult], predicate) -> dict[Key, EpisodeResult]:
         return {k: e for k, e in side.items() if k[0] in names and predicate(e)}
 
     everything = keep(a, lambda e: True), keep(b, lambda e: True)
@@ -102,10 +109,10 @@ def report(
                                      {k: e for k, e in everything[1].items() if k[0] == task})  # fmt: skip
     if go_split is not None:
 
-        def go(e: dict) -> int:
-            step = e.get("final_info", {}).get("go_step")
+        def go(e: EpisodeResult) -> int:
+            step = _info(e).get("go_step")
             if step is None:
-                raise ValueError(f"--go-split needs final_info['go_step'], missing in {e['task']} seed {e['seed']}")
+                raise ValueError(f"--go-split needs final_info['go_step'], missing in {e.task} seed {e.seed}")
             return int(step)
 
         out["go_split"] = {

@@ -24,8 +24,19 @@ def compare_evals():
 
 
 def write_run(path: Path, episodes: list[dict]) -> Path:
+    """An eval directory whose results file holds ``episodes`` (the fields compared, the rest filled in)."""
     path.mkdir()
-    (path / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in episodes))
+    rest = {
+        "steps": 10,
+        "policy_s": 0.1,
+        "env_s": 0.1,
+        "step_ms": [],
+        "inference_ms": [],
+        "kv_bytes_max": 0,
+        "kv_final": {},
+    }
+    lines = [json.dumps({"job": job, **rest, **e}) + "\n" for job, e in enumerate(episodes)]
+    (path / "episodes.jsonl").write_text("".join(lines))
     return path
 
 

@@ -12,8 +12,8 @@ In ``memory-reference`` the answer is a spot, and every spot one success radius 
 nearest wrong spots lie on the circle of that radius around it (``N_RING`` directions are checked): the gain being
 monotone, a spot farther out on the same ray changes the move at least as much. Its separable steps are the last
 steps of the reach and the hold: the wrong spot straight behind the true one draws the same full-speed move until
-no axis of the hand is more than 2.8 cm from the true spot, as the pad beyond the middle one does in tally. They are the steps whose
-label says where exactly to stop.
+no axis of the hand is more than 2.8 cm from the true spot, as the pad beyond the middle one does in tally. They
+are the steps whose label says where exactly to stop.
 
     separable(episode, hand)                  # bool: at hand [3], does the answer change the move?
     separable_steps(episode, hands)           # the steps t >= go (of hands [T, 3]) where it does
@@ -54,19 +54,23 @@ def separable(episode: MemoryTask, hand: np.ndarray, *, separation: float = SEPA
     ``separation`` (native units, on some axis) from its move toward each nearest wrong target; False for tasks
     without one (``memory-counting``, Meta-World's own)."""
     wrong = _wrong_targets(episode)
-    if wrong is None:
-        return False
-    hand = np.asarray(hand, dtype=np.float64)[:3]
-    move = move_toward(hand, np.asarray(episode.target(), dtype=np.float64), OPEN)[:3]
+    return wrong is not None and _separates(np.asarray(hand, dtype=np.float64)[:3], episode.target(), wrong, separation)
+
+
+def _separates(hand: np.ndarray, true: np.ndarray, wrong: np.ndarray, separation: float) -> bool:
+    """hand, true: [3]; wrong: [K, 3] -> whether the move toward ``true`` differs from every move toward ``wrong``."""
+    move = move_toward(hand, true, OPEN)[:3]
     return bool(min(np.abs(move - move_toward(hand, other, OPEN)[:3]).max() for other in wrong) > separation)
 
 
 def separable_steps(episode: MemoryTask, hands: np.ndarray, *, separation: float = SEPARATION) -> list[int]:
     """hands: [T, >= 3] the hand position at each observation of an episode (its stored states start with it) ->
     the observations t >= ``episode.go_step`` where ``separable`` holds, increasing; ``[]`` for tasks without one."""
-    if _wrong_targets(episode) is None:
+    wrong = _wrong_targets(episode)  # once per episode, not per step
+    if wrong is None:
         return []
     hands = np.asarray(hands, dtype=np.float64)
     if hands.ndim != 2 or hands.shape[1] < 3:
         raise ValueError(f"`hands` must be [steps, >= 3] hand positions, got shape {hands.shape}")
-    return [t for t in range(episode.go_step, len(hands)) if separable(episode, hands[t], separation=separation)]
+    true = episode.target()
+    return [t for t in range(episode.go_step, len(hands)) if _separates(hands[t, :3], true, wrong, separation)]
