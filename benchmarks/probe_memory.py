@@ -4,11 +4,14 @@ The policy watches an expert episode of a memory task (teacher-forced: in frames
 only the frames, so it sees what the expert saw), and at three steps the final-normed hidden state at the position
 that predicts the step's first action token is kept: the end of the cue phase (step 19), 10 steps before the go
 step, and the go step (the first step the expert moves: the action that answers). A softmax regression on those
-vectors, cross-validated over episodes, says whether the answer is linearly readable there (and a ridge regression of the
-answer as a number, rounded: a count coded along one direction, which the softmax probe misses):
+vectors, cross-validated over episodes, says whether the answer is linearly readable there (and a ridge regression of
+the answer as a number, rounded: a count coded along one direction, which the softmax probe misses):
 
 - ``memory-tally``: the count of flashes (1..3);
-- ``memory-order``: the pad that lit first (1..3).
+- ``memory-order``: the pad that lit first (1..3);
+- ``memory-reference``: the spot (x, y), by a ridge regression; reported as the distance from the true spot, per
+  5-cm column of x (``reference_map.py``'s columns), beside the distance of a guess of the mean spot. Its cue
+  ends at step 5 (the ball is shown for 6 observations).
 
 Chance is the largest class's share. A policy that answers right reads the answer off its state (the shipped
 policy on order: 97 % at the go step); one whose probe sits at chance never formed it, whatever its cache kept.
@@ -16,7 +19,7 @@ policy on order: 97 % at the go step); one whose probe sits at chance never form
     python benchmarks/probe_memory.py --checkpoint assets/mw-memory-openvla --dataset DATA [--kv full]
 
 DATA: ``vla-runtime collect --sim metaworld --tasks memory-tally --episodes 90 --camera corner --resolution 84
---seed 5000 --out DATA`` (seeds no policy trained on).
+--seed 5000 --out DATA`` (seeds no policy trained on; ``--tasks memory-reference --episodes 200`` for the spot).
 """
 
 from __future__ import annotations
@@ -35,9 +38,26 @@ from vla_runtime.kv.config import KVConfig, KVMode
 from vla_runtime.policies.base import Observation
 from vla_runtime.policies.registry import load_policy
 from vla_runtime.sim.memory.order import OrderTask
+from vla_runtime.sim.memory.reference import GOAL_HIGH, GOAL_LOW, ReferenceTask
 
 CUE_END = 19  # the last observation of tally's cue phase (5 slots x 4 steps); order's delay has begun by then
 FULL_CAPACITY = 10452  # the memory cards' full cache (201 steps x 52 tokens)
+
+
+COLUMN_M = 0.05  # width of the columns of x the spot's error is reported by
+
+
+def spot(ds: LeRobotDataset, episode: int) -> tuple[float, float] | None:
+    """A memory-reference episode's spot (x, y) in metres, drawn again from its seed; None for another task."""
+    per_episode = ds.extra["per_episode"]
+    if per_episode["episode_sim_tasks"][episode] != ReferenceTask.name:
+        return None
+    return ReferenceTask.sample(int(per_episode["episode_seeds"][episode])).goal
+
+
+def cue_end(ds: LeRobotDataset, episode: int) -> int:
+    """The last observation of the episode's cue phase (reference: the ball's 6; the pad tasks: ``CUE_END``)."""
+    return ReferenceTask.cue_steps - 1 if spot(ds, episode) is not None else CUE_END
 
 
 def answer(ds: LeRobotDataset, episode: int) -> int:
@@ -48,7 +68,7 @@ def answer(ds: LeRobotDataset, episode: int) -> int:
         return OrderTask.sample(int(per_episode["episode_seeds"][episode])).first
     if task == "memory-tally":
         return len(per_episode["episode_cue_steps"][episode]) // 2 - 1  # each flash is lit in two observations
-    raise ValueError(f"episode {episode} is {task!r}; the probe reads memory-tally and memory-order")
+    raise ValueError(f"episode {episode} is {task!r}; the probe reads memory-tally, memory-order and memory-reference")
 
 
 def go_step(actions: np.ndarray) -> int:
@@ -127,10 +147,48 @@ def count_accuracy(features: torch.Tensor, labels: torch.Tensor, *, folds: int =
     return cross_validated(features, labels, fit_predict, folds)
 
 
+def spot_errors(features: torch.Tensor, spots: torch.Tensor, *, folds: int = 5, alpha: float = 10.0) -> torch.Tensor:
+    """Cross-validated ridge regression of the spot: features [N, D] (standardised here), spots [N, 2] metres ->
+    the distance [N] (metres) of each held-out prediction from its spot."""
+    x = ((features - features.mean(0)) / (features.std(0) + 1e-6)).double()
+    spots = spots.double()
+    order = torch.randperm(len(spots), generator=torch.Generator().manual_seed(0))
+    errors = torch.empty(len(spots), dtype=torch.float64)
+    for fold in range(folds):
+        test = order[fold::folds]
+        train = order[torch.isin(order, test, invert=True)]
+        a, mean = x[train], spots[train].mean(0)  # the mean spot is the unpenalised intercept
+        w = torch.linalg.solve(a.T @ a + alpha * torch.eye(a.shape[1], dtype=a.dtype), a.T @ (spots[train] - mean))
+        errors[test] = (x[test] @ w + mean - spots[test]).norm(dim=1)
+    return errors
+
+
+def by_column(errors: torch.Tensor, spots: torch.Tensor) -> dict[str, float]:
+    """Median error (cm) per ``COLUMN_M``-wide column of the spot's x over the spot area, keyed by the column's
+    start in cm; columns without a spot are left out."""
+    edges = np.arange(GOAL_LOW[0], GOAL_HIGH[0] + 1e-9, COLUMN_M)
+    column = np.clip(np.searchsorted(edges, spots[:, 0].numpy(), side="right") - 1, 0, len(edges) - 2)
+    cm = 100 * errors.numpy()
+    return {f"{round(100 * edges[c]):+d}": float(np.median(cm[column == c]))
+            for c in range(len(edges) - 1) if (column == c).any()}  # fmt: skip
+
+
+def spot_report(points: dict[str, list[torch.Tensor]], spots: torch.Tensor) -> dict:
+    """Per probe point: the median error (cm) overall and per column of x; and the same for a guess of the mean
+    spot (cross-validated alike: no feature)."""
+    guess = spot_errors(torch.zeros(len(spots), 1), spots)
+    out = {"guess": {"median_cm": float(100 * np.median(guess.numpy())), "by_column_cm": by_column(guess, spots)}}
+    for name, states in points.items():
+        errors = spot_errors(torch.stack(states), spots)
+        out[name] = {"median_cm": float(100 * np.median(errors.numpy())), "by_column_cm": by_column(errors, spots)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, required=True)
-    p.add_argument("--dataset", type=Path, required=True, help="expert episodes of memory-tally and/or memory-order")
+    p.add_argument("--dataset", type=Path, required=True,
+                   help="expert episodes of memory-tally, memory-order and/or memory-reference")
     p.add_argument("--kv", choices=["checkpoint", "full"], default="checkpoint",
                    help="the checkpoint's own session config (default) or history through a full cache")  # fmt: skip
     p.add_argument("--episodes", type=int, default=0, help="the first N episodes (0 = all)")
@@ -143,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
         config = SessionConfig(kv=KVConfig.of(KVMode.FULL, capacity=FULL_CAPACITY), history=HistoryMode.OBSERVATIONS)
     hook = FirstTokenState(policy)
     points = {"cue end": [], "go - 10": [], "go": []}
-    labels = []
+    spot_points = {name: [] for name in points}
+    labels, spots = [], []
     for e in tqdm(range(args.episodes or len(ds)), desc="episodes"):
         ep = ds.episode(e)
         frames = next(iter(ep.images.values()))
@@ -154,16 +213,23 @@ def main(argv: list[str] | None = None) -> dict:
             hook.arm()
             session.step(Observation(images={"primary": frames[t]}, state=ep.state[t], t=t / ds.info["fps"]))
             states.append(hook.state)
-        for name, t in (("cue end", CUE_END), ("go - 10", go - 10), ("go", go)):
-            points[name].append(states[t])
-        labels.append(answer(ds, e))
-    y = torch.tensor(labels)
-    result = {
-        "checkpoint": str(args.checkpoint), "dataset": str(args.dataset), "kv": args.kv, "episodes": len(labels),
-        "chance": float(np.bincount(labels).max() / len(labels)),
-        "accuracy": {name: probe_accuracy(torch.stack(v), y) for name, v in points.items()},
-        "count_accuracy": {name: count_accuracy(torch.stack(v), y) for name, v in points.items()},
-    }  # fmt: skip
+        where = spot(ds, e)
+        for name, t in (("cue end", cue_end(ds, e)), ("go - 10", go - 10), ("go", go)):
+            (points if where is None else spot_points)[name].append(states[t])
+        if where is None:
+            labels.append(answer(ds, e))
+        else:
+            spots.append(where)
+    result = {"checkpoint": str(args.checkpoint), "dataset": str(args.dataset), "kv": args.kv}
+    if labels:
+        y = torch.tensor(labels)
+        result.update(
+            episodes=len(labels), chance=float(np.bincount(labels).max() / len(labels)),
+            accuracy={name: probe_accuracy(torch.stack(v), y) for name, v in points.items()},
+            count_accuracy={name: count_accuracy(torch.stack(v), y) for name, v in points.items()},
+        )  # fmt: skip
+    if spots:
+        result.update(reference_episodes=len(spots), spot=spot_report(spot_points, torch.tensor(spots)))
     print(json.dumps(result))
     return result
 

@@ -1,5 +1,5 @@
-"""probe_memory.py's parts: the cross-validated probe tells a readable label from an unreadable one, the go step
-is the expert's first move, and the hook keeps the prefill's last hidden state, not a later decode's."""
+"""probe_memory.py's parts: the cross-validated probes tell a readable label (or spot) from an unreadable one, the go
+step is the expert's first move, and the hook keeps the prefill's last hidden state, not a later decode's."""
 
 import importlib.util
 from pathlib import Path
@@ -11,6 +11,8 @@ import torch
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.policies.base import Observation
 from vla_runtime.policies.registry import load_policy
+from vla_runtime.sim.memory.order import OrderTask
+from vla_runtime.sim.memory.reference import GOAL_HIGH, GOAL_LOW, ReferenceTask
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "probe_memory.py"
 
@@ -63,3 +65,37 @@ def test_the_hook_keeps_the_state_of_the_first_forward_after_it_is_armed(probe, 
     assert len(seen) > 1  # the prefill, then the decodes of the action tokens
     assert hook.state.shape == seen[0].shape and torch.equal(hook.state, seen[0])
     assert not torch.equal(hook.state, seen[-1])
+
+
+def spots_and_noise(n: int, dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spots [n, 2] uniform over the reference area, and features [n, dims] of pure noise."""
+    g = torch.Generator().manual_seed(1)
+    low, high = torch.tensor(GOAL_LOW), torch.tensor(GOAL_HIGH)
+    return low + (high - low) * torch.rand(n, 2, generator=g), torch.randn(n, dims, generator=g)
+
+
+def test_the_spot_probe_reads_a_spot_written_in_the_features_and_not_one_that_is_absent(probe):
+    spots, noise = spots_and_noise(200, 32)
+    written = noise.clone()
+    written[:, :2] += 200 * spots  # x and y each along a direction of their own
+    guess = probe.spot_errors(torch.zeros(200, 1), spots)
+    assert probe.spot_errors(written, spots).median() < 0.02 < 0.5 * guess.median()
+    assert probe.spot_errors(noise, spots).median() > 0.9 * guess.median()
+
+
+def test_the_spot_errors_are_reported_per_column_of_x(probe):
+    spots = torch.tensor([[-0.24, 0.5], [-0.23, 0.6], [0.01, 0.7], [0.149, 0.5]], dtype=torch.float64)
+    errors = torch.tensor([0.01, 0.03, 0.10, 0.04], dtype=torch.float64)
+    assert probe.by_column(errors, spots) == pytest.approx({"-25": 2.0, "+0": 10.0, "+10": 4.0})
+    report = probe.spot_report({"go": [torch.randn(8) for _ in range(4)]}, spots)
+    assert set(report) == {"guess", "go"} and set(report["go"]["by_column_cm"]) == {"-25", "+0", "+10"}
+
+
+def test_reference_episodes_give_their_spot_and_cue_end_and_the_pad_tasks_their_answer(probe):
+    class Episodes:  # what the probe reads of a LeRobotDataset
+        extra = {"per_episode": {"episode_sim_tasks": ["memory-reference", "memory-order"], "episode_seeds": [7, 7],
+                                 "episode_cue_steps": [[0, 1, 2, 3, 4, 5], [0, 1]]}}  # fmt: skip
+
+    assert probe.spot(Episodes, 0) == ReferenceTask.sample(7).goal and probe.cue_end(Episodes, 0) == 5
+    assert probe.spot(Episodes, 1) is None and probe.cue_end(Episodes, 1) == probe.CUE_END
+    assert probe.answer(Episodes, 1) == OrderTask.sample(7).first
