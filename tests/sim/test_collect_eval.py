@@ -184,3 +184,40 @@ def test_eval_kv_capacity_sets_how_much_a_full_history_cache_holds(tmp_path, cap
     assert main(common + ["--kv-capacity", "400", "--out", str(tmp_path / "enough")]) == 0
     (episode,) = json.loads((tmp_path / "enough" / "report.json").read_text())["episodes"]
     assert episode["steps"] == 5 and episode["kv_final"]["tokens_raw"] > 60
+
+
+def test_collect_tries_each_tasks_own_seeds_in_order_and_resumes_after_the_last_kept(tmp_path):
+    # reach-v3's expert needs 51, 44, 34, 40 steps for seeds 0..3: with a 40-step limit seeds 0 and 1 fail
+    env = MetaWorldConfig(resolution=(16, 16), max_steps=40)
+    config = partial(CollectConfig, tasks=["reach-v3"], out=tmp_path / "ds", env=env)
+    seeds = {"reach-v3": [3, 1, 2, 0]}
+    first = collect(config(episodes=1, seeds=seeds), progress=False)
+    assert (first["reach-v3"].kept, first["reach-v3"].failed) == (1, 0)
+    resumed = collect(config(episodes=2, seeds=seeds, resume=True), progress=False)
+    assert (resumed["reach-v3"].kept, resumed["reach-v3"].failed) == (2, 1)  # seed 1 failed, seed 2 kept
+    assert LeRobotDataset(tmp_path / "ds").extra["per_episode"]["episode_seeds"] == [3, 2]
+    with pytest.raises(ValueError, match="seed 3, which this run would not try"):
+        collect(config(episodes=3, seeds={"reach-v3": [2, 0]}, resume=True), progress=False)
+
+
+@pytest.mark.parametrize(
+    ("seeds", "message"),
+    [({}, "missing reach-v3"), ({"reach-v3": []}, "missing reach-v3"), ({"reach-v3": [1, 1]}, "distinct"),
+     ({"reach-v3": [-1]}, "distinct seeds >= 0"),
+     ({"reach-v3": [1], "button-press-v3": [2]}, "not in tasks button-press-v3")],
+)  # fmt: skip
+def test_a_seed_list_must_name_every_task_and_only_those_with_distinct_seeds(tmp_path, seeds, message):
+    with pytest.raises(ValueError, match=message):
+        CollectConfig(tasks=["reach-v3"], episodes=1, out=tmp_path / "ds", seeds=seeds)
+
+
+def test_the_seed_file_is_read_as_task_name_to_integer_seeds(tmp_path):
+    from vla_runtime.cli.collect import read_seed_file
+
+    good = tmp_path / "good.json"
+    good.write_text('{"memory-reference": [7, 19]}')
+    assert read_seed_file(good) == {"memory-reference": [7, 19]}
+    for text in ('[7, 19]', '{"memory-reference": [7, true]}', '{"memory-reference": 7}', "{not json"):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ValueError, match="--seed-file"):
+            read_seed_file(tmp_path / "bad.json")

@@ -6,11 +6,14 @@
     vla-runtime collect --sim metaworld --tasks memory ... --detours 0.5   # half the episodes with a detour after go
     vla-runtime collect --sim metaworld --tasks memory ... --slowdowns 0.5 # half with speed noise after go
     vla-runtime collect --sim metaworld --tasks memory ... --driver CKPT --driven 0.5  # half driven by a policy after go
+    vla-runtime collect --sim metaworld --tasks memory-reference ... --seed-file seeds.json  # these seeds only
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from ..data import VIDEO_CODECS
 from ..sim.collect import CollectConfig, collect
@@ -38,11 +41,30 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="memory-reference/-order/-tally, with --driver: in this fraction of episodes the policy drives "
                         "the arm for 2-16 steps after go while the expert's actions are stored (the learner's own "
                         "mistakes, labelled: one DAgger round; default: %(default)s)")
+    p.add_argument("--seed-file", type=Path, metavar="JSON",
+                   help="a JSON object of task name -> list of seeds: each task tries its seeds in order instead of "
+                        "--seed, --seed + 1, ... (to re-collect chosen episodes), e.g. "
+                        '{"memory-reference": [7, 19, 40]}')
     p.add_argument(
         "--video-codec", choices=sorted(VIDEO_CODECS), default=None,
         help="store frames as mp4 with this codec (default: lossless PNG inside the parquet; only hevc_lossless is also exact)",
     )
     p.set_defaults(func=run)
+
+
+def read_seed_file(path: Path) -> dict[str, list[int]]:
+    """``--seed-file``: a JSON object mapping each task name to a list of integer seeds."""
+    try:
+        seeds = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--seed-file {path}: cannot read a JSON object of task name -> list of seeds ({e})") from e
+    ok = isinstance(seeds, dict) and all(
+        isinstance(v, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in v) for v in seeds.values()
+    )
+    if not ok:
+        raise ValueError(f'--seed-file {path}: expected a JSON object of task name -> list of integer seeds, e.g. '
+                         f'{{"memory-reference": [7, 19]}}')  # fmt: skip
+    return seeds
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         slowdowns=args.slowdowns,
         driven=args.driven,
         driver=args.driver,
+        seeds=read_seed_file(args.seed_file) if args.seed_file else None,
     )
     results = collect(config)
     print(f"{'task':<32} {'kept':>5} {'failed':>7} {'frames':>8}")

@@ -4,7 +4,8 @@ Each episode runs the task's expert (``metaworld.policies``) through the same 7-
 policy uses: the expert's 4-D action is converted to the 7-D policy convention, rounded to float32
 (what the dataset stores) and executed from that stored value, so the recorded actions reproduce
 the recorded trajectory exactly (except during a detour, below). Episodes where the expert fails within the step limit are
-skipped and counted; the next seed is tried (up to ``max_attempts_factor * episodes`` per task).
+skipped and counted; the next seed is tried (``seed + k`` at attempt k, or the task's own list in ``seeds``; up to
+``max_attempts_factor * episodes`` per task).
 
 Every kept episode is durable before the next rollout starts (``LeRobotWriter``); ``resume=True``
 continues a killed run: it keeps the finished episodes, and for each task goes on from the seed after
@@ -63,6 +64,8 @@ class CollectConfig:
         slowdowns: fraction of episodes (0..1) with speed noise after go (the same tasks only).
         driven: fraction of episodes (0..1) in which ``driver`` drives the arm after go (the same tasks only).
         driver: the policy checkpoint that drives (loaded in the session it was trained for); needs ``driven``.
+        seeds: per task, the seeds to try in order instead of ``seed``, ``seed + 1``, ... (every task needs a list;
+            re-collecting chosen episodes: an evaluation's failures, spots in one part of the table).
     """
 
     tasks: list[str]
@@ -77,6 +80,7 @@ class CollectConfig:
     slowdowns: float = 0.0
     driven: float = 0.0
     driver: Path | None = None
+    seeds: dict[str, list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -107,6 +111,27 @@ class CollectConfig:
                 raise ValueError(f"`driver` must be a policy checkpoint directory (with config.json); got {self.driver}")
             if self.detours > 0 or self.slowdowns > 0:
                 raise ValueError("driven spells cannot be combined with detours or slowdowns: one executes at a time")
+        if self.seeds is not None:
+            self._check_seeds()
+
+    def _check_seeds(self) -> None:
+        missing = [t for t in self.tasks if not self.seeds.get(t)]
+        unknown = sorted(set(self.seeds) - set(self.tasks))
+        if missing or unknown:
+            raise ValueError(
+                f"`seeds` must give a non-empty list for each task in `tasks` and no other: "
+                f"{'missing ' + ', '.join(missing) if missing else ''}{'; ' if missing and unknown else ''}"
+                f"{'not in tasks ' + ', '.join(unknown) if unknown else ''}"
+            )
+        self.seeds = {task: [int(s) for s in seeds] for task, seeds in self.seeds.items()}
+        for task, seeds in self.seeds.items():
+            if len(set(seeds)) != len(seeds) or min(seeds) < 0:
+                raise ValueError(f"`seeds` for {task} must be distinct seeds >= 0, got {seeds}")
+
+    def attempt_seeds(self, task: str) -> list[int]:
+        """The seeds ``task`` tries, in order (at most ``max_attempts_factor * episodes`` of them)."""
+        n = self.max_attempts_factor * self.episodes
+        return self.seeds[task][:n] if self.seeds is not None else [self.seed + k for k in range(n)]
 
 
 @dataclass
@@ -220,10 +245,9 @@ def collect(config: CollectConfig, *, progress: bool = True) -> dict[str, TaskCo
             bar.update(sum(r.kept for r in results.values()))
             for task in config.tasks:
                 result = results[task]
-                for attempt in range(first_attempt[task], config.max_attempts_factor * config.episodes):
+                for seed in config.attempt_seeds(task)[first_attempt[task] :]:
                     if result.kept == config.episodes:
                         break
-                    seed = config.seed + attempt
                     rollout = run_expert_episode(
                         env, task, seed, detours=config.detours, slowdowns=config.slowdowns, driven=config.driven,
                         driver=driver,
@@ -266,7 +290,10 @@ def _restore_progress(writer: LeRobotWriter, config: CollectConfig, results: dic
             raise ValueError(f"cannot resume {config.out}: it holds episodes of {task!r}, which --tasks does not name")
         results[task].kept += 1
         results[task].frames += length
-        first[task] = seed - config.seed + 1
+        tried = config.attempt_seeds(task)
+        if seed not in tried:
+            raise ValueError(f"cannot resume {config.out}: it holds {task} seed {seed}, which this run would not try")
+        first[task] = tried.index(seed) + 1
     return first
 
 
