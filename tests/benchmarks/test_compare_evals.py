@@ -1,26 +1,15 @@
 """compare_evals.py: two sides of eval runs paired by task and seed; counts, McNemar, bootstrap, median miss, the
 go-step split and clear errors when the sides do not pair."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def compare_evals():
-    spec = importlib.util.spec_from_file_location("compare_evals", BENCHMARKS / "compare_evals.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name)
+def compare_evals(load_benchmark):
+    return load_benchmark("compare_evals")
 
 
 def write_run(path: Path, episodes: list[dict]) -> Path:

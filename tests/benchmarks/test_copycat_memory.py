@@ -1,26 +1,13 @@
 """copycat_memory.py's probe table: a probe fit on some episodes' hidden states is read on others, per flash count
 and per kind of step, beside the policy's picks at the separable steps."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def copycat():
-    sys.path.insert(0, str(BENCHMARKS))  # it imports its sibling probe_memory.py, as when run as a script
-    try:
-        spec = importlib.util.spec_from_file_location("copycat_memory", BENCHMARKS / "copycat_memory.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+def copycat(load_benchmark):
+    return load_benchmark("copycat_memory")
 
 
 def episode(count: int, generator: torch.Generator, *, written: int, separable_from: int, picks: list[int]) -> dict:

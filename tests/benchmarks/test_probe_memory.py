@@ -1,9 +1,6 @@
 """probe_memory.py's parts: the cross-validated probes tell a readable label (or spot) from an unreadable one, the go
 step is the expert's first move, and the hook keeps the prefill's last hidden state, not a later decode's."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -14,15 +11,10 @@ from vla_runtime.policies.registry import load_policy
 from vla_runtime.sim.memory.order import OrderTask
 from vla_runtime.sim.memory.reference import GOAL_HIGH, GOAL_LOW, ReferenceTask
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "probe_memory.py"
-
 
 @pytest.fixture(scope="module")
-def probe():
-    spec = importlib.util.spec_from_file_location("probe_memory", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def probe(load_benchmark):
+    return load_benchmark("probe_memory")
 
 
 def labelled_noise(n: int, dims: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,6 @@
 """reference_map.py: memory-reference success by the spot's position, the spots drawn again from the seeds."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,19 +8,10 @@ import pytest
 
 from vla_runtime.sim.memory.reference import GOAL_HIGH, GOAL_LOW, ReferenceTask
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def reference_map():
-    spec = importlib.util.spec_from_file_location("reference_map", BENCHMARKS / "reference_map.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name)
+def reference_map(load_benchmark):
+    return load_benchmark("reference_map")
 
 
 def write_run(path: Path, episodes: list[tuple[str, int, bool]]) -> Path:

@@ -1,9 +1,7 @@
 """tally_geometry.py: eval episodes of memory-tally split by where the row lies, a logistic fit on the geometry, the
 successes it expects elsewhere, and the paired test between two runs over the same seeds."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,20 +9,12 @@ import pytest
 
 from vla_runtime.sim.memory.tally import TallyTask
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 HAND = (0.0046, 0.6014)
 
 
 @pytest.fixture(scope="module")
-def geometry():
-    spec = importlib.util.spec_from_file_location("tally_geometry", BENCHMARKS / "tally_geometry.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name)
+def geometry(load_benchmark):
+    return load_benchmark("tally_geometry")
 
 
 def off_cm(seed: int) -> float:
