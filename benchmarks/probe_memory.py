@@ -140,11 +140,18 @@ def count_accuracy(features: torch.Tensor, labels: torch.Tensor, *, folds: int =
     others, misses among many dimensions."""
 
     def fit_predict(x, y, x_test):
-        x, x_test = (torch.cat([v, torch.ones(len(v), 1)], dim=1).double() for v in (x, x_test))  # with an intercept
-        w = torch.linalg.solve(x.T @ x + alpha * torch.eye(x.shape[1], dtype=x.dtype), x.T @ y.double())
-        return (x_test @ w).round().clamp(0, int(labels.max())).long()
+        return (ridge(x.double(), y.double(), alpha)(x_test.double())).round().clamp(0, int(labels.max())).long()
 
     return cross_validated(features, labels, fit_predict, folds)
+
+
+def ridge(x: torch.Tensor, y: torch.Tensor, alpha: float):
+    """Ridge regression fit on x [N, D], y [N] or [N, K] -> ``predict(x) -> y``. The intercept is not penalised (x and
+    y are centred on their means), so a shrunk fit falls back to the mean target, not toward zero."""
+    x_mean, y_mean = x.mean(0), y.mean(0)
+    a = x - x_mean
+    w = torch.linalg.solve(a.T @ a + alpha * torch.eye(a.shape[1], dtype=a.dtype), a.T @ (y - y_mean))
+    return lambda x_test: (x_test - x_mean) @ w + y_mean
 
 
 def spot_errors(features: torch.Tensor, spots: torch.Tensor, *, folds: int = 5, alpha: float = 10.0) -> torch.Tensor:
@@ -157,9 +164,7 @@ def spot_errors(features: torch.Tensor, spots: torch.Tensor, *, folds: int = 5, 
     for fold in range(folds):
         test = order[fold::folds]
         train = order[torch.isin(order, test, invert=True)]
-        a, mean = x[train], spots[train].mean(0)  # the mean spot is the unpenalised intercept
-        w = torch.linalg.solve(a.T @ a + alpha * torch.eye(a.shape[1], dtype=a.dtype), a.T @ (spots[train] - mean))
-        errors[test] = (x[test] @ w + mean - spots[test]).norm(dim=1)
+        errors[test] = (ridge(x[train], spots[train], alpha)(x[test]) - spots[test]).norm(dim=1)
     return errors
 
 

@@ -38,6 +38,13 @@ def test_the_count_probe_reads_a_count_coded_along_one_direction_which_the_softm
     assert probe.count_accuracy(noise, labels) < 0.45
 
 
+def test_the_count_probe_does_not_shrink_its_intercept(probe):
+    noise, _ = labelled_noise(30, 32)
+    # every episode saw 3 flashes (label 2) and the features say nothing: a penalised intercept would shrink the
+    # prediction toward 0 (2 * 24 / (24 + alpha) = 1.4 with 24 training episodes), the mean target keeps it at 2
+    assert probe.count_accuracy(noise, torch.full((30,), 2)) == 1.0
+
+
 def test_the_go_step_is_the_first_action_that_moves_the_hand(probe):
     actions = np.zeros((12, 7), np.float32)
     actions[:, 6] = 1.0  # the gripper command alone is not a move
