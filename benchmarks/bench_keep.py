@@ -7,7 +7,8 @@ recompute gives? SmolLM2-135M-Instruct in fp32 on CPU (converted from the llm-sm
 Every method runs the same prompts through the same per-layer loop, each with its own KV store,
 warmed by earlier steps. Per step the world changes (1-3 segments), then one question (1-hop
 "where", "state", "room" whose answer sits in another segment) is answered by candidate
-log-likelihood. TTFT = from the question to the first token's logits, including building KV for
+log-likelihood; memory is retrieved by the question and the answer so far, as the planner retrieves
+by the goal and the finished subtasks (the world's text before 2026-11-30: the question alone). TTFT = from the question to the first token's logits, including building KV for
 changed or new units (the build part is also reported alone), KV loading, assembly and
 re-rotation. Accuracy: answer accuracy, agreement with full recompute's answer (both with Wilson 95 %
 intervals), KL(full || method) over the candidates and over the next token; against KEEP, an exact
@@ -88,6 +89,11 @@ METHODS = {
     "keep-decay60": PrefillConfig(method="keep", decay=0.6),
     "keep-decay50-ctx": PrefillConfig(method="keep", decay=0.5),
     "keep-decay50": PrefillConfig(method="keep", decay=0.5),
+    # today's defaults with one component switched back on (the ablations after the world fix, 2026-11-30)
+    "keep-decay50-multihop": PrefillConfig(method="keep", decay=0.5, hops=4),
+    "keep-decay50-multihop-ctx": PrefillConfig(method="keep", decay=0.5, hops=4),
+    "keep-decay50-static": PrefillConfig(method="keep", decay=0.5, static_grouping=True),
+    "keep-decay50-static-ctx": PrefillConfig(method="keep", decay=0.5, static_grouping=True),
 }
 DEFAULT_METHODS = ["full", "prefix", "reuse", "cacheblend", "cacheblend-seg", "epic", "keep", "keep-multihop", "keep-no-static", "keep-decay60", "keep-decay50"]
 KINDS = kitchen_world.KINDS
@@ -167,7 +173,7 @@ def run_shard(args, model_dir: str, size: int, shard: int, n_questions: int) -> 
             memory.advance()
             sync_memory(memory, world.segment_texts())
             q = world.question(kinds[step % len(kinds)])
-            units = memory.retrieve(q.text)
+            units = memory.retrieve(f"{q.text} {q.answer_prefix}")  # as the planner: the ask and the answer so far
             query = f"Question: {q.text}<|im_end|>\n<|im_start|>assistant\n{q.answer_prefix}"
             prompt = builder.build(system, units, query)
             prompts = {False: prompt, True: builder.build(system, units, query, context=filler)}

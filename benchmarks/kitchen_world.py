@@ -88,7 +88,8 @@ SYSTEM = (
 )
 
 
-def _where(receptacle: str) -> str:
+def where_phrase(receptacle: str) -> str:
+    """"in the fridge", "on the sofa": where a thing put into ``receptacle`` is."""
     return f"in the {receptacle.lower()}" if RECEPTACLES[receptacle][1] or receptacle in ("Sink", "Bathtub", "Laundry Basket", "Box") else f"on the {receptacle.lower()}"
 
 
@@ -137,7 +138,7 @@ class KitchenWorld:
         for r, (room, _) in RECEPTACLES.items():
             out[f"obj:{r}"] = obj_text(r, self.receptacles[r], f"in the {room}")
         for n, (state, where) in self.objects.items():
-            out[f"obj:{n}"] = obj_text(n, state, HAND if where == HAND else _where(where))
+            out[f"obj:{n}"] = obj_text(n, state, HAND if where == HAND else where_phrase(where))
         return out
 
     # ---- dynamics -------------------------------------------------------------------------------
@@ -147,36 +148,40 @@ class KitchenWorld:
         return self.rng.choice(list(self.objects))
 
     def step(self) -> list[str]:
-        """Apply 1-2 random actions; returns their descriptions."""
+        """Apply 1-2 random actions; returns the descriptions of everything they did, in order."""
         done = []
         for _ in range(self.rng.choice([1, 2])):
-            done.append(self._act())
+            done.extend(self._act())
         return done
 
-    def _act(self) -> str:
+    def _act(self) -> list[str]:
         r = self.rng.random()
         if self.holding is not None and r < 0.5:
-            target = self.rng.choice(list(RECEPTACLES))
-            if RECEPTACLES[target][1]:
-                self.receptacles[target] = "opened"
-            self.objects[self.holding][1] = target
-            obj, self.holding = self.holding, None
-            return f"put the {obj.lower()} {_where(target)}"
+            return [self._put(self.rng.choice(list(RECEPTACLES)))]
         if r < 0.6:
             obj = self._pick_object()
-            if self.holding is not None:
-                self.objects[self.holding][1] = self.rng.choice(list(RECEPTACLES))
+            done = []
+            if self.holding is not None:  # one thing at a time: what the hand holds is put down first
+                done.append(self._put(self.rng.choice(list(RECEPTACLES))))
             self.objects[obj][1] = HAND
             self.holding = obj
-            return f"pick up the {obj.lower()}"
+            return done + [f"pick up the {obj.lower()}"]
         if r < 0.75:
             target = self.rng.choice([x for x, (_, o) in RECEPTACLES.items() if o])
             self.receptacles[target] = "closed" if self.receptacles[target] == "opened" else "opened"
-            return f"{'open' if self.receptacles[target] == 'opened' else 'close'} the {target.lower()}"
+            return [f"{'open' if self.receptacles[target] == 'opened' else 'close'} the {target.lower()}"]
         obj = self._pick_object()
         states = [s for s in OBJECTS[obj] if s != self.objects[obj][0]]
         self.objects[obj][0] = self.rng.choice(states)
-        return f"make the {obj.lower()} {self.objects[obj][0]}"
+        return [f"make the {obj.lower()} {self.objects[obj][0]}"]
+
+    def _put(self, target: str) -> str:
+        """Put what the hand holds into ``target`` (opening it if it opens)."""
+        if RECEPTACLES[target][1]:
+            self.receptacles[target] = "opened"
+        self.objects[self.holding][1] = target
+        obj, self.holding = self.holding, None
+        return f"put the {obj.lower()} {where_phrase(target)}"
 
     # ---- questions ------------------------------------------------------------------------------
     def question(self, kind: str) -> Question:
@@ -185,11 +190,11 @@ class KitchenWorld:
         subject = self.rng.choice(pool)
         state, where = self.objects[subject]
         noun = subject.lower()
-        where_text = _where(where)
+        where_text = where_phrase(where)
         if kind == "where":  # the true receptacle and n_choices - 1 others, in a fixed order
             others = self.rng.sample([r for r in RECEPTACLES if r != where], self.n_choices - 1)
             options = [r for r in RECEPTACLES if r == where or r in others]
-            cands = tuple(f" {_where(r)}" for r in options)
+            cands = tuple(f" {where_phrase(r)}" for r in options)
             return Question(kind, subject, f"Where is the {noun}?", f"The {noun} is", cands, options.index(where))
         if kind == "state":
             states = OBJECTS[subject]

@@ -7,8 +7,9 @@ are kept (older ones are deleted from memory), so the memory both changes in pla
 receptacles) and grows and shrinks (events); an event never changes once written, so events turn
 static while objects churn. Questions, each scored by candidate log-likelihood:
 
-  * ``fetch``: "Plan: bring the apple to the sofa." / "Robot: 1. go to the" -> " fridge" among
-    ``n_choices`` receptacles (the next subtask is where the object is);
+  * ``fetch``: "Plan: bring the apple to me." / "Robot: 1. find the apple" -> " in the fridge" among
+    ``n_choices`` receptacles (the next subtask says where the object is; until 2026-11-30 the answer
+    opened "Robot: 1. go to the" -> " fridge", on which full recomputation was right on 29 %);
   * ``open``: the same goal with the first step done, "Robot: 1. go to the fridge, 2." ->
     " open the fridge" or " pick up the apple" (the answer is in another segment than the one the
     goal names: whether the receptacle is closed);
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kitchen_world import HAND, OBJECTS, RECEPTACLES, KitchenWorld, Question
+from kitchen_world import HAND, OBJECTS, RECEPTACLES, KitchenWorld, Question, where_phrase
 
 KINDS = ("fetch", "open", "recall")
 SYSTEM = (
@@ -84,8 +85,9 @@ class PlanWorld(KitchenWorld):
         where = self.objects[subject][1]
         others = self.rng.sample([r for r in RECEPTACLES if r != where], self.n_choices - 1)
         options = [r for r in RECEPTACLES if r == where or r in others]
-        return Question("fetch", subject, f"Plan: bring the {subject.lower()} to me.", "Robot: 1. go to the",
-                        tuple(f" {r.lower()}" for r in options), options.index(where))  # fmt: skip
+        noun = subject.lower()
+        return Question("fetch", subject, f"Plan: bring the {noun} to me.", f"Robot: 1. find the {noun}",
+                        tuple(f" {where_phrase(r)}" for r in options), options.index(where))  # fmt: skip
 
 
 def _past(action: str) -> str:

@@ -1,18 +1,12 @@
 """ablate_gate_budget.py keeps working on a minimal budget and writes its JSON record (scores are not asserted)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "ablate_gate_budget.py"
 
-
-def test_ablation_trains_every_objective_and_scores_it_by_streaming(tmp_path):
-    spec = importlib.util.spec_from_file_location("ablate_gate_budget", SCRIPT)
-    ablation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ablation)
+def test_ablation_trains_every_objective_and_scores_it_by_streaming(tmp_path, load_benchmark):
+    ablation = load_benchmark("ablate_gate_budget")
     ids, label, cue = ablation.sequences(3, steps=6, classes=4, seed=0)
     assert torch.all(ids[torch.arange(3), cue] == ablation.MARK) and torch.all(ids[torch.arange(3), cue + 1] == 2 + label)
     assert torch.all((cue - ablation.PROMPT) % ablation.CHUNK == 0)  # the cue fills exactly one chunk

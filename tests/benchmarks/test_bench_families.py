@@ -1,19 +1,13 @@
 """bench_families.py keeps working: its pre-timing checks pass (full and chunked caches agree on the first
 step; prefix reuse equals re-prefilling, diff and diff+ar) and it writes the JSON record (timings are not asserted)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_families.py"
 
-
-def test_bench_families_checks_agreement_and_writes_results(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_families", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_bench_families_checks_agreement_and_writes_results(tmp_path, load_benchmark):
+    bench = load_benchmark("bench_families")
     args = ["--llm", "tiny", "--history-steps", "6", "--repeats", "2", "--warmup", "1", "--out", str(tmp_path / "bench")]
     assert bench.main(args) == 0
     record = json.loads((tmp_path / "bench.json").read_text())

@@ -1,18 +1,12 @@
 """bench_finetune.py keeps working on a minimal budget and writes its JSON/PNG record (timings are not asserted)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_finetune.py"
 
-
-def test_bench_finetune_runs_and_writes_results(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_finetune", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_bench_finetune_runs_and_writes_results(tmp_path, load_benchmark):
+    bench = load_benchmark("bench_finetune")
     argv = ["--threads", "1", "--warmup", "1", "--repeats", "2", "--variants", "lora-chunked", "lora-single", "--batch-size", "2",
             "--window", "2", "--image-size", "28", "--episodes", "2", "--episode-length", "4", "--out", str(tmp_path / "bench")]  # fmt: skip
     assert bench.main(argv) == 0

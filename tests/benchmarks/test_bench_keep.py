@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_keep import KINDS, summarize_size  # noqa: E402
 import kitchen_world  # noqa: E402
 import plan_world  # noqa: E402
-from kitchen_world import HAND, OBJECTS, RECEPTACLES, ROOMS, KitchenWorld  # noqa: E402
+from kitchen_world import HAND, OBJECTS, RECEPTACLES, ROOMS, KitchenWorld, where_phrase  # noqa: E402
 from plan_world import KINDS as PLAN_KINDS  # noqa: E402
 from plan_world import PlanWorld  # noqa: E402
 
@@ -87,6 +87,28 @@ def test_every_plan_question_is_answered_by_its_memory():
             step_no = q.answer_prefix.split()[2].rstrip(",")
             assert any(t == f"Step {step_no}: I picked up the {gold}." for t in events)
     assert {k for k, _ in kinds} == set(PLAN_KINDS) and ("open", 0) in kinds and ("open", 1) in kinds
+
+
+def test_the_event_log_agrees_with_where_things_are():
+    """Every move is logged: an object's latest pick-up or put in the event log names where its segment puts it.
+    (Picking something up while holding another once moved the held object to a receptacle without a word.)"""
+    world = PlanWorld(seed=5)
+    checked = 0
+    for _ in range(200):
+        world.step()
+        last = {}  # object -> HAND or receptacle, by its latest logged move
+        for _, _, text in world.events:
+            for n in OBJECTS:
+                if text.endswith(f": I picked up the {n.lower()}."):
+                    last[n] = HAND
+                for r in RECEPTACLES:
+                    if text.endswith(f": I put the {n.lower()} {where_phrase(r)}."):
+                        last[n] = r
+        for n, where in last.items():
+            assert world.objects[n][1] == where, (world.t, n, where, world.objects[n])
+            checked += 1
+        assert sum(w == HAND for _, w in world.objects.values()) <= 1  # one thing at a time
+    assert checked > 500
 
 
 @pytest.mark.parametrize("filler", [kitchen_world.UNIT_CONTEXT, plan_world.UNIT_CONTEXT], ids=["kitchen", "plan"])

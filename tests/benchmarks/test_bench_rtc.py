@@ -1,17 +1,11 @@
 """bench_rtc.py keeps working, and real-time chunking does what it is for: when a chunk lands, the action
 queued for the next tick changes far less than when the new chunk simply replaces the old (random CogACT)."""
 
-import importlib.util
 import json
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_rtc.py"
 
 
-def test_bench_rtc_runs_and_rtc_joins_chunks(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_rtc", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_bench_rtc_runs_and_rtc_joins_chunks(tmp_path, capsys, load_benchmark):
+    bench = load_benchmark("bench_rtc")
     out = tmp_path / "rtc"
     assert bench.main(["--episodes", "1", "--ticks", "40", "--image-size", "28", "--out", str(out)]) == 0
     results = json.loads(out.with_suffix(".json").read_text())["results"]

@@ -1,23 +1,16 @@
 """bench_serve.py keeps working: openpi clients in a child process against the batched and the one-at-a-time
 server, its JSON record, and the soak mode (timings and RSS are not asserted)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("openpi_client", reason="openpi-client is not installed (scripts/setup.sh installs it with --no-deps)")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serve.py"
-
 
 @pytest.fixture
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark):
+    return load_benchmark("bench_serve")
 
 
 def test_load_rounds_write_both_variants(bench, tmp_path):

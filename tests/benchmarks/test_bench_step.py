@@ -2,22 +2,16 @@
 its JSON record holds each variant's timed calls (warm-up excluded) with the median, percentiles and the ratio
 computed from them (timings themselves are not asserted)."""
 
-import importlib.util
 import json
 import statistics
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_step.py"
 
-
-def test_bench_step_agrees_with_the_reference_and_writes_results(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_step", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_bench_step_agrees_with_the_reference_and_writes_results(tmp_path, load_benchmark):
+    bench = load_benchmark("bench_step")
     threads = torch.get_num_threads()
     assert bench.main(["--threads", "1", "--repeats", "3", "--warmup", "1", "--out", str(tmp_path / "bench")]) == 0
     assert torch.get_num_threads() == threads  # pinned for the run only

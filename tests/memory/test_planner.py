@@ -207,3 +207,16 @@ def test_plan_cli_plans_like_the_library(tmp_path, encoder, capsys):
     assert out["method"] == "keep" and out["retrieved"] == list(expected.retrieved)
     assert cli_main(["plan", "--model", str(model_dir), "--memory", str(tmp_path / "none.json"), "--goal", "x"]) == 2
     assert "none.json does not exist" in capsys.readouterr().err
+
+
+def test_retrieval_reads_the_finished_subtasks_too(tiny_llm, memory):
+    """The next step depends on where the last one went ("go to the fridge" -> is it closed?): memory is
+    retrieved by the goal and the finished subtasks the answer lists, not by the goal alone."""
+    config = PlannerConfig(history=1, top_k=2, max_new_tokens=2)
+    planner = Planner(tiny_llm, memory, config)
+    query = planner.retrieval_query("put the book on the shelf.", ["find a knife", "go to the fridge,"])
+    assert query == "put the book on the shelf. go to the fridge."  # history=1: the latest finished subtask
+    by_goal = {s.id for u in memory.retrieve("put the book on the shelf.", 2) for s in u.segments}
+    assert "obj:Fridge" not in by_goal
+    step = planner.next_subtask("put the book on the shelf", ["find a knife", "go to the fridge"])
+    assert "obj:Fridge" in step.retrieved
