@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .attention import block_attention, causal_attention, grouped
 from .base import CacheParams, KVStats, RowPlan
 from .geometry import CacheGeometry
-from .rope import apply_rope, rope_cos_sin
+from .rope import apply_rope
 from .slot_cache import SlotCache
 from .static_view import static_extent
 from .store import SlotStore
@@ -72,7 +72,7 @@ class FullCache(SlotCache):
                 "raise KVConfig.capacity or use mode='chunked'"
             )
         self._new_slots = torch.arange(start, start + t, device=device)  # [T]: the new tokens' slots and positions
-        self._cos, self._sin = rope_cos_sin(self._new_slots, self.geometry.rope)
+        self._cos, self._sin = self.store.rope.span(start, start + t)  # [T, D] each: the new tokens' positions
         self._pending = t
         if self.static_shapes:  # [T, extent] additive: 0 where query i sees slot j, -inf elsewhere
             slots = self._slot_index[:, : static_extent(start + t, self.capacity)]

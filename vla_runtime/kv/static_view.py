@@ -88,7 +88,7 @@ def static_plan(
 def check_static_rope(store: SlotStore) -> None:
     """Static shapes rotate every forward at one table of positions: NTK (``dynamic``) scaling, which rescales
     with the sequence length, has none."""
-    if store.rope is None or store.rope.cfg.rope_type == "dynamic":
+    if store.rope.cfg.rope_type == "dynamic":
         raise ValueError("static shapes need a fixed RoPE table; rope_type 'dynamic' rescales with the length "
                          "(use static_shapes=False)")  # fmt: skip
 

@@ -27,23 +27,43 @@ from .rope import RopeConfig, apply_rope, inv_freq, rope_cos_sin
 
 
 class RopeTable:
-    """cos/sin for compacted positions ``0 .. n-1`` (float32), computed once for static schedules.
+    """cos/sin for positions ``0 .. size-1`` (float32), computed when first needed and grown by doubling, so it
+    holds at most twice what was asked for (not every position a 32k-token model could reach). Rows equal
+    ``rope_cos_sin`` of the positions asked for, bit for bit (``tests/kv/test_rope_table.py``).
 
     ``dynamic`` (NTK) scaling depends on the sequence length, so it is recomputed per request.
     """
 
+    MIN_ROWS = 256
+
     def __init__(self, cfg: RopeConfig, size: int, device: torch.device | str) -> None:
         self.cfg = cfg
+        self.size = size
         self.device = device
         self._cos = self._sin = None
-        if cfg.rope_type != "dynamic":
-            self._cos, self._sin = rope_cos_sin(torch.arange(size, device=device), cfg)
+
+    def _rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table with at least ``n`` rows (``n <= size``): cos, sin [rows, D]."""
+        held = 0 if self._cos is None else self._cos.shape[0]
+        if n > held:
+            rows = min(self.size, max(n, 2 * held, self.MIN_ROWS))
+            self._cos, self._sin = rope_cos_sin(torch.arange(rows, device=self.device), self.cfg)
+        return self._cos, self._sin
 
     def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [n, D] for positions 0..n-1."""
-        if self._cos is None:
+        if self.cfg.rope_type == "dynamic":
             return rope_cos_sin(torch.arange(n, device=self.device), self.cfg)
-        return self._cos[:n], self._sin[:n]
+        cos, sin = self._rows(n)
+        return cos[:n], sin[:n]
+
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [end - start, D] for positions ``start .. end-1``, as fresh tensors (not views into the table:
+        a compiled forward that takes them as inputs sees no storage offset that moves with ``start``)."""
+        if self.cfg.rope_type == "dynamic":
+            return rope_cos_sin(torch.arange(start, end, device=self.device), self.cfg)
+        cos, sin = self._rows(end)
+        return cos[start:end].clone(), sin[start:end].clone()
 
     def inv_freq(self, n: int) -> torch.Tensor:
         """[D/2] float32 inverse frequencies for a sequence of n positions (for the Triton kernel)."""
@@ -80,8 +100,9 @@ class SlotStore:
         dtype: torch.dtype,
         rotate_on_read: bool = True,
     ) -> None:
-        """``rotate_on_read``: keys are stored pre-RoPE and rotated at compacted positions when read (a
-        ``RopeTable`` is built); ``False``: the owner stores rotated keys (``FullCache``)."""
+        """``rotate_on_read``: keys are stored pre-RoPE and rotated at compacted positions when read; ``False``: the
+        owner stores keys rotated at their absolute positions (``FullCache``). Either way ``rope`` has the cos/sin
+        rows."""
         self.slots = slots
         self.raw_end = slots - chunk_slots
         shape = (geometry.n_layers, batch, geometry.n_kv_heads, slots, geometry.head_dim)
@@ -93,7 +114,7 @@ class SlotStore:
         # whole buffer, makes inductor copy the whole buffer back every forward)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
         static_addresses(self.k, self.v, *self.k_layers, *self.v_layers)
-        self.rope = RopeTable(geometry.rope, slots, device) if rotate_on_read else None
+        self.rope = RopeTable(geometry.rope, slots, device)
         self.device = torch.device(device)
         self.reset()
 

@@ -133,5 +133,9 @@ def compile_options(mode: CompileMode, device: torch.device) -> dict:
     options = {"dynamic": True, "isolate_recompiles": True, "recompile_limit": RECOMPILE_LIMIT}
     if mode is CompileMode.REDUCE_OVERHEAD:
         options["mode"] = "reduce-overhead"
+    elif device.type == "cpu":
+        # inductor's C++ wrapper calls the graph's kernels: its Python wrapper's ~650 tensor views and size/stride
+        # checks per tiny-OpenVLA step were ~1 ms of a 5-ms compiled step (README, "Speed")
+        options["options"] = {"cpp_wrapper": True}
     accepted = inspect.signature(torch.compile).parameters  # a torch older than the pinned one lacks the two
     return {k: v for k, v in options.items() if k in accepted}  # recompile options (torch 2.11: shared counter)
