@@ -6,27 +6,25 @@ first GPU run does not discover a broken table or file writer.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
-from pathlib import Path
+from types import ModuleType
 
+import pytest
 import torch
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kernels.py"
-spec = importlib.util.spec_from_file_location("bench_kernels", PATH)
-bench = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = bench  # dataclasses look their module up while the module executes
-spec.loader.exec_module(bench)
+
+@pytest.fixture(scope="module")
+def bench(load_benchmark) -> ModuleType:
+    return load_benchmark("bench_kernels")
 
 
-def test_without_cuda_it_says_so_and_exits_zero(capsys):
+def test_without_cuda_it_says_so_and_exits_zero(bench, capsys):
     assert bench.main(["--device", "cpu"]) == 0
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
-def test_min_bytes_counts_gathered_rows_once():
+def test_min_bytes_counts_gathered_rows_once(bench):
     geo = bench.Geometry(q_heads=8, kv_heads=2, head_dim=64)
     case = bench.make_case(geo, 100, 1, batch=1, dtype=torch.bfloat16, device="cpu", seed=0)
     assert case["k_store"].shape[2] == 125 and case["kv_slots"].unique().numel() == 100
@@ -34,7 +32,7 @@ def test_min_bytes_counts_gathered_rows_once():
     assert bench.min_bytes(case) == kv + 2 * 8 * 64 * 2 + 8 * 100 + 4
 
 
-def test_pipeline_with_torch_providers_on_cpu(tmp_path, capsys):
+def test_pipeline_with_torch_providers_on_cpu(bench, tmp_path, capsys):
     args = bench.parse_args(["--geometry", "qwen2-0.5b", "--contexts", "64", "96", "--queries", "1", "5",
                              "--dtype", "float32", "--out", str(tmp_path / "bench")])
 

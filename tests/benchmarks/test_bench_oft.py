@@ -1,18 +1,12 @@
 """bench_oft.py keeps working: its pre-timing shape checks pass and it writes per-action ratios (not asserted)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_oft.py"
 
-
-def test_bench_oft_writes_per_action_ratios(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_oft", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_bench_oft_writes_per_action_ratios(load_benchmark, tmp_path, capsys):
+    bench = load_benchmark("bench_oft")
     assert bench.main(["--llm", "tiny", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "b")]) == 0
     results = json.loads((tmp_path / "b.json").read_text())["results"]
     oft = results["openvla-oft parallel (chunk 8/step)"]
