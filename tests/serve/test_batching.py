@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from vla_runtime.api import BatchInputError, Observation
-from vla_runtime.config import SessionConfig
+from vla_runtime.config import CompileMode, SessionConfig
 from vla_runtime.kv import KVConfig
 from vla_runtime.kv.rows import RowsCache
 from vla_runtime.serve.config import BatchConfig
@@ -59,6 +59,14 @@ def test_step_batch_refuses_a_bad_input_before_changing_anything(tiny_proprio_po
         tiny_proprio_policy.step_batch([sessions[0], sessions[0]], obs[:2])
     with pytest.raises(ValueError, match="distinct caches"):
         RowsCache([sessions[0].cache, sessions[0].cache])
+
+
+def test_an_engine_of_a_batching_family_refuses_compiled_sessions(tiny_policy):
+    registry = SessionRegistry(max_sessions=8, idle_timeout_s=60)
+    for max_batch in (1, 8):  # one at a time too: step_batch is the path that refuses bad input before any change
+        with pytest.raises(ValueError, match=r"`compile` is 'default', but the server steps openvla sessions through "
+                                             r"the family's batched forward \(`step_batch`\), which runs eager"):
+            PolicyEngine(tiny_policy, SessionConfig(compile=CompileMode.DEFAULT), registry, BatchConfig(max_batch=max_batch))
 
 
 def engine_with(policy, n, config=SessionConfig(history="history"), max_batch=8):

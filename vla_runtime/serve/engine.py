@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ..api import BatchInputError, Policy, StepResult
-from ..config import SessionConfig
+from ..config import CompileMode, SessionConfig
 from .config import BatchConfig
 from .messages import BadRequest, Request, RequestKind
 from .sessions import RobotSession, SessionClosed, SessionRegistry
@@ -60,6 +60,12 @@ class PolicyEngine:
         # a policy with step_batch checks every input before touching an episode, so its steps (one or several)
         # go through step_batch: a refused input then costs its session nothing
         self.checks_inputs_first = bool(getattr(policy, "batched_steps", False))
+        if self.checks_inputs_first and session_config.compile is not CompileMode.OFF:
+            raise ValueError(
+                f"`compile` is {session_config.compile.value!r}, but the server steps {policy.name} sessions through "
+                "the family's batched forward (`step_batch`), which runs eager: every session would compile and warm "
+                f"up at creation and never run the graphs. Serve with compile {CompileMode.OFF.value!r}"
+            )
         self.batched = self.batch.max_batch > 1 and self.checks_inputs_first
         self._queue: queue.Queue = queue.Queue()
         self._carry: list[Job] = []  # a job taken while gathering that must wait for the next batch
