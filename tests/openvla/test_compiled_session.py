@@ -56,6 +56,23 @@ def test_compiled_session_decodes_the_eager_tokens_and_compiles_nothing_after_cr
     assert graphs_compiled() == before, "a control step compiled: the warm-up at session creation missed a graph"
 
 
+@pytest.mark.slow  # shares the chunked graphs compiled above when run after it; 30-60 s alone
+def test_a_compiled_session_whose_keys_pass_256_positions_compiles_nothing(policy, frame):
+    """A raw window long enough that the held keys pass 256 positions within 10 steps (the warm-up's three reach 99).
+    A RoPE table grown on demand there becomes a larger tensor, a new graph input: the step recompiled, which with the
+    guards skipped raises. Seen in closed loop with the memory policy at its 51st step (2026-11-30)."""
+    config = SessionConfig(kv=KVConfig.from_dict({"mode": "chunked", "window": 512}), history="history")
+    eager = policy.new_session(INSTRUCTION, config)
+    compiled = policy.new_session(INSTRUCTION, replace(config, compile=CompileMode.DEFAULT))
+    before = graphs_compiled()
+    for i in range(10):
+        obs = Observation(images={"primary": frame(i)})
+        want, got = eager.step(obs), compiled.step(obs)
+        np.testing.assert_array_equal(compiled.last_tokens, eager.last_tokens)
+    assert got.kv.positions_used > 256 and got.kv == want.kv
+    assert graphs_compiled() == before
+
+
 def test_compile_guards_keeps_every_guard_after_the_warm_up(policy, frame):
     """``compile_guards=True``: steps run with all of dynamo's guards (no skip), and decode the eager tokens."""
     eager = policy.new_session(INSTRUCTION)

@@ -27,20 +27,25 @@ from .rope import RopeConfig, apply_rope, inv_freq, rope_cos_sin
 
 
 class RopeTable:
-    """cos/sin for positions ``0 .. size-1`` (float32), computed when first needed and grown by doubling, so it
-    holds at most twice what was asked for (not every position a 32k-token model could reach). Rows equal
-    ``rope_cos_sin`` of the positions asked for, bit for bit (``tests/kv/test_rope_table.py``).
+    """cos/sin for positions ``0 .. size-1`` (float32). Rows equal ``rope_cos_sin`` of the positions asked for, bit for
+    bit (``tests/kv/test_rope_table.py``).
 
-    ``dynamic`` (NTK) scaling depends on the sequence length, so it is recomputed per request.
+    ``grow=False`` computes every row at once: a compiled forward that reads slices of the table then always sees the
+    same base tensor (a table replaced by a larger one is a new graph input, and a compiled session past its warm-up
+    must not recompile). ``grow=True`` computes rows when first asked for, doubling, for a cache of many positions that
+    hands out fresh copies (``span``): it holds at most twice what was asked for, not every position a 32k-token model
+    could reach. ``dynamic`` (NTK) scaling depends on the sequence length, so it is recomputed per request.
     """
 
     MIN_ROWS = 256
 
-    def __init__(self, cfg: RopeConfig, size: int, device: torch.device | str) -> None:
+    def __init__(self, cfg: RopeConfig, size: int, device: torch.device | str, *, grow: bool = False) -> None:
         self.cfg = cfg
         self.size = size
         self.device = device
         self._cos = self._sin = None
+        if not grow and cfg.rope_type != "dynamic":
+            self._rows(size)
 
     def _rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The table with at least ``n`` rows (``n <= size``): cos, sin [rows, D]."""
@@ -114,7 +119,7 @@ class SlotStore:
         # whole buffer, makes inductor copy the whole buffer back every forward)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
         static_addresses(self.k, self.v, *self.k_layers, *self.v_layers)
-        self.rope = RopeTable(geometry.rope, slots, device)
+        self.rope = RopeTable(geometry.rope, slots, device, grow=not rotate_on_read)
         self.device = torch.device(device)
         self.reset()
 
