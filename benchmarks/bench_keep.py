@@ -94,6 +94,9 @@ METHODS = {
     "keep-decay50-multihop-ctx": PrefillConfig(method="keep", decay=0.5, hops=4),
     "keep-decay50-static": PrefillConfig(method="keep", decay=0.5, static_grouping=True),
     "keep-decay50-static-ctx": PrefillConfig(method="keep", decay=0.5, static_grouping=True),
+    # today's defaults under the other load schedules (time only; with --link-mb-s)
+    "keep-decay50-next-layer": PrefillConfig(method="keep", decay=0.5, load_schedule="next_layer"),
+    "keep-decay50-serial": PrefillConfig(method="keep", decay=0.5, load_schedule="serial"),
 }
 DEFAULT_METHODS = ["full", "prefix", "reuse", "cacheblend", "cacheblend-seg", "epic", "keep", "keep-multihop", "keep-no-static", "keep-decay60", "keep-decay50"]
 KINDS = kitchen_world.KINDS
