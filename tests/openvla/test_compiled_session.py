@@ -44,6 +44,8 @@ def test_compiled_session_decodes_the_eager_tokens_and_compiles_nothing_after_cr
     assert compiled.cache.stats().tokens_seen == 0  # the warm-up's steps were reset away
     before = graphs_compiled()
     assert compiled._skip_guards, "the default skips the guards that do not pick a graph after the warm-up"
+    # the full cache's plans trace: an action's tokens are one compiled call (``CompiledTokenLoop``)
+    assert compiled.modules.token_loop.applies(compiled.token_head(), compiled.cache, 7) == (kv == "full")
     for i in range(8):  # history mode: past the chunked cache's first compressions; then a new, longer instruction
         if i == 6:
             eager.reset("open the top drawer and put the bowl inside it")

@@ -11,6 +11,8 @@ has the same shapes at every length within an extent: a few CUDA graphs per T in
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,17 +64,25 @@ class FullCache(SlotCache):
         self._cos = self._sin = None
         self._row_plan: RowPlan | None = None  # this forward's (``row_plan``)
         self._key_bias: torch.Tensor | None = None  # [L, n]: added to every score of the first n keys
+        self._ahead: tuple[int, torch.Tensor, torch.Tensor] | None = None  # ``tokens_ahead``: first position, cos, sin
+
+    def _check_room(self, t: int) -> None:
+        if self.length + t > self.capacity:
+            raise ValueError(
+                f"FullCache is full: {self.length} tokens held + {t} new > capacity {self.capacity}; "
+                "raise KVConfig.capacity or use mode='chunked'"
+            )
 
     def _begin_forward(self, t: int, device: torch.device) -> None:
         """First layer of a forward of ``t`` tokens: positions once for all layers."""
         start = self.length
-        if start + t > self.capacity:
-            raise ValueError(
-                f"FullCache is full: {start} tokens held + {t} new > capacity {self.capacity}; "
-                "raise KVConfig.capacity or use mode='chunked'"
-            )
+        self._check_room(t)
         self._new_slots = torch.arange(start, start + t, device=device)  # [T]: the new tokens' slots and positions
-        self._cos, self._sin = self.store.rope.span(start, start + t)  # [T, D] each: the new tokens' positions
+        if self._ahead is None:
+            self._cos, self._sin = self.store.rope.span(start, start + t)  # [T, D] each: the new tokens' positions
+        else:  # rows settled by ``tokens_ahead``: a traced loop of forwards reads no table that may grow
+            first, cos, sin = self._ahead
+            self._cos, self._sin = cos[start - first : start - first + t], sin[start - first : start - first + t]
         self._pending = t
         if self.static_shapes:  # [T, extent] additive: 0 where query i sees slot j, -inf elsewhere
             slots = self._slot_index[:, : static_extent(start + t, self.capacity)]
@@ -83,6 +93,26 @@ class FullCache(SlotCache):
     def plan_forward(self, t: int) -> None:
         if self._cos is None:
             self._begin_forward(t, self.store.device)
+
+    # ---- a loop of one-token forwards traced as one graph (``policies.compiled.CompiledTokenLoop``) ---------
+    @property
+    def traces_token_loop(self) -> bool:
+        """Dynamic shapes, no bidirectional block, no key bias: ``_begin_forward`` and ``end_forward`` are plain
+        tensor ops and int arithmetic, so a loop of forwards, plans and commits included, traces without a break."""
+        return not self.static_shapes and not self.bidirectional and self._key_bias is None
+
+    @contextmanager
+    def tokens_ahead(self, n: int) -> Iterator[None]:
+        """Within: up to ``n`` one-token forwards (a traced loop's) take their RoPE rows from a span computed now,
+        eagerly, and the room for them was checked now (``ValueError`` when the cache is full, the message an
+        eager forward gives). The table itself grows by replacement (``RopeTable``), and a compiled graph that read
+        it would need a new graph when it does."""
+        self._check_room(n)
+        self._ahead = (self.length, *self.store.rope.span(self.length, self.length + n))
+        try:
+            yield
+        finally:
+            self._ahead = None
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] (k pre-RoPE) -> [B, Hq, T, D]."""

@@ -2,7 +2,8 @@
 
 Kept apart from the model file (gpt-fast's split): the sampler, ``TokenHead`` (logits of all ids or an id
 range, then a pick), ``decode`` (the one decoding loop every caller uses: OpenVLA's action tokens,
-HybridVLA's autoregressive branch, the KEEP planner) and ``generate`` (prefill + decode for plain LMs).
+HybridVLA's autoregressive branch, the KEEP planner), ``greedy_tokens`` (the same loop for a greedy head as one
+function, which ``torch.compile`` captures whole) and ``generate`` (prefill + decode for plain LMs).
 Tokens are collected in a list and concatenated once.
 """
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.base import KVCache
-from .llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM, LlamaModel
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,11 @@ class TokenHead:
         self.sampling, self.allowed, self.generator = sampling, allowed, generator
         self.confidences: list[torch.Tensor] | None = [] if record_confidence else None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy over every id of the range, recording nothing: what ``greedy_tokens`` computes."""
+        return self.sampling.temperature == 0 and self.allowed is None and self.confidences is None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [B, dim] -> logits [B, V'] (V' = the range's size, else the vocabulary)."""
         return F.linear(hidden, self.weight)
@@ -110,6 +116,24 @@ def decode(
         if i + 1 < max_new_tokens:
             logits = next_logits(tok)
     return torch.cat(out, dim=1)
+
+
+def greedy_tokens(
+    model: LlamaModel, cache: KVCache, weight: torch.Tensor, offset: int, logits: torch.Tensor, n: int
+) -> torch.Tensor:
+    """``decode`` with a ``plain_greedy`` ``TokenHead`` (rows ``weight`` [V', dim] of the LM head, ids from
+    ``offset``), as one function of tensors and the cache: what ``policies.compiled.CompiledTokenLoop`` traces
+    into one graph, the n - 1 one-token forwards with their plans and commits included.
+
+    logits: [B, V'] after the prompt -> ids [B, n]; the last pick is not run through the model.
+    """
+    tok = logits.argmax(dim=-1, keepdim=True)
+    out = [tok]
+    for _ in range(n - 1):
+        hidden = model(tok + offset, cache=cache)  # [B, 1, dim]
+        tok = F.linear(hidden[:, -1], weight).argmax(dim=-1, keepdim=True)
+        out.append(tok)
+    return torch.cat(out, dim=1) + offset
 
 
 @torch.inference_mode()

@@ -12,6 +12,9 @@ What is compiled (the same callables an eager step runs):
   ``plan_forward`` (slots, positions, the rotated view's rebuild after a layout change); after it,
   ``end_forward`` (commit, compression with its data-dependent chunk admission). The graph reads the plan
   and stores no Python state, so a layout change never forces a new graph.
+- ``generation.greedy_tokens`` with a cache whose plans and commits trace (``traces_token_loop``: the full cache
+  with dynamic shapes): a greedy decode's n - 1 one-token forwards, LM-head rows and argmaxes as one graph
+  (``CompiledTokenLoop``), one compiled call for an action's tokens instead of one per token.
 
 The compiled callables live on the policy (``PrismaticPolicy.step_modules``), one set per ``CompileMode`` and
 cache mode, so every session of a policy with that cache shares them (and their compiled code).
@@ -27,21 +30,26 @@ import torch
 
 from ..config import CompileMode
 from ..kv.slot_cache import SlotCache
+from ..models.generation import TokenHead, greedy_tokens
 from ..models.llama import LlamaModel
 from ..models.prismatic.modeling_prismatic import PrismaticVLM
 
 RECOMPILE_LIMIT = 16  # graphs of one callable (prefill, decode, history frames, ...) before dynamo runs it eagerly
+MAX_LOOP_LAYERS = 64  # decoder-layer passes one compiled token loop may unroll (``CompiledTokenLoop``)
 
 
 @dataclass(frozen=True)
 class StepModules:
     """The callables a step runs. ``embed_image``: pixels [B, 3 * towers, H, W] -> image tokens [B, N, dim].
     ``decoder``: ``LlamaModel.forward``'s signature (input_ids [B, T] or inputs_embeds [B, T, dim], ``cache``,
-    ``pin``) -> final-normed hidden states [B, T, dim]; the module itself when eager (its hooks run)."""
+    ``pin``) -> final-normed hidden states [B, T, dim]; the module itself when eager (its hooks run).
+    ``token_loop``: a greedy decode in one compiled call where it applies (``CompiledTokenLoop``), ``None`` when
+    eager."""
 
     mode: CompileMode
     embed_image: Callable[[torch.Tensor], torch.Tensor]
     decoder: Callable[..., torch.Tensor]
+    token_loop: CompiledTokenLoop | None = None
 
 
 class CompiledDecoder:
@@ -63,6 +71,31 @@ class CompiledDecoder:
         return hidden
 
 
+class CompiledTokenLoop:
+    """``generation.greedy_tokens`` ``torch.compile``-d whole (``fullgraph=True``): n greedy tokens, the n - 1
+    one-token forwards planned and committed inside the graph, for caches whose plans trace
+    (``traces_token_loop``); ``applies`` says when. Each compiled call costs dynamo's and AOTAutograd's wrappers
+    before any kernel runs, about as much as a small decoder's whole decode forward on a CPU: one call per action
+    instead of one per token. The loop is unrolled, so its graph holds (n - 1) x layers decoder-layer passes; past
+    ``MAX_LOOP_LAYERS`` tokens are decoded one call each (compile time grows with the graph, and a decoder that deep
+    is bound by reading its weights, not by the calls: 7B-sized layers compiled run at 1.01-1.04x eager on a CPU).
+    Not under CUDA graphs (``reduce-overhead``): its caches have static shapes."""
+
+    def __init__(self, model: LlamaModel, **options) -> None:
+        self.model = model
+        self._loop = torch.compile(greedy_tokens, fullgraph=True, **options)
+
+    def applies(self, head: TokenHead, cache: SlotCache, n: int) -> bool:
+        """n tokens of a plain greedy head over a cache that traces a loop of forwards, within ``MAX_LOOP_LAYERS``."""
+        fits = (n - 1) * len(self.model.layers) <= MAX_LOOP_LAYERS
+        return fits and head.plain_greedy and getattr(cache, "traces_token_loop", False)
+
+    def __call__(self, logits: torch.Tensor, head: TokenHead, cache: SlotCache, n: int) -> torch.Tensor:
+        """logits [B, V'] after the prompt (already in ``cache``) -> ids [B, n]: ``decode``'s tokens."""
+        with cache.tokens_ahead(n - 1):
+            return self._loop(self.model, cache, head.weight, head.offset, logits, n)
+
+
 def step_modules(vlm: PrismaticVLM, mode: CompileMode, device: torch.device) -> StepModules:
     """The step's modules of ``vlm`` for ``mode``. ``REDUCE_OVERHEAD`` off CUDA is a ``ValueError`` (CUDA graphs
     need a CUDA device). Compiling is lazy: the first calls (the session's warm-up) compile."""
@@ -72,7 +105,9 @@ def step_modules(vlm: PrismaticVLM, mode: CompileMode, device: torch.device) -> 
     vision = torch.compile(vlm.embed_image, **{**options, "dynamic": False})  # one image size: static shapes
     if mode is CompileMode.REDUCE_OVERHEAD:
         vision = graph_output(vision)
-    return StepModules(mode, vision, CompiledDecoder(vlm.language_model.model, **options))
+        return StepModules(mode, vision, CompiledDecoder(vlm.language_model.model, **options))
+    model = vlm.language_model.model
+    return StepModules(mode, vision, CompiledDecoder(model, **options), CompiledTokenLoop(model, **options))
 
 
 class CompiledDiT:

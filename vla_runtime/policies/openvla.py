@@ -153,8 +153,12 @@ class OpenVLASession(PrismaticSession):
         timings["prefill"] += (time.perf_counter() - start) * 1e3
         start = time.perf_counter()
         mark = self.open_decode()
-        ids = decode(lambda tok: head.logits(decoder(tok, cache=self.cache)[:, -1]), logits, head.pick,
-                     max_new_tokens=self.action_dim)  # [1, action_dim]
+        loop = self.modules.token_loop  # the action's tokens in one compiled call, where it applies
+        if loop is not None and loop.applies(head, self.cache, self.action_dim):
+            ids = loop(logits, head, self.cache, self.action_dim)
+        else:
+            ids = decode(lambda tok: head.logits(decoder(tok, cache=self.cache)[:, -1]), logits, head.pick,
+                         max_new_tokens=self.action_dim)  # [1, action_dim]
         self.close_decode(mark)
         synchronize(policy.device)
         timings["decode"] = (time.perf_counter() - start) * 1e3
