@@ -37,11 +37,17 @@ def full(capacity: int = 720, **kw):
     return make_cache(KVConfig.of("full", capacity=capacity), CFG.geometry, **kw)
 
 
+def chunked():
+    kv = KVConfig.from_dict({"mode": "chunked", "window": 47, "chunk": 16, "max_chunks": 4})
+    return make_cache(kv, CFG.geometry)
+
+
 @torch.inference_mode()
 def test_a_greedy_token_loop_is_one_graph_and_decodes_the_token_by_token_ids(model, head):
-    """16 history steps (a frame of 40 tokens, then 7 greedy tokens; every other step rolls the tokens back, as
-    ``history: observations`` does): ids, lengths and every held K/V equal the eager loop's, and no graph is traced
-    after the second step although the keys pass 256 and 512 positions (the full cache's RoPE table grows there)."""
+    """16 history steps of a frame (40 tokens), then 7 greedy tokens (every other step rolls them back, as
+    ``history: observations`` does): ids, lengths, stats, the held K/V and a probe forward over them equal the eager
+    loop's, and no graph is traced after the second step although the keys pass 256 and 512 positions (the full
+    cache's RoPE table grows there)."""
     traced = torch.compile(greedy_tokens, fullgraph=True, backend="eager", dynamic=True)  # a graph break raises
     eager_cache, loop_cache = full(), full()
     assert loop_cache.traces_token_loop and CompiledTokenLoop(model).applies(head, loop_cache, ACTION)
@@ -63,7 +69,7 @@ def test_a_greedy_token_loop_is_one_graph_and_decodes_the_token_by_token_ids(mod
                 cache.rollback(mark)
         torch.testing.assert_close(ids[1], ids[0], rtol=0, atol=0)
         assert ids[0].shape == (1, ACTION) and 100 <= ids[0].min() and ids[0].max() <= 163
-        assert loop_cache.length == eager_cache.length
+        assert loop_cache.length == eager_cache.length and loop_cache.stats() == eager_cache.stats()
         if step == 1:
             graphs = counters["stats"]["unique_graphs"]
     assert loop_cache.length > 512, "the episode should pass the RoPE table's growth at 256 and 512 positions"
@@ -71,6 +77,9 @@ def test_a_greedy_token_loop_is_one_graph_and_decodes_the_token_by_token_ids(mod
     n = loop_cache.length
     torch.testing.assert_close(loop_cache.store.k[:, :, :, :n], eager_cache.store.k[:, :, :, :n], rtol=0, atol=0)
     torch.testing.assert_close(loop_cache.store.v[:, :, :, :n], eager_cache.store.v[:, :, :, :n], rtol=0, atol=0)
+    probe = torch.randn(1, 5, CFG.dim, generator=gen)  # what each cache holds, as attention reads it
+    want, got = model(inputs_embeds=probe, cache=eager_cache), model(inputs_embeds=probe, cache=loop_cache)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @torch.inference_mode()
@@ -94,8 +103,12 @@ def test_only_plain_greedy_heads_over_caches_whose_plans_trace_take_the_loop(mod
     model(inputs_embeds=torch.randn(1, 4, CFG.dim), cache=dynamic)
     dynamic.bias_keys(torch.zeros(CFG.n_layers, 2))
     assert not dynamic.traces_token_loop
-    for mode in ("chunked", "sink_window"):
-        assert not make_cache(KVConfig.from_dict({"mode": mode, "window": 64}), CFG.geometry).traces_token_loop
+    assert not make_cache(KVConfig.from_dict({"mode": "sink_window", "window": 64}), CFG.geometry).traces_token_loop
+    static_kv = KVConfig.from_dict({"mode": "chunked", "window": 47})
+    for cache in (chunked(), make_cache(static_kv, CFG.geometry, static_shapes=True)):
+        assert not cache.traces_token_loop  # its plans decide on the host (``ChunkedGatedCache._begin_forward``)
+        cache.mark()
+        assert not cache.traces_token_loop
     lm_head = torch.nn.Linear(CFG.dim, 200, bias=False)
     assert not TokenHead(lm_head, SamplingConfig(temperature=0.7)).plain_greedy
     assert not TokenHead(lm_head, allowed=torch.ones(200, dtype=torch.bool)).plain_greedy
