@@ -1,8 +1,9 @@
 """A greedy decode's one-token forwards traced as one graph (``generation.greedy_tokens``, what
-``policies.compiled.CompiledTokenLoop`` compiles): over the full cache with dynamic shapes the whole loop, the
-cache's plans and commits included, traces with ``fullgraph=True``, decodes ``decode``'s ids and leaves the cache
-as the token-by-token decode leaves it, through a history that passes the RoPE table's growth (256 and 512
-positions) without a new graph. Caches whose plans do not trace say so (``traces_token_loop``)."""
+``policies.compiled.CompiledTokenLoop`` compiles): over the full cache with dynamic shapes, and over the chunked
+cache under the decode's mark once it has compressed, the whole loop, the cache's plans and commits included,
+traces with ``fullgraph=True``, decodes ``decode``'s ids and leaves the cache as the token-by-token decode leaves
+it, through histories that pass the full cache's RoPE table growth and the chunked cache's compressions and
+evictions without a new graph. Caches whose plans do not trace say so (``traces_token_loop``)."""
 
 from dataclasses import replace
 
@@ -37,8 +38,9 @@ def full(capacity: int = 720, **kw):
     return make_cache(KVConfig.of("full", capacity=capacity), CFG.geometry, **kw)
 
 
-def chunked():
-    kv = KVConfig.from_dict({"mode": "chunked", "window": 47, "chunk": 16, "max_chunks": 4})
+def chunked(chunk_mass: bool = False):
+    kv = KVConfig.from_dict({"mode": "chunked", "window": 47, "chunk": 16, "max_chunks": 4, "capacity": 160,
+                             "chunk_mass": chunk_mass})  # a raw ring of 156 slots, 116 past the pinned prompt: it wraps
     return make_cache(kv, CFG.geometry)
 
 
@@ -83,6 +85,45 @@ def test_a_greedy_token_loop_is_one_graph_and_decodes_the_token_by_token_ids(mod
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("chunk_mass", [False, True])
+def test_the_chunked_cache_traces_the_loop_under_a_mark_after_its_first_compression(model, head, chunk_mass):
+    """``history: observations``: every step a frame, then 7 greedy tokens under a mark. Before the first compression
+    the cache decodes token by token; after it the loop traces (its first forward planned eagerly, the rotated
+    view's rebuild included), and over 16 steps of compressions, a budget of 4 chunks per layer filling and
+    evicting, and the raw ring wrapping, its ids, stats and a probe forward over what the cache holds equal the
+    eager loop's, with one graph throughout."""
+    traced = torch.compile(greedy_tokens, fullgraph=True, backend="eager", dynamic=True)
+    eager_cache, loop_cache = chunked(chunk_mass=chunk_mass), chunked(chunk_mass=chunk_mass)
+    gen = torch.Generator().manual_seed(4)
+    graphs, looped = None, 0
+    for step in range(16):
+        frame = torch.randn(1, FRAME, CFG.dim, generator=gen)
+        ids = []
+        for cache in (eager_cache, loop_cache):
+            logits = head.logits(model(inputs_embeds=frame, cache=cache, pin=step == 0)[:, -1])
+            mark = cache.mark()
+            if cache is loop_cache and cache.traces_token_loop:
+                with cache.tokens_ahead(ACTION - 1):
+                    ids.append(traced(model, cache, head.weight, head.offset, logits, ACTION))
+                looped += 1
+            else:
+                next_logits = lambda tok: head.logits(model(tok, cache=cache)[:, -1])  # noqa: E731
+                ids.append(decode(next_logits, logits, head.pick, max_new_tokens=ACTION))
+            cache.rollback(mark)
+        torch.testing.assert_close(ids[1], ids[0], rtol=0, atol=0)
+        assert loop_cache.stats() == eager_cache.stats()
+        assert not loop_cache.traces_token_loop, "no mark is open between steps"
+        if looped == 1:
+            graphs = counters["stats"]["unique_graphs"]
+    stats = loop_cache.stats()
+    assert looped >= 12 and stats.chunks_dropped > 0 and stats.tokens_seen > 2 * loop_cache.store.ring_cap
+    assert counters["stats"]["unique_graphs"] == graphs, "a later step traced a new graph"
+    probe = torch.randn(1, 5, CFG.dim, generator=gen)
+    want, got = model(inputs_embeds=probe, cache=eager_cache), model(inputs_embeds=probe, cache=loop_cache)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@torch.inference_mode()
 def test_tokens_ahead_checks_the_room_as_a_forward_would(model):
     cache = full(capacity=48)
     model(inputs_embeds=torch.randn(1, 45, CFG.dim), cache=cache)
@@ -105,10 +146,16 @@ def test_only_plain_greedy_heads_over_caches_whose_plans_trace_take_the_loop(mod
     assert not dynamic.traces_token_loop
     assert not make_cache(KVConfig.from_dict({"mode": "sink_window", "window": 64}), CFG.geometry).traces_token_loop
     static_kv = KVConfig.from_dict({"mode": "chunked", "window": 47})
-    for cache in (chunked(), make_cache(static_kv, CFG.geometry, static_shapes=True)):
-        assert not cache.traces_token_loop  # its plans decide on the host (``ChunkedGatedCache._begin_forward``)
+    for static in (False, True):
+        cache = make_cache(static_kv, CFG.geometry, static_shapes=static)
         cache.mark()
-        assert not cache.traces_token_loop
+        assert not cache.traces_token_loop, "before its first compression the graph would specialise on the length"
+        cache.rollback(0)
+        model(inputs_embeds=torch.randn(1, 120, CFG.dim), cache=cache)
+        assert cache.stats().chunks_retained > 0
+        assert not cache.traces_token_loop, "without a mark a chunked forward may end in a compression"
+        cache.mark()
+        assert cache.traces_token_loop is not static  # static shapes (CUDA graphs): one call per token
     lm_head = torch.nn.Linear(CFG.dim, 200, bias=False)
     assert not TokenHead(lm_head, SamplingConfig(temperature=0.7)).plain_greedy
     assert not TokenHead(lm_head, allowed=torch.ones(200, dtype=torch.bool)).plain_greedy

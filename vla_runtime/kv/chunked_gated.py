@@ -31,6 +31,9 @@ the exact state. The training form that reproduces this cache in one forward is
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from .backend import select_backend
@@ -134,7 +137,10 @@ class ChunkedGatedCache(SlotCache):
         order = torch.argsort(self.chunk_age[:, used].masked_fill(~self.chunk_valid[:, used], NEVER), dim=-1)  # [L, m]
         self._chunk_counts = self.chunk_valid.sum(-1)  # [L] on the device, for a static plan
         counts = self._chunk_counts.tolist()
-        return [self.store.raw_end + order[i, :c] for i, c in enumerate(counts)]
+        slots = [self.store.raw_end + order[i, :c] for i, c in enumerate(counts)]
+        for layer_slots in slots:  # a traced token loop reads them: their lengths vary, so no graph specialises on one
+            torch._dynamo.maybe_mark_dynamic(layer_slots, 0)
+        return slots
 
     def _begin_forward(self, t: int) -> None:
         s = self.store
@@ -172,6 +178,27 @@ class ChunkedGatedCache(SlotCache):
             self._begin_forward(t)
             if self.view is not None:
                 self.view.sync_layers(self.store, self._slots, self._n_keys, t)
+
+    # ---- a loop of one-token forwards traced as one graph (``policies.compiled.CompiledTokenLoop``) ---------
+    @property
+    def traces_token_loop(self) -> bool:
+        """Under an open mark (``history: observations`` decodes its action tokens so) nothing compresses until the
+        rollback, so each forward's plan and commit are tensor ops and int arithmetic and a loop of them traces
+        without a break; without one a forward may end in a compression, whose admission reads the gate's scores
+        on the host. Only after the episode's first compression: before it the slots are one contiguous range, and
+        that graph specialises on the token count (a new instruction would need a new graph in a control tick).
+        Dynamic shapes only, not in a bidirectional block."""
+        compressed = self.store.raw_head != self.store.n_pinned
+        return self._mark is not None and compressed and not self.static_shapes and not self.bidirectional
+
+    @contextmanager
+    def tokens_ahead(self, n: int) -> Iterator[None]:
+        """Within: up to ``n`` one-token forwards (a traced loop's). The raw ring's room for them is checked now,
+        eagerly (``ValueError``, an eager forward's message), and the first is planned now: after a compression the
+        rotated view is rebuilt there (every held key gathered and rotated), eagerly, not inside the graph."""
+        self.store.plan(n)
+        self.plan_forward(1)
+        yield
 
     def attend(self, layer: int, q: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] (k pre-RoPE) -> [B, Hq, T, D]."""

@@ -13,8 +13,9 @@ What is compiled (the same callables an eager step runs):
   ``end_forward`` (commit, compression with its data-dependent chunk admission). The graph reads the plan
   and stores no Python state, so a layout change never forces a new graph.
 - ``generation.greedy_tokens`` with a cache whose plans and commits trace (``traces_token_loop``: the full cache
-  with dynamic shapes): a greedy decode's n - 1 one-token forwards, LM-head rows and argmaxes as one graph
-  (``CompiledTokenLoop``), one compiled call for an action's tokens instead of one per token.
+  with dynamic shapes; the chunked cache under the decode's mark once it has compressed): a greedy decode's n - 1
+  one-token forwards, LM-head rows and argmaxes as one graph (``CompiledTokenLoop``), one compiled call for an
+  action's tokens instead of one per token.
 
 The compiled callables live on the policy (``PrismaticPolicy.step_modules``), one set per ``CompileMode`` and
 cache mode, so every session of a policy with that cache shares them (and their compiled code).
