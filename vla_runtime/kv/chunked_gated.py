@@ -138,8 +138,9 @@ class ChunkedGatedCache(SlotCache):
         self._chunk_counts = self.chunk_valid.sum(-1)  # [L] on the device, for a static plan
         counts = self._chunk_counts.tolist()
         slots = [self.store.raw_end + order[i, :c] for i, c in enumerate(counts)]
-        for layer_slots in slots:  # a traced token loop reads them: their lengths vary, so no graph specialises on one
-            torch._dynamo.maybe_mark_dynamic(layer_slots, 0)
+        if not self.static_shapes:  # a traced token loop reads them: their lengths vary, no graph may fix one
+            for layer_slots in slots:
+                torch._dynamo.maybe_mark_dynamic(layer_slots, 0)
         return slots
 
     def _begin_forward(self, t: int) -> None:
