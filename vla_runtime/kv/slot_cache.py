@@ -30,7 +30,8 @@ class SlotCache:
 
     params_class: ClassVar[type[CacheParams]]
     store: SlotStore
-    # n one-token forwards, planned and committed, trace into one graph inside ``tokens_ahead(n)`` (``FullCache``)
+    # n one-token forwards, planned and committed, trace into one graph inside ``tokens_ahead(n)`` (``FullCache``;
+    # ``ChunkedGatedCache`` under a mark once it has compressed)
     traces_token_loop: bool = False
 
     def __init_subclass__(cls, **kwargs) -> None:
