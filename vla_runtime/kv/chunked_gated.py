@@ -197,7 +197,7 @@ class ChunkedGatedCache(SlotCache):
         """Within: up to ``n`` one-token forwards (a traced loop's). The raw ring's room for them is checked now,
         eagerly (``ValueError``, an eager forward's message), and the first is planned now: after a compression the
         rotated view is rebuilt there (every held key gathered and rotated), eagerly, not inside the graph."""
-        self.store.plan(n)
+        self.store.check_room(n)
         self.plan_forward(1)
         yield
 

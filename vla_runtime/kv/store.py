@@ -144,13 +144,17 @@ class SlotStore:
         t = torch.arange(start, end, device=self.device)
         return self.n_pinned + (t - self.n_pinned) % self.ring_cap
 
-    def plan(self, new: int) -> ForwardPlan:
-        """Reserve ring slots for ``new`` tokens; raise ``ValueError`` if the ring cannot hold them."""
+    def check_room(self, new: int) -> None:
+        """``ValueError`` if the raw ring cannot hold ``new`` more tokens."""
         if self.n_raw + new > self.ring_cap:
             raise ValueError(
                 f"the raw ring holds {self.ring_cap} tokens ({self.n_raw} held + {new} new do not fit): raise "
                 "KVConfig.capacity, lower `window`/`max_chunks`, or split the forward (an open mark defers compression)"
             )
+
+    def plan(self, new: int) -> ForwardPlan:
+        """Reserve ring slots for ``new`` tokens; raise ``ValueError`` if the ring cannot hold them."""
+        self.check_room(new)
         raw = self.token_slots(self.raw_head, self.length + new)
         return ForwardPlan(new=new, write=raw[raw.shape[0] - new :], raw=raw)
 

@@ -127,13 +127,9 @@ def greedy_tokens(
 
     logits: [B, V'] after the prompt -> ids [B, n]; the last pick is not run through the model.
     """
-    tok = logits.argmax(dim=-1, keepdim=True)
-    out = [tok]
-    for _ in range(n - 1):
-        hidden = model(tok + offset, cache=cache)  # [B, 1, dim]
-        tok = F.linear(hidden[:, -1], weight).argmax(dim=-1, keepdim=True)
-        out.append(tok)
-    return torch.cat(out, dim=1) + offset
+    next_logits = lambda ids: F.linear(model(ids, cache=cache)[:, -1], weight)  # noqa: E731  [B, V']
+    pick = lambda scores: scores.argmax(dim=-1, keepdim=True) + offset  # noqa: E731  [B, 1] ids
+    return decode(next_logits, logits, pick, max_new_tokens=n)
 
 
 @torch.inference_mode()

@@ -22,6 +22,7 @@ from ..kv.chunked_gated import ChunkedGatedCache
 
 WARMUP_STEPS = 3  # steps a compiled session runs at creation: the first prefill, decodes at growing lengths,
 # history mode's second frame and a compression (the chunked cache's first chunk forms by the third step)
+MAX_WARMUP_STEPS = 64  # with the steps a session's ``_warm_up_pending`` adds (a wide window compresses late)
 
 __all__ = [
     "PRIMARY_CAMERA", "ActionQueue", "BatchInputError", "CompiledSession", "EpisodeSession", "Observation", "Policy",
@@ -130,6 +131,7 @@ class CompiledSession(EpisodeSession):
 
     compiles = True
     _skip_guards = False  # compiled and warmed up (``_start_compiled``) with ``SessionConfig.compile_guards`` off
+    warming = False  # inside ``warm_up``
 
     def step(self, obs: Observation) -> StepResult:
         """Run the policy on one observation (``_step``). A compiled session past its warm-up runs it evaluating
@@ -149,12 +151,24 @@ class CompiledSession(EpisodeSession):
         reads one)."""
 
     def warm_up(self, steps: int = WARMUP_STEPS) -> None:
-        """Run ``steps`` steps on ``blank_observation``, then ``reset``: compilation (and CUDA graph capture) happens
-        here, at session creation, and not in the first control tick. The episode starts afresh."""
+        """Run ``steps`` steps on ``blank_observation`` (more while ``_warm_up_pending``, at most
+        ``MAX_WARMUP_STEPS``), then ``reset``: compilation (and CUDA graph capture) happens here, at session
+        creation, and not in the first control tick. The episode starts afresh."""
         blank = self.blank_observation()
-        for _ in range(steps):
-            self.step(blank)
+        self.warming = True
+        try:
+            for step in range(MAX_WARMUP_STEPS):
+                if step >= steps and not self._warm_up_pending():
+                    break
+                self.step(blank)
+        finally:
+            self.warming = False
         self.reset()
+
+    def _warm_up_pending(self) -> bool:
+        """Whether a graph the episode may need has still not compiled after the first ``steps`` (a state the
+        first steps did not reach): ``warm_up`` then steps on. Nothing by default."""
+        return False
 
     def _start_compiled(self) -> None:
         """With ``SessionConfig.compile`` on, warm up (compile now, not in the first control tick), then skip the

@@ -37,12 +37,11 @@ from ..models.quantize import QuantMode, quantize_linears
 from ..models.openvla.processing_openvla import ActionTokenizer, history_frame, single_layout
 from ..models.prismatic.configuration_prismatic import OpenVLAConfig, read_json
 from ..models.prismatic.processing_prismatic import ActionStats, Forward, resolve_unnorm_key
-from .base import WARMUP_STEPS, Observation, Policy, StepResult
+from .base import Observation, Policy, StepResult
 from .loading import plan_load
 from .prismatic_session import PrismaticPolicy, PrismaticSession, parameter_count
 
 log = logging.getLogger(__name__)
-MAX_WARMUP_STEPS = 64  # blank steps a compiled session's warm-up may run waiting for its token loop (``warm_up``)
 
 
 class OpenVLASession(PrismaticSession):
@@ -64,26 +63,15 @@ class OpenVLASession(PrismaticSession):
         self._keeps_actions = config.history is not HistoryMode.OBSERVATIONS  # observations: decodes rolled back
         self.last_tokens: np.ndarray | None = None  # [1, action_dim] ids of the last step
         self._loop_ran = False  # a decode took the compiled token loop (after ``warm_up``: only if one did there)
-        self._warming = False
         super().__init__(policy, instruction, config)
         self._start_compiled()
 
-    def warm_up(self, steps: int = WARMUP_STEPS) -> None:
-        """``CompiledSession.warm_up``, with more blank steps (at most ``MAX_WARMUP_STEPS`` in all) while the
-        action tokens' compiled loop waits for a state the first steps may not reach: a chunked cache takes it
-        under the decode's mark after its first compression, and a wide raw window compresses late. The loop's
-        graph then compiles here too; a session whose warm-up never took the loop decodes token by token."""
-        loop, blank = self.modules.token_loop, self.blank_observation()
-        may_take_loop = loop is not None and not self._keeps_actions and isinstance(self.cache, ChunkedGatedCache)
-        self._loop_ran, self._warming = False, True
-        try:
-            for step in range(MAX_WARMUP_STEPS):
-                if step >= steps and (self._loop_ran or not may_take_loop):
-                    break
-                self.step(blank)
-        finally:
-            self._warming = False
-        self.reset()
+    def _warm_up_pending(self) -> bool:
+        """A chunked cache takes the action tokens' compiled loop under the decode's mark only after its first
+        compression, which a wide raw window reaches late: warm up until a decode took it, so its graph compiles at
+        creation too (a session whose warm-up never took it decodes token by token)."""
+        may_take_loop = self.modules.token_loop is not None and not self._keeps_actions
+        return may_take_loop and isinstance(self.cache, ChunkedGatedCache) and not self._loop_ran
 
     def blank_observation(self) -> Observation:
         """A black image and, with a proprio projector, a zero state."""
@@ -175,7 +163,7 @@ class OpenVLASession(PrismaticSession):
         start = time.perf_counter()
         mark = self.open_decode()
         loop = self.modules.token_loop  # the action's tokens in one compiled call, where it applies
-        if loop is not None and (self._warming or self._loop_ran) and loop.applies(head, self.cache, self.action_dim):
+        if loop is not None and (self.warming or self._loop_ran) and loop.applies(head, self.cache, self.action_dim):
             ids = loop(logits, head, self.cache, self.action_dim)
             self._loop_ran = True
         else:
