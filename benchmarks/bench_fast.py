@@ -42,28 +42,31 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 from vla_runtime.api import Observation, load_policy
+from vla_runtime.bench.decode_limits import Group, bandwidth_limits, copy_bandwidth, profile_decode_rows
 from vla_runtime.bench.harness import (
-    environment, plot_medians, print_ratio_table, ratio_table, seeded_main, time_interleaved, time_ms, write_json,
+    environment,
+    plot_medians,
+    print_ratio_table,
+    ratio_table,
+    seeded_main,
+    time_interleaved,
+    write_json,
 )  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.checkpoints.tiny_openvla_oft import make_tiny_openvla_oft
 from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact, make_tiny_hybridvla
 from vla_runtime.config import CompileMode, SessionConfig
-from vla_runtime.device import synchronize
 from vla_runtime.images import read_image
 from vla_runtime.kv import KVConfig, make_cache
 from vla_runtime.models.fuse import fuse_projections
@@ -140,18 +143,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-@dataclass
-class Group:
-    """One geometry's question: ``calls`` by variant name (the first is the eager baseline), the seconds each
-    variant's preparation took (compilation, quantisation) and how its output compared with eager's."""
-
-    name: str
-    calls: dict[str, Callable[[], object]]
-    setup_s: dict[str, float]
-    agreement: dict[str, dict]
-    weight_bytes: dict[str, int] | None = None  # decode groups: decoder-layer weight bytes one token reads, per variant
-
-
 def rolled_back(decoder: Callable[..., torch.Tensor], cache, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     """One decode forward of ``x`` [1, 1, dim] over ``cache``'s context, rolled back after (the same context
     every call) -> a call returning the final hidden state [1, 1, dim]."""
@@ -175,6 +166,24 @@ def guards_skipped(call: Callable[[], torch.Tensor]) -> Callable[[], torch.Tenso
             return call()
 
     return skipping
+
+
+def guards_tell_models_apart(guarded: dict[str, Callable[[], torch.Tensor]]) -> bool:
+    """Whether each compiled model, called with only the guards that choose between graphs, still runs its own
+    graph. The models compile the same ``layers_forward``; a torch older than the pin (the GPU image's 2.11) ran
+    the bf16 model's call through the fused model's graph that way (``KeyError: 'qkv_proj'``, an H200 on
+    2026-11-30). Where they do not, every compiled row evaluates its guards, and this says so."""
+    for variant, call in guarded.items():
+        want = call()
+        try:
+            got = guards_skipped(call)()
+        except Exception as error:  # noqa: BLE001  the wrong graph fails in whatever way its code does
+            print(f"{variant}: with guards skipped it ran another model's graph ({error!r}): every guard is evaluated")
+            return False
+        if not torch.equal(got, want):
+            print(f"{variant}: with guards skipped it returned another model's output: every guard is evaluated")
+            return False
+    return True
 
 
 def timed(fn: Callable[[], object]) -> tuple[object, float]:
@@ -272,19 +281,21 @@ def decode_group(name: str, model: LlamaModel, *, context: int, args: argparse.N
     compiled = {COMPILED: model} | {f"{variant} + compiled": m for variant, m in variants.items()}
     for variant, m in variants.items():
         calls[variant] = rolled_back(m, filled(m), x)
-    setup_s = {}
+    setup_s, guarded = {}, {}
     for variant, m in compiled.items():
-        call = rolled_back(CompiledDecoder(m, **options), filled(m), x)
-        _, setup_s[variant] = timed(call)  # compiles
-        calls[variant] = guards_skipped(call)  # as a session's steps run it
-        if variant == COMPILED:
-            calls[GUARDED] = call
+        guarded[variant] = rolled_back(CompiledDecoder(m, **options), filled(m), x)
+        _, setup_s[variant] = timed(guarded[variant])  # compiles
+    skip = guards_tell_models_apart(guarded)
+    for variant, call in guarded.items():
+        calls[variant] = guards_skipped(call) if skip else call  # as a session's steps run it, where that is safe
+    if skip:
+        calls[GUARDED] = guarded[COMPILED]
     want = calls[EAGER]()
     agreement = {variant: hidden_agreement(want, call()) for variant, call in calls.items() if variant != EAGER}
     for variant, m in variants.items():
         agreement[variant]["llm_layer_bytes"] = weight_bytes(m.layers)
     agreement[EAGER] = {"llm_layer_bytes": weight_bytes(model.layers)}
-    read = {name: weight_bytes(model.layers) for name in (EAGER, COMPILED, GUARDED)}
+    read = {name: weight_bytes(model.layers) for name in (EAGER, COMPILED, GUARDED) if name in calls}
     for variant, m in variants.items():
         read[variant] = read[f"{variant} + compiled"] = weight_bytes(m.layers)
     return Group(name, calls, setup_s, agreement, read)
@@ -298,64 +309,6 @@ def layer_group(args: argparse.Namespace) -> Iterator[Group]:
         model = LlamaModel(cfg).to(args.dtype).eval()
     variants = {name: transformed(model, options) for name, options in weight_variants(args).items()}
     yield decode_group(f"7b-layer x{args.layers} decode", model, context=args.context, args=args, variants=variants)
-
-
-def copy_bandwidth(device: torch.device, mib: int, repeats: int = 10) -> float:
-    """Bytes per second a device-to-device copy of ``mib`` MiB moves (read + write counted), median of ``repeats``."""
-    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = time_ms(lambda: dst.copy_(src), repeats=repeats, warmup=2, device=device)
-    return 2 * src.numel() / (float(np.median(times)) / 1e3)
-
-
-def bandwidth_limits(groups: list[Group], results: dict, bandwidth: float) -> dict[str, dict]:
-    """Per decode row: the layer weights one token reads, the time reading them once takes at ``bandwidth``
-    (bytes/s), and the measured median against it (``x_limit``)."""
-    limits = {}
-    for group in groups:
-        for variant, nbytes in (group.weight_bytes or {}).items():
-            row = f"{group.name}: {variant}"
-            limit_ms = nbytes / bandwidth * 1e3
-            limits[row] = {"weight_bytes": nbytes, "limit_ms": limit_ms, "x_limit": results[row]["median_ms"] / limit_ms}
-    return limits
-
-
-GEMM_KERNEL = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|splitKreduce", re.IGNORECASE)  # cuBLAS / CUTLASS kernel names
-
-
-def is_gemm_kernel(name: str) -> bool:
-    """Whether a device kernel's name is a matrix multiply's (cuBLAS, cuBLASLt, CUTLASS): the part of a decode
-    that reads the weights. The rest (norms, RoPE, attention, cache writes, copies) is what fusing would cut."""
-    return bool(GEMM_KERNEL.search(name))
-
-
-def profile_decode_rows(groups: list[Group], args: argparse.Namespace) -> tuple[dict[str, dict], str]:
-    """``--profile N`` calls of every decode row under ``torch.profiler`` -> per row the wall time, the summed
-    kernel time on the device and the kernels per call (the gap between wall and kernel time is host work and
-    launch gaps: what separates a decode from its weight-bandwidth limit), and the top ops' table."""
-    cuda = args.device.type == "cuda"
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    rows, tables = {}, []
-    for group in groups:
-        for variant, call in (group.calls.items() if group.weight_bytes is not None else ()):
-            row = f"{group.name}: {variant}"
-            call()
-            synchronize(args.device)
-            with profile(activities=activities) as prof:
-                start = time.perf_counter()
-                for _ in range(args.profile):
-                    call()
-                synchronize(args.device)
-                wall_s = time.perf_counter() - start
-            kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-            gemm_us = sum(e.device_time_total for e in kernels if is_gemm_kernel(e.key))
-            rows[row] = {"wall_ms": wall_s * 1e3 / args.profile,
-                         "kernel_ms": sum(e.device_time_total for e in kernels) / 1e3 / args.profile,
-                         "gemm_ms": gemm_us / 1e3 / args.profile,
-                         "kernels_per_call": sum(e.count for e in kernels) / args.profile}  # fmt: skip
-            sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-            tables.append(f"## {row}\n{prof.key_averages().table(sort_by=sort, row_limit=15)}")
-    return rows, "\n\n".join(tables)
 
 
 def main(argv: list[str] | None = None) -> int:

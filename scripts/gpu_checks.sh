@@ -5,9 +5,9 @@
 #
 #   scripts/gpu_checks.sh [PYTHON]          # PYTHON: default .venv/bin/python if present, else python3
 #
-# PYTHON needs torch with CUDA and this project importable: `scripts/setup.sh`, or on an image that brings its
-# own torch, `PYTHON -m pip install --no-deps --no-build-isolation -e .` (the tests' own imports: pytest, numpy,
-# safetensors, tokenizers, transformers, peft, triton).
+# PYTHON needs torch with CUDA: `scripts/setup.sh`'s venv, or an image's own python (the GPU image's python3 holds
+# the tests' imports: pytest, numpy, safetensors, tokenizers, transformers, peft, triton). Where the project is not
+# installed, the script puts this tree on PYTHONPATH itself.
 #
 # OUT (default results/gpu) receives tests.log, bench_fast_7b.{json,png,profile.txt,log}, bench_fast_steps.*,
 # bench_serve.*. TESTS_S, BENCH_S, STEPS_S, SERVE_S: the parts' limits in seconds (defaults 180, 300, 100, 240).
@@ -27,6 +27,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
 "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_checks: torch sees no CUDA device')" || exit 2
+if ! "$python" -c "import vla_runtime, vla_kernels, vla_finetune" 2>/dev/null; then  # not installed: the tree itself
+    site=$(mktemp -d)  # pyproject maps vla_kernels to kernels/ and vla_finetune to finetune/
+    ln -s "$PWD/kernels" "$site/vla_kernels" && ln -s "$PWD/finetune" "$site/vla_finetune"
+    export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 "$python" -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 
 part() {  # part NAME LIMIT_S COMMAND...: run COMMAND under LIMIT_S, log to $OUT/NAME.log, print its tail and status

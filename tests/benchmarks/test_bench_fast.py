@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from vla_runtime.bench.decode_limits import is_gemm_kernel
 from vla_runtime.bench.registry import get_benchmark
 
 
@@ -87,6 +88,27 @@ def test_the_profile_tells_matrix_multiply_kernels_from_the_rest():
              "nvjet_hsh_64x32_64x16_4x1_v_bz_splitK_TNT", "void splitKreduce_kernel<32, 16, int, float>", "cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu>"]
     others = ["triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "void at::native::elementwise_kernel<128, 2>",
               "flash_fwd_splitkv_kernel", "void at::native::(anonymous namespace)::indexFuncLargeIndex<float>"]
-    bench_fast = get_benchmark("fast").load_script()
-    assert all(bench_fast.is_gemm_kernel(n) for n in gemms)
-    assert not any(bench_fast.is_gemm_kernel(n) for n in others)
+    assert all(is_gemm_kernel(n) for n in gemms)
+    assert not any(is_gemm_kernel(n) for n in others)
+
+
+def test_guards_stay_skipped_only_where_each_compiled_model_still_runs_its_own_graph(capsys):
+    """On the GPU image's torch 2.11 a bf16 model's decode, called with its guards skipped, ran the fused model's
+    graph (``KeyError: 'qkv_proj'``): the bench then evaluates every guard instead, and says why."""
+    bench = _bench_fast()
+    steady = lambda: torch.ones(2)  # noqa: E731
+    assert bench.guards_tell_models_apart({"compiled": steady, "fused + compiled": steady})
+
+    guarded_then_skipped = iter([torch.ones(2)])
+
+    def another_models_graph():  # its own graph with every guard; with guards skipped another's, which fails
+        out = next(guarded_then_skipped, None)
+        if out is None:
+            raise KeyError("qkv_proj")
+        return out
+
+    assert not bench.guards_tell_models_apart({"compiled": steady, "fused + compiled": another_models_graph})
+    assert "fused + compiled: with guards skipped it ran another model's graph (KeyError('qkv_proj'))" in capsys.readouterr().out
+    outputs = iter([torch.ones(2), torch.zeros(2)])  # guarded, then skipped: another model's output
+    assert not bench.guards_tell_models_apart({"compiled": lambda: next(outputs)})
+    assert "returned another model's output" in capsys.readouterr().out

@@ -234,3 +234,24 @@ def test_a_cuda_graphed_history_episode_acts_as_eager(tiny_openvla, frame, kv, f
         np.testing.assert_array_equal(graphed.last_tokens, eager.last_tokens)
         np.testing.assert_allclose(got.actions, want.actions, atol=1e-6)
     assert graphs_compiled() == before, "a graph was compiled in a control step"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("kv", "history"), [("full", "single"), ("chunked", "observations")])
+def test_the_token_loop_on_cuda_decodes_the_eager_tokens(tiny_openvla, frame, kv, history, fresh_dynamo):
+    """The `default` mode's one compiled call per action (``CompiledTokenLoop``) on a GPU, float32: the stock step
+    and the memory policies' mode take the loop and decode an eager GPU session's tokens, compiling nothing after
+    creation. Not run in CI here (no CUDA)."""
+    gpu = load_policy(tiny_openvla, device="cuda", dtype="float32")
+    config = SessionConfig(kv=KVConfig(mode=kv), history=history)
+    eager = gpu.new_session(INSTRUCTION, config)
+    compiled = gpu.new_session(INSTRUCTION, replace(config, compile=CompileMode.DEFAULT))
+    assert compiled._loop_ran
+    before = graphs_compiled()
+    for i in range(8):
+        obs = Observation(images={"primary": frame(i)})
+        want, got = eager.step(obs), compiled.step(obs)
+        np.testing.assert_array_equal(compiled.last_tokens, eager.last_tokens)
+        np.testing.assert_allclose(got.actions, want.actions, rtol=0, atol=1e-5)
+    assert graphs_compiled() == before, "a control step compiled: the warm-up at session creation missed a graph"
