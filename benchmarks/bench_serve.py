@@ -282,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
                         logging.warning("%d clients, %s: %.1f actions/s, p50 %.1f ms", n, name, *list(rounds[(n, name)][-1].values())[:2])
             engine = servers["batched"][0].engine
             batch_sizes, rejoin = engine.batch_sizes, {"waits": engine.rejoin_waits, "rejoined": engine.rejoined}
+            step_ms = {name: {n: float(np.median(ms)) for n, ms in sorted(s.engine.step_ms.items())}
+                       for name, (s, _, _) in servers.items()}  # fmt: skip
         finally:
             for _, thread, _ in servers.values():
                 thread.stop()
@@ -307,10 +309,17 @@ def run(args: argparse.Namespace) -> int:
               f"a robot alone, batched server p50 / one-at-a-time p50: {targets['single_robot_p50_batched_vs_one']:.2f}")  # fmt: skip
     print(f"batch sizes run by the batched server (size: forwards): {dict(sorted(batch_sizes.items()))}; "
           f"waits for robots expected back: {rejoin['waits']}, steps that joined in them: {rejoin['rejoined']}")
+    print("server forward ms by batch size (median): " + "; ".join(
+        f"{name} {', '.join(f'{n}: {ms:.1f}' for n, ms in sizes.items())}" for name, sizes in step_ms.items()))
+    largest = max(step_ms["batched"])
+    if largest > 1 and 1 in step_ms["one-at-a-time"]:  # n robots batched at most n x (one step) / (n-row step)
+        cost = step_ms["batched"][largest] / step_ms["one-at-a-time"][1]
+        print(f"a {largest}-row forward costs {cost:.2f}x one step alone: batching {largest} robots can give at most "
+              f"{largest / cost:.2f}x the one-at-a-time throughput")
     env["loadavg_end"] = os.getloadavg()
     print(f"load average at start / end: {env['loadavg_start'][0]:.1f} / {env['loadavg_end'][0]:.1f} on {env['cpus']} CPUs")
     write_json(args.out, env=env, args=args, summary=summary, targets=targets, batch_sizes=batch_sizes, rejoin=rejoin,
-               rounds={f"{n}|{name}": rs for (n, name), rs in rounds.items()})  # fmt: skip
+               step_ms=step_ms, rounds={f"{n}|{name}": rs for (n, name), rs in rounds.items()})  # fmt: skip
     return 0
 
 

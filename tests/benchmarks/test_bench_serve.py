@@ -21,6 +21,9 @@ def test_load_rounds_write_both_variants(bench, tmp_path):
     assert set(record["summary"]) == {"1|batched", "1|one-at-a-time", "2|batched", "2|one-at-a-time"}
     assert all(s["actions_per_s"] > 0 and 0 < s["p50_ms"] <= s["p95_ms"] for s in record["summary"].values())
     assert sum(int(k) * v for k, v in record["batch_sizes"].items()) == (1 + 2) * (3 + 1)  # every step of the batched server
+    step_ms = record["step_ms"]  # median forward time per batch size, each server
+    assert set(step_ms["batched"]) == set(record["batch_sizes"]) and set(step_ms["one-at-a-time"]) == {"1"}
+    assert all(ms > 0 for sizes in step_ms.values() for ms in sizes.values())
 
 
 def test_soak_counts_connections_and_no_errors(bench, tmp_path):

@@ -91,6 +91,9 @@ def test_engine_runs_queued_steps_of_several_sessions_as_one_batch(tiny_policy, 
         engine.stop()
     assert engine.batch_sizes[4] >= 1
     assert sum(n * count for n, count in engine.batch_sizes.items()) == 12
+    # every forward's time recorded under its batch size (what bench_serve reads)
+    assert {n: len(ms) for n, ms in engine.step_ms.items()} == engine.batch_sizes
+    assert all(t > 0 for ms in engine.step_ms.values() for t in ms)
 
 
 def test_engine_answers_a_refused_input_alone_and_batches_the_rest(tiny_proprio_policy, frame):

@@ -40,6 +40,7 @@ class Job:
 
 
 _STOP = object()
+STEP_MS_KEPT = 1000  # recent forwards kept per batch size (``PolicyEngine.step_ms``): bounded in a long-running server
 
 
 class PolicyEngine:
@@ -72,6 +73,7 @@ class PolicyEngine:
         self._worker: threading.Thread | None = None
         self.batch_sizes: dict[int, int] = {}  # forwards run per batch size (steps only)
         self.batch_times: deque[float] = deque(maxlen=20)  # seconds of the recent batched steps
+        self.step_ms: dict[int, deque[float]] = {}  # per batch size: ms of its recent forwards (STEP_MS_KEPT at most)
         self.rejoin_waits = 0  # gathers that waited past the window for robots expected back
         self.rejoined = 0  # steps that joined a batch during such a wait
 
@@ -219,7 +221,14 @@ class PolicyEngine:
         except Exception as e:  # noqa: BLE001
             self._fail(job, e, stepped=True)
             return
-        self._answer(job, result, start, (time.perf_counter() - start) * 1e3)
+        elapsed = (time.perf_counter() - start) * 1e3
+        self._record(1, elapsed)
+        self._answer(job, result, start, elapsed)
+
+    def _record(self, size: int, elapsed_ms: float) -> None:
+        """A forward of ``size`` steps took ``elapsed_ms``: what bounds batching's gain (an 8-row forward against
+        8 one-row ones), read by ``benchmarks/bench_serve.py``."""
+        self.step_ms.setdefault(size, deque(maxlen=STEP_MS_KEPT)).append(elapsed_ms)
 
     def _step_batch(self, steps: list[tuple[Job, object]]) -> None:
         """``policy.step_batch`` over the steps (one or several); an observation the policy refuses up front
@@ -240,6 +249,7 @@ class PolicyEngine:
         self.batch_sizes[len(steps)] = self.batch_sizes.get(len(steps), 0) + 1
         elapsed = (time.perf_counter() - start) * 1e3
         self.batch_times.append(elapsed / 1e3)
+        self._record(len(steps), elapsed)
         for (job, _), result in zip(steps, results):
             self._answer(job, result, start, elapsed)
 
