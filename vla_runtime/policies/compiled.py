@@ -24,6 +24,7 @@ cache mode, so every session of a policy with that cache shares them (and their 
 from __future__ import annotations
 
 import inspect
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -58,7 +59,7 @@ class CompiledDecoder:
     compiled ``layers_forward`` runs, the cache commits (``end_forward``); planning and committing run eagerly."""
 
     def __init__(self, model: LlamaModel, **options) -> None:
-        layers = torch.compile(model.layers_forward, **options)
+        layers = compile_apart(model.layers_forward, **options)
         self.layers = graph_output(layers) if options.get("mode") == "reduce-overhead" else layers
 
     def __call__(
@@ -84,7 +85,7 @@ class CompiledTokenLoop:
 
     def __init__(self, model: LlamaModel, **options) -> None:
         self.model = model
-        self._loop = torch.compile(greedy_tokens, fullgraph=True, **options)
+        self._loop = compile_apart(greedy_tokens, fullgraph=True, **options)
 
     def applies(self, head: TokenHead, cache: SlotCache, n: int) -> bool:
         """n tokens of a plain greedy head over a cache that traces a loop of forwards, within ``MAX_LOOP_LAYERS``."""
@@ -103,7 +104,7 @@ def step_modules(vlm: PrismaticVLM, mode: CompileMode, device: torch.device) -> 
     if mode is CompileMode.OFF:
         return StepModules(mode, vlm.embed_image, vlm.language_model.model)
     options = compile_options(mode, device)
-    vision = torch.compile(vlm.embed_image, **{**options, "dynamic": False})  # one image size: static shapes
+    vision = compile_apart(vlm.embed_image, **{**options, "dynamic": False})  # one image size: static shapes
     if mode is CompileMode.REDUCE_OVERHEAD:
         vision = graph_output(vision)
         return StepModules(mode, vision, CompiledDecoder(vlm.language_model.model, **options))
@@ -130,7 +131,7 @@ def static_call(fn: Callable[..., torch.Tensor], **options) -> Callable[..., tor
     pool under ``reduce-overhead``), called on fresh contiguous copies of its tensor arguments: a slice's strides
     (a size-1 batch dim's included, which ``contiguous`` keeps) follow the tensor it was cut from, e.g. the
     prompt's length, and a static graph guards on them, so a new instruction would recompile in a control step."""
-    compiled = torch.compile(fn, **{**options, "dynamic": False})
+    compiled = compile_apart(fn, **{**options, "dynamic": False})
     if options.get("mode") == "reduce-overhead":
         compiled = graph_output(compiled)
 
@@ -138,6 +139,24 @@ def static_call(fn: Callable[..., torch.Tensor], **options) -> Callable[..., tor
         return compiled(*map(_fresh, args), **{k: _fresh(v) for k, v in kwargs.items()})
 
     return call
+
+
+def compile_apart(fn: Callable, **options) -> Callable:
+    """``torch.compile(fn, **options)`` over a copy of ``fn``'s code object (a function, or a method bound to the
+    same object); another callable (a module) is compiled as it is. Dynamo keeps graphs, guards and the recompile
+    count on the code object, so every policy's compiled callables keep their own: two models of different layouts
+    (one with fused projections) otherwise share ``layers_forward``'s graphs, and a call with the guards skipped
+    (``SessionConfig.compile_guards`` False) may pick the other model's graph. torch 2.11 did: ``KeyError:
+    'qkv_proj'`` on an H200, 2026-11-30, the pinned torch tells them apart. A torch without
+    ``isolate_recompiles`` would also count one recompile limit for every model."""
+    func = getattr(fn, "__func__", fn)
+    if not isinstance(func, types.FunctionType):
+        return torch.compile(fn, **options)
+    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__, copy.__qualname__, copy.__module__ = func.__kwdefaults__, func.__qualname__, func.__module__
+    copy.__doc__ = func.__doc__
+    bound = types.MethodType(copy, fn.__self__) if inspect.ismethod(fn) else copy
+    return torch.compile(bound, **options)
 
 
 def _fresh(arg):
