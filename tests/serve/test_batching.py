@@ -61,12 +61,38 @@ def test_step_batch_refuses_a_bad_input_before_changing_anything(tiny_proprio_po
         RowsCache([sessions[0].cache, sessions[0].cache])
 
 
-def test_an_engine_of_a_batching_family_refuses_compiled_sessions(tiny_policy):
+def test_an_engine_of_a_batching_family_refuses_to_batch_compiled_sessions(tiny_policy):
     registry = SessionRegistry(max_sessions=8, idle_timeout_s=60)
-    for max_batch in (1, 8):  # one at a time too: step_batch is the path that refuses bad input before any change
-        with pytest.raises(ValueError, match=r"`compile` is 'default', but the server steps openvla sessions through "
-                                             r"the family's batched forward \(`step_batch`\), which runs eager"):
-            PolicyEngine(tiny_policy, SessionConfig(compile=CompileMode.DEFAULT), registry, BatchConfig(max_batch=max_batch))
+    with pytest.raises(ValueError, match=r"`compile` is 'default', but the server batches openvla steps \(max_batch 8\) "
+                                         r"through the family's batched forward .* one robot at a time \(max_batch 1, `--max-batch 1`\)"):
+        PolicyEngine(tiny_policy, SessionConfig(compile=CompileMode.DEFAULT), registry, BatchConfig(max_batch=8))
+
+
+@pytest.mark.slow  # the session's warm-up compiles (inductor, ~30 s on 2 cores)
+def test_compiled_sessions_step_alone_and_a_refused_observation_keeps_the_episode(tiny_proprio_policy, frame, monkeypatch):
+    """``max_batch`` 1 with ``compile``: each robot's step is its session's compiled step (the eager session's
+    actions; the eager batched forward is never called), and an observation the step would refuse is answered
+    before the step runs, the episode intact."""
+    monkeypatch.setattr(tiny_proprio_policy, "step_batch", lambda *a: pytest.fail("a compiled session went through step_batch"))
+    config = SessionConfig(history="history", compile=CompileMode.DEFAULT)
+    engine, (robot,) = engine_with(tiny_proprio_policy, 1, config=config, max_batch=1)
+    eager = tiny_proprio_policy.new_session("stack", SessionConfig(history="history"))
+    state = np.linspace(-1, 1, 8)
+    engine.start()
+    try:
+        first = engine.submit(robot, step(frame(0), "stack", state)).result()
+        np.testing.assert_allclose(first["actions"], eager.step(Observation(images={"primary": frame(0)}, state=state)).actions,
+                                   rtol=0, atol=1e-6)
+        with pytest.raises(BadRequest, match=r"observation `state` has shape \(3,\)") as info:
+            engine.submit(robot, step(frame(1), state=np.zeros(3))).result()
+        assert "episode was reset" not in str(info.value)
+        second = engine.submit(robot, step(frame(1), state=state)).result()
+        assert (second["episode"], second["step"]) == (0, 1)  # the same episode, its second step
+        np.testing.assert_allclose(second["actions"], eager.step(Observation(images={"primary": frame(1)}, state=state)).actions,
+                                   rtol=0, atol=1e-6)
+    finally:
+        engine.stop()
+    assert engine.batch_sizes == {1: 2}  # the refused observation never reached a forward
 
 
 def engine_with(policy, n, config=SessionConfig(history="history"), max_batch=8):

@@ -11,6 +11,8 @@
 Each connection is one robot with its own episode (cache, history); a new prompt or ``{"reset": True}``
 starts a new episode. ``--config FILE`` reads a ``ServeConfig`` YAML (observation keys, limits, batching);
 flags given on the command line override it. The token may also come from ``VLA_RUNTIME_API_TOKEN``.
+``--compile default`` (or ``reduce-overhead`` on CUDA) serves compiled sessions one robot at a time: it needs
+``--max-batch 1`` (the batched forward runs eager).
 """
 
 from __future__ import annotations

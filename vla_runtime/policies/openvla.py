@@ -118,6 +118,10 @@ class OpenVLASession(PrismaticSession):
 
     # ---- the phases of a step (``openvla_batching`` runs them for several sessions at once) ------------
 
+    def check_observation(self, obs: Observation) -> None:
+        """See ``PrismaticSession.check_observation``: the image and, with a proprio projector, the state."""
+        self.inputs(obs)
+
     def inputs(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Validate and preprocess: pixel values [1, 3 * towers, S, S] and the proprio input [1, P] (``None``
         without a proprio projector). Raises ``ValueError`` on bad input; the episode is untouched."""

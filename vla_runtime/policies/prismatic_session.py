@@ -217,6 +217,13 @@ class PrismaticSession(CompiledSession):
 
     # ---- the phases of a step --------------------------------------------------------------------
 
+    def check_observation(self, obs: Observation) -> None:
+        """``ValueError`` for an observation ``step`` would refuse (its image, its state); nothing of the episode
+        changes. What a server checks before a step it runs alone (``serve`` with ``compile``), as ``step_batch``
+        checks every row first."""
+        self.pixels(obs)
+        self._proprio_tokens(obs)
+
     def pixels(self, obs: Observation) -> torch.Tensor:
         """The primary camera's pixel values [1, 3 * towers, S, S] (``ValueError`` for a missing or bad image;
         nothing of the episode changes)."""

@@ -61,11 +61,14 @@ class PolicyEngine:
         # a policy with step_batch checks every input before touching an episode, so its steps (one or several)
         # go through step_batch: a refused input then costs its session nothing
         self.checks_inputs_first = bool(getattr(policy, "batched_steps", False))
-        if self.checks_inputs_first and session_config.compile is not CompileMode.OFF:
+        # compiled sessions step one at a time through their own compiled step, their observation checked first
+        self.checks_alone = self.checks_inputs_first and session_config.compile is not CompileMode.OFF
+        if self.checks_alone and self.batch.max_batch > 1:
             raise ValueError(
-                f"`compile` is {session_config.compile.value!r}, but the server steps {policy.name} sessions through "
-                "the family's batched forward (`step_batch`), which runs eager: every session would compile and warm "
-                f"up at creation and never run the graphs. Serve with compile {CompileMode.OFF.value!r}"
+                f"`compile` is {session_config.compile.value!r}, but the server batches {policy.name} steps (max_batch "
+                f"{self.batch.max_batch}) through the family's batched forward (`step_batch`), which runs eager: the "
+                "sessions would compile at creation and never run the graphs. Serve compiled sessions one robot at a "
+                f"time (max_batch 1, `--max-batch 1`), or batched with compile {CompileMode.OFF.value!r}"
             )
         self.batched = self.batch.max_batch > 1 and self.checks_inputs_first
         self._queue: queue.Queue = queue.Queue()
@@ -208,12 +211,18 @@ class PolicyEngine:
                 job.future.set_result({"reset": True, "episode": job.robot.episode})
             else:
                 steps.append((job, session))
-        if len(steps) == 1 and not self.checks_inputs_first:
+        if len(steps) == 1 and (self.checks_alone or not self.checks_inputs_first):
             self._step_alone(*steps[0])
         elif steps:
             self._step_batch(steps)
 
     def _step_alone(self, job: Job, session) -> None:
+        if self.checks_alone:  # a refused observation costs its episode nothing, as in ``_step_batch``
+            try:
+                session.check_observation(job.request.observation)
+            except (ValueError, KeyError) as e:
+                self._fail(job, e, stepped=False)
+                return
         self.batch_sizes[1] = self.batch_sizes.get(1, 0) + 1
         start = time.perf_counter()
         try:
