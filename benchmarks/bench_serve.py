@@ -9,7 +9,9 @@ prompts of different lengths; a client sends a step every ``1 / --rate-hz`` s (a
 reply came late; ``--rate-hz 0``: as fast as replies come). Reported per variant: aggregate actions/s and
 p50/p95 step latency (send -> reply, milliseconds), each the median over rounds; ratios batched /
 one-at-a-time. The issue's targets (CPU, small geometry): 8 robots at >= 3x the aggregate actions/s of
-one-at-a-time, with p95 latency <= 2x a single robot's.
+one-at-a-time, with p95 latency <= 2x a single robot's. ``--compile default`` (or ``reduce-overhead`` on CUDA)
+adds a third server, one at a time with compiled sessions (``serve --compile ... --max-batch 1``; each robot's
+session compiles and warms up when it connects, in its untimed steps).
 
     python benchmarks/bench_serve.py --threads 1 --repeats 3                   # small decoder (512 x 8)
     python benchmarks/bench_serve.py --llm tiny --steps 20 --repeats 3         # the test geometry, a quick look
@@ -32,12 +34,14 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from vla_runtime.bench.harness import environment, pinned_threads, write_json
 
+COMPILED = "one at a time, compiled"  # the third server of --compile
 PROMPTS = ["pick up the red cube", "open the top drawer", "put the blue block on the green plate near the bowl",
            "close it", "push the button", "stack the cups on the left side of the table", "reach the goal", "wipe"]  # fmt: skip
 
@@ -61,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the batched server's wait for robots expected back, as a fraction of its batch time (0: off)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads of the server (pinned)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--compile", dest="compile_mode", choices=["default", "reduce-overhead"],
+                   help="also a third server, one at a time with compiled sessions (`serve --compile ... --max-batch 1`)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--soak", type=float, default=0.0, help="seconds of connect/step/disconnect churn instead (see above)")
     p.add_argument("--out", type=Path, default=Path("results/bench_serve.json"))
@@ -244,12 +250,15 @@ def run(args: argparse.Namespace) -> int:
     # the load average matters on a shared machine
     env = environment(device=args.device, threads=args.threads, cpus=os.cpu_count(), loadavg_start=os.getloadavg())
     session = SessionConfig(history=args.history, kv=KVConfig(mode=args.kv))
-    variants = {"batched": BatchConfig(max_batch=args.max_batch, window_ms=args.window_ms, rejoin_fraction=args.rejoin_fraction), "one-at-a-time": BatchConfig(max_batch=1)}
+    variants = {"batched": (session, BatchConfig(max_batch=args.max_batch, window_ms=args.window_ms, rejoin_fraction=args.rejoin_fraction)),
+                "one-at-a-time": (session, BatchConfig(max_batch=1))}  # fmt: skip
+    if args.compile_mode:  # each robot's session compiles (and warms up) when it connects: in the untimed steps
+        variants[COMPILED] = (replace(session, compile=args.compile_mode), BatchConfig(max_batch=1))
     with tempfile.TemporaryDirectory() as tmp:
         policy = make_policy(args, Path(tmp))
         servers = {}
-        for name, batch in variants.items():
-            server = build_server(policy, session, ServeConfig(port=0, max_sessions=max(args.clients), batch=batch))
+        for name, (config, batch) in variants.items():
+            server = build_server(policy, config, ServeConfig(port=0, max_sessions=max(args.clients), batch=batch))
             thread = ServerThread(server)
             servers[name] = (server, thread, thread.start())
         if args.soak:
@@ -291,13 +300,14 @@ def run(args: argparse.Namespace) -> int:
     summary = {f"{n}|{name}": {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for (n, name), rs in rounds.items()}
     print(f"{args.llm} geometry, {args.history} mode, {args.kv} cache, {args.threads} thread(s), {args.rate_hz:g} Hz per client ({args.phases}), "
           f"{args.steps} steps x {args.repeats} rounds (medians)")  # fmt: skip
-    print(f"{'clients':>7} | {'variant':13} | {'actions/s':>9} | {'p50 ms':>8} | {'p95 ms':>8} | batched/one-at-a-time actions/s")
+    print(f"{'clients':>7} | {'variant':23} | {'actions/s':>9} | {'p50 ms':>8} | {'p95 ms':>8} | batched/one-at-a-time actions/s")
     for n in args.clients:
         for name in variants:
             s = summary[f"{n}|{name}"]
             ratio = summary[f"{n}|batched"]["actions_per_s"] / summary[f"{n}|one-at-a-time"]["actions_per_s"]
-            print(f"{n:7d} | {name:13} | {s['actions_per_s']:9.1f} | {s['p50_ms']:8.1f} | {s['p95_ms']:8.1f} |"
-                  + (f" {ratio:.2f}" if name == "batched" else ""))  # fmt: skip
+            compiled = s["actions_per_s"] / summary[f"{n}|one-at-a-time"]["actions_per_s"]
+            print(f"{n:7d} | {name:23} | {s['actions_per_s']:9.1f} | {s['p50_ms']:8.1f} | {s['p95_ms']:8.1f} |"
+                  + {"batched": f" {ratio:.2f}", COMPILED: f" ({compiled:.2f} of one-at-a-time eager)"}.get(name, ""))  # fmt: skip
     targets = {}
     if 1 in args.clients and 8 in args.clients:
         b8, o8, b1 = summary["8|batched"], summary["8|one-at-a-time"], summary["1|batched"]

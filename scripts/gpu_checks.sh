@@ -13,6 +13,8 @@
 # bench_serve.*. TESTS_S, BENCH_S, STEPS_S, SERVE_S: the parts' limits in seconds (defaults 180, 300, 100, 300).
 # GPU_TESTS: the test paths / -k expression for the tests part (default: tests, every `gpu` case; on an H200 with
 # torch 2.11 each compiled-session case compiles its own graphs, ~45 s apiece, so the whole set outruns 180 s).
+# SERVE_ARGS: more bench_serve.py arguments (e.g. "--compile reduce-overhead": a third server, compiled sessions one
+# robot at a time under CUDA graphs, beside the eager batched one; "--clients 1 8" replaces the default counts).
 # BENCH_ARGS: more bench_fast.py arguments for the 7B part (e.g. "--quantized": bf16 and fused rows, no int8/int4: ~130 s less).
 # PARTS: which parts, in order (default "tests bench_fast_7b bench_fast_steps": under 10 minutes, one device call;
 # "serve" is issue 19's load benchmark on the GPU, for a second call). The 7B bench compiles three 32-layer
@@ -59,7 +61,7 @@ for name in ${PARTS:-tests bench_fast_7b bench_fast_steps}; do
     bench_fast_steps) part bench_fast_steps "${STEPS_S:-100}" "$python" benchmarks/bench_fast.py --device cuda --geometry all \
         --repeats 50 --out "$OUT/bench_fast_steps" ;;
     serve) serve_deps && part bench_serve "${SERVE_S:-300}" "$python" benchmarks/bench_serve.py --device cuda --repeats 3 \
-        --clients 1 2 4 8 --out "$OUT/bench_serve.json" ;;
+        --clients 1 2 4 8 ${SERVE_ARGS:-} --out "$OUT/bench_serve.json" ;;
     *) echo "gpu_checks: unknown part '$name' (tests, bench_fast_7b, bench_fast_steps, serve)" >&2; exit 2 ;;
     esac
 done

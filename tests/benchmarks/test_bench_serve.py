@@ -31,3 +31,14 @@ def test_soak_counts_connections_and_no_errors(bench, tmp_path):
     assert bench.main(["--llm", "tiny", "--soak", "2", "--clients", "2", "--out", str(out)]) == 0
     soak = json.loads(out.read_text())["soak"]
     assert soak["connections"] >= 1 and soak["steps"] >= 1 and soak["errors"] == [] and soak["sessions_left"] == 0
+
+
+@pytest.mark.slow  # the third server's sessions compile (inductor, ~30 s on 2 cores)
+def test_compile_adds_a_server_of_compiled_sessions_one_at_a_time(bench, tmp_path):
+    out = tmp_path / "serve.json"
+    args = ["--llm", "tiny", "--clients", "1", "--steps", "2", "--warmup", "1", "--repeats", "1", "--rate-hz", "0",
+            "--compile", "default", "--out", str(out)]
+    assert bench.main(args) == 0
+    record = json.loads(out.read_text())
+    assert set(record["summary"]) == {f"1|{v}" for v in ("batched", "one-at-a-time", bench.COMPILED)}
+    assert set(record["step_ms"][bench.COMPILED]) == {"1"}  # its forwards: one robot's compiled step at a time
