@@ -13,8 +13,9 @@
 # bench_serve.*. TESTS_S, BENCH_S, STEPS_S, SERVE_S: the parts' limits in seconds (defaults 180, 300, 100, 300).
 # GPU_TESTS: the test paths / -k expression for the tests part (default: tests, every `gpu` case; on an H200 with
 # torch 2.11 each compiled-session case compiles its own graphs, ~45 s apiece, so the whole set outruns 180 s).
-# SERVE_ARGS: more bench_serve.py arguments (e.g. "--compile reduce-overhead": a third server, compiled sessions one
-# robot at a time under CUDA graphs, beside the eager batched one; "--clients 1 8" replaces the default counts).
+# SERVE_ARGS: more bench_serve.py arguments (e.g. "--compile default": a third server, compiled sessions one robot at
+# a time, beside the eager batched one; "--clients 1 8" replaces the default counts). With "--compile reduce-overhead"
+# the robots' sessions alternate over shared CUDA graphs whose static inputs (their caches) change: torch re-records.
 # BENCH_ARGS: more bench_fast.py arguments for the 7B part (e.g. "--quantized": bf16 and fused rows, no int8/int4: ~130 s less).
 # PARTS: which parts, in order (default "tests bench_fast_7b bench_fast_steps": under 10 minutes, one device call;
 # "serve" is issue 19's load benchmark on the GPU, for a second call). The 7B bench compiles three 32-layer

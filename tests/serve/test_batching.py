@@ -68,6 +68,14 @@ def test_an_engine_of_a_batching_family_refuses_to_batch_compiled_sessions(tiny_
         PolicyEngine(tiny_policy, SessionConfig(compile=CompileMode.DEFAULT), registry, BatchConfig(max_batch=8))
 
 
+def test_cuda_graphed_sessions_of_several_robots_are_warned_about(tiny_policy, caplog):
+    for sessions, warned in ((2, True), (1, False)):
+        caplog.clear()
+        registry = SessionRegistry(max_sessions=sessions, idle_timeout_s=60)
+        PolicyEngine(tiny_policy, SessionConfig(compile=CompileMode.REDUCE_OVERHEAD), registry, BatchConfig(max_batch=1))
+        assert ("torch re-records a graph when such an address changes" in caplog.text) is warned
+
+
 @pytest.mark.slow  # the session's warm-up compiles (inductor, ~30 s on 2 cores)
 def test_compiled_sessions_step_alone_and_a_refused_observation_keeps_the_episode(tiny_proprio_policy, frame, monkeypatch):
     """``max_batch`` 1 with ``compile``: each robot's step is its session's compiled step (the eager session's

@@ -71,6 +71,14 @@ class PolicyEngine:
                 f"time (max_batch 1, `--max-batch 1`), or batched with compile {CompileMode.OFF.value!r}"
             )
         self.batched = self.batch.max_batch > 1 and self.checks_inputs_first
+        if session_config.compile is CompileMode.REDUCE_OVERHEAD and registry.max_sessions > 1:
+            log.warning(
+                "compile %r with up to %d sessions: every session's cache buffers are static addresses of the shared "
+                "CUDA graphs, and torch re-records a graph when such an address changes (a step of another robot), "
+                "past a limit giving up its CUDA graphs (torch's mark_static_address docs; not measured here); %r "
+                "compiles without CUDA graphs",
+                CompileMode.REDUCE_OVERHEAD.value, registry.max_sessions, CompileMode.DEFAULT.value,
+            )
         self._queue: queue.Queue = queue.Queue()
         self._carry: list[Job] = []  # a job taken while gathering that must wait for the next batch
         self._worker: threading.Thread | None = None
