@@ -55,13 +55,7 @@ import torch
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.bench.decode_limits import Group, bandwidth_limits, copy_bandwidth, profile_decode_rows
 from vla_runtime.bench.harness import (
-    environment,
-    plot_medians,
-    print_ratio_table,
-    ratio_table,
-    seeded_main,
-    time_interleaved,
-    write_json,
+    environment, plot_medians, print_ratio_table, ratio_table, seeded_main, time_interleaved, write_json,
 )  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.checkpoints.tiny_openvla_oft import make_tiny_openvla_oft

@@ -231,7 +231,6 @@ class PolicyEngine:
             except (ValueError, KeyError) as e:
                 self._fail(job, e, stepped=False)
                 return
-        self.batch_sizes[1] = self.batch_sizes.get(1, 0) + 1
         start = time.perf_counter()
         try:
             result = session.step(job.request.observation)
@@ -243,8 +242,9 @@ class PolicyEngine:
         self._answer(job, result, start, elapsed)
 
     def _record(self, size: int, elapsed_ms: float) -> None:
-        """A forward of ``size`` steps took ``elapsed_ms``: what bounds batching's gain (an 8-row forward against
-        8 one-row ones), read by ``benchmarks/bench_serve.py``."""
+        """A forward of ``size`` steps ran and took ``elapsed_ms`` (``batch_sizes``, ``step_ms``: what bounds
+        batching's gain, an 8-row forward against 8 one-row ones, read by ``benchmarks/bench_serve.py``)."""
+        self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
         self.step_ms.setdefault(size, deque(maxlen=STEP_MS_KEPT)).append(elapsed_ms)
 
     def _step_batch(self, steps: list[tuple[Job, object]]) -> None:
@@ -263,7 +263,6 @@ class PolicyEngine:
             for job, _ in steps:
                 self._fail(job, e, stepped=True)
             return
-        self.batch_sizes[len(steps)] = self.batch_sizes.get(len(steps), 0) + 1
         elapsed = (time.perf_counter() - start) * 1e3
         self.batch_times.append(elapsed / 1e3)
         self._record(len(steps), elapsed)
