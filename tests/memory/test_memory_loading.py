@@ -4,6 +4,7 @@ speed -- decides the times). What is loaded is exactly what is needed, every sch
 same numbers, and overlapping the loads with compute beats loading them serially."""
 
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -76,3 +77,34 @@ def test_balanced_loading_preloads_deeper_layers_when_the_link_is_idle(slow_laye
     res = engine.run(prompt)
     assert max(res.load_ahead) >= 2
     assert res.stats.loader_stall_ms < 27 * 2.0
+
+
+class CountingStore(KVStore):
+    """Records every transfer: (layer, the units it moved)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.transfers: list[tuple[int, tuple[str, ...]]] = []
+
+    def read_layers(self, reads, layer, *, non_blocking=False):
+        self.transfers.append((layer, tuple(r.key for r in reads)))
+        return super().read_layers(reads, layer, non_blocking=non_blocking)
+
+
+@pytest.mark.parametrize("schedule", ["serial", "next_layer", "balanced"])
+def test_segments_that_drop_out_together_load_as_one_transfer_per_layer(tiny_lm, schedule):
+    """27 (segment, layer) loads in 10 transfers: the prefix and s0 (exact) at layers 0-3, the 4 segments
+    dropped after layer 0 at layers 1-3, the 3 after layer 1 at layers 2-3, the last after layer 2 at 3."""
+    prompt = make_prompt(lengths=LENGTHS, joint=tuple((i,) for i in range(len(LENGTHS))))
+    store = CountingStore(StoreConfig([TierConfig("host", 1 << 26)]))
+    engine = MemoryPrefill(tiny_lm, store, PrefillConfig(method="keep", ratios=RATIOS, load_schedule=schedule))
+    engine.run(prompt)  # builds the units
+    store.transfers.clear()
+    res = engine.run(prompt)
+    assert len(res.load_log) == 27
+    assert sorted(len(units) for _, units in store.transfers) == [1] + [2] * 4 + [3] * 2 + [4] * 3
+    assert sorted(layer for layer, _ in store.transfers) == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]
+    # the log lists, per layer, as many (module, layer) loads as the transfers moved units, nothing twice
+    per_layer = lambda pairs: sorted(Counter(layer for _, layer in pairs).items())  # noqa: E731
+    assert per_layer(res.load_log) == per_layer((u, layer) for layer, units in store.transfers for u in units)
+    assert len(set(res.load_log)) == 27

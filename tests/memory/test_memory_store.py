@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vla_runtime.memory import KVStore, StoreConfig, TierConfig, UnitKV
+from vla_runtime.memory.store import LayerRead
 
 
 def unit(seed, n=4, layers=2):
@@ -65,6 +66,22 @@ def test_throttled_tier_honours_its_bandwidth():
     t0 = time.perf_counter()
     store.read_layer("a", 0, 0, 4, k, v)
     assert time.perf_counter() - t0 >= 0.05
+
+
+def test_read_layers_moves_several_units_in_one_transfer_at_the_links_bandwidth():
+    """Each unit's slice lands in its own buffers, and the emulated link is waited out for the total."""
+    store = KVStore(StoreConfig([TierConfig("host", 1 << 20, bandwidth=UNIT_BYTES / 2 / 0.05)]))  # a layer in 50 ms
+    for i, name in enumerate("abc"):
+        store.put(name, unit(i))
+    outs = {name: (torch.empty(2, 3, 8), torch.empty(2, 3, 8)) for name in "abc"}
+    t0 = time.perf_counter()
+    moved = store.read_layers([LayerRead(name, 1, 4, *outs[name]) for name in "abc"], 1)
+    assert time.perf_counter() - t0 >= 3 * 0.05 * 3 / 4  # three units' 3 of 4 tokens
+    assert moved == 3 * 2 * outs["a"][0].numel() * 4
+    for i, name in enumerate("abc"):
+        torch.testing.assert_close(outs[name][0], unit(i).k[1, :, 1:4], rtol=0, atol=0)
+        torch.testing.assert_close(outs[name][1], unit(i).v[1, :, 1:4], rtol=0, atol=0)
+    assert store.stats()["host"].reads == 3
 
 
 def test_bad_configs_name_the_problem():

@@ -30,7 +30,7 @@ def add_sim_args(parser: argparse.ArgumentParser, *, sims: tuple[str, ...]) -> N
     parser.add_argument("--max-steps", type=int, default=None, help="step limit per episode (Meta-World default and maximum 500)")
     parser.add_argument("--seed", type=int, default=0, help="first seed; episode i uses seed+i (Meta-World: seed %% 50 picks the scene variation)")
     parser.add_argument("--memory-delays", type=parse_delays, default=None, metavar="LOW:HIGH",
-                        help="memory-reference and memory-order: draw the delay per seed over LOW..HIGH steps instead of "
+                        help="memory-reference, -tally and -order: draw the delay per seed over LOW..HIGH steps instead of "
                              "20..60 (conditions a policy was not trained on; the step limit grows with the delay)")
 
 

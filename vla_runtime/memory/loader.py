@@ -1,8 +1,11 @@
 """Layer-balanced loading of stored KV into a running prefill (KEEP §4.3).
 
-The prefill tells the loader, as soon as it knows, that segment ``m`` needs its stored KV from layer
-``l`` on (it is no longer recomputed; the selected set only shrinks, so it is needed for every deeper
-layer too). The loader runs those ``(m, layer)`` jobs lowest layer first on its own thread:
+The prefill tells the loader, as soon as it knows, that segments ``ms`` need their stored KV from layer
+``l`` on (they are no longer recomputed; the selected set only shrinks, so it is needed for every deeper
+layer too). The segments that drop out together form one job per layer -- one transfer of their KV of
+that layer, not one per segment (on a throttled link a job per ``(segment, layer)`` woke the loader
+thread about a thousand times per KEEP prefill, and every wake-up took the interpreter from the compute
+thread). The loader runs those ``(ms, layer)`` jobs lowest layer first on its own thread:
 
 * ``balanced``: every known job is runnable at once, so while layer ``i`` computes the loader first
   finishes layer ``i+1`` and then, instead of idling, preloads deeper layers of segments that can no
@@ -21,11 +24,11 @@ import heapq
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-LoadFn = Callable[[str, int], int]  # (module id, layer) -> bytes moved
+LoadFn = Callable[[tuple[str, ...], int], int]  # (module ids, layer) -> bytes moved
 
 
 class LayerLoader:
@@ -34,14 +37,14 @@ class LayerLoader:
         self.n_layers = n_layers
         self.schedule = schedule
         self.device = device
-        self.log: list[tuple[str, int]] = []  # (module, layer) in load order
+        self.log: list[tuple[str, int]] = []  # (module, layer) in load order (a job's modules in its order)
         self.ahead: list[int] = []  # per load: its layer minus the layer computing when it finished
         self._computing = 0
         self.bytes = 0
         self.stall_s = 0.0  # time the compute thread waited for loads
         self._cv = threading.Condition()
-        self._heap: list[tuple[int, int, str]] = []
-        self._held: dict[int, list[str]] = defaultdict(list)  # jobs not yet runnable (next_layer / serial)
+        self._heap: list[tuple[int, int, tuple[str, ...]]] = []  # (layer, order of arrival, modules)
+        self._held: dict[int, list[tuple[str, ...]]] = defaultdict(list)  # jobs not yet runnable (next_layer / serial)
         self._pending = [0] * n_layers  # jobs added and not finished, per layer
         self._seq = 0
         self._horizon = -1  # highest runnable layer
@@ -60,16 +63,20 @@ class LayerLoader:
             self._thread.start()
 
     # ---- compute-thread side --------------------------------------------------------------------
-    def need(self, module: str, layers) -> None:
-        """``module`` needs its stored KV at ``layers`` (a dropped segment: every layer from the drop on)."""
+    def need(self, modules: Sequence[str], layers) -> None:
+        """``modules`` need their stored KV at ``layers`` (segments dropped together: every layer from the
+        drop on); one job per layer loads them all."""
+        job = tuple(modules)
+        if not job:
+            return
         with self._cv:
             for layer in layers:
                 self._pending[layer] += 1
                 if layer <= self._horizon:
-                    heapq.heappush(self._heap, (layer, self._seq, module))
+                    heapq.heappush(self._heap, (layer, self._seq, job))
                     self._seq += 1
                 else:
-                    self._held[layer].append(module)
+                    self._held[layer].append(job)
             self._cv.notify_all()
 
     def begin_layer(self, layer: int) -> None:
@@ -81,8 +88,8 @@ class LayerLoader:
         with self._cv:
             self._horizon = max(self._horizon, layer + 1)
             for lay in [x for x in self._held if x <= self._horizon]:
-                for module in self._held.pop(lay):
-                    heapq.heappush(self._heap, (lay, self._seq, module))
+                for job in self._held.pop(lay):
+                    heapq.heappush(self._heap, (lay, self._seq, job))
                     self._seq += 1
             self._cv.notify_all()
 
@@ -90,8 +97,8 @@ class LayerLoader:
         """Return once every job of ``layer`` is done (and, on CUDA, ordered before later kernels)."""
         t0 = time.perf_counter()
         if self.schedule == "serial":
-            for module in self._held.pop(layer, []):
-                self._finish(module, layer, *self._execute(module, layer))
+            for job in self._held.pop(layer, []):
+                self._finish(job, layer, *self._execute(job, layer))
             self.stall_s += time.perf_counter() - t0
             return
         with self._cv:
@@ -113,22 +120,22 @@ class LayerLoader:
             self._thread.join()
 
     # ---- loader-thread side ---------------------------------------------------------------------
-    def _execute(self, module: str, layer: int) -> tuple[int, "torch.cuda.Event | None"]:
+    def _execute(self, job: tuple[str, ...], layer: int) -> tuple[int, "torch.cuda.Event | None"]:
         if self._stream is None:
-            return self._load(module, layer), None
+            return self._load(job, layer), None
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._ready)  # without it a copy can land before a pending write to its buffer
-            nbytes = self._load(module, layer)
+            nbytes = self._load(job, layer)
             event = torch.cuda.Event()
             event.record(self._stream)
         return nbytes, event
 
-    def _finish(self, module: str, layer: int, nbytes: int, event) -> None:
+    def _finish(self, job: tuple[str, ...], layer: int, nbytes: int, event) -> None:
         with self._cv:
             if event is not None:
                 self._events[layer] = event  # a layer's jobs run in order on one stream: the last event covers them
-            self.log.append((module, layer))
-            self.ahead.append(layer - self._computing)
+            self.log.extend((module, layer) for module in job)
+            self.ahead.extend([layer - self._computing] * len(job))
             self.bytes += nbytes
             self._pending[layer] -= 1
             self._cv.notify_all()
@@ -141,12 +148,12 @@ class LayerLoader:
                     self._cv.wait()
                 if not self._heap:
                     return
-                layer, _, module = heapq.heappop(self._heap)
+                layer, _, job = heapq.heappop(self._heap)
             try:
-                result = self._execute(module, layer)
+                result = self._execute(job, layer)
             except Exception as e:  # handed to the compute thread, which re-raises it in wait()
                 with self._cv:
                     self._error = e
                     self._cv.notify_all()
                 return
-            self._finish(module, layer, *result)
+            self._finish(job, layer, *result)

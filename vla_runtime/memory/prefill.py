@@ -9,8 +9,9 @@ absolute positions, and attends with a true causal mask by position (a row sees 
 ``pos[j] <= pos[row]``). Values and rotated keys land directly in a ``FullCache`` (written through its
 ``buffers``, then ``hold``) that afterwards holds the whole prompt, so decoding continues with the ordinary model forward.
 
-The paper's three interfaces: ``load_memory(memory_id, layer_id)``, ``prefill_layer(input, layer_id,
-kv)`` and ``importance_evaluation(layer_id, memory_ids, attention)``.
+The paper's three interfaces: ``load_memory(memory_id, layer_id)`` (the loader calls ``load_memories``:
+the memories that drop out of recomputation together, one transfer per layer), ``prefill_layer(input,
+layer_id, kv)`` and ``importance_evaluation(layer_id, memory_ids, attention)``.
 
 Units missing from the store (new or changed segments, groups that turned static or dynamic) are
 prefilled first, in one forward where every unit sees the system prefix (then the prompt's
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +38,7 @@ from .importance import SegmentAttention, propagate_importance
 from .loader import LayerLoader
 from .methods import METHODS, Module, Plan, RecomputeMethod
 from .prompt import MemoryPrompt
-from .store import KVStore, UnitKV, content_key
+from .store import KVStore, LayerRead, UnitKV, content_key
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +196,7 @@ class PrefillRun:
         if bool((nxt & ~self.computed).any()):
             raise AssertionError(f"{self.method.name}: layer {layer + 1} would compute rows layer {layer} did not")
         newly = self.needed_from_stored(nxt) - self.needed_from_stored(self.computed)
-        for mid in sorted(newly, key=lambda m: self.modules[m].start):
-            self.loader.need(mid, range(layer + 1, self.n_layers))
+        self.loader.need(sorted(newly, key=lambda m: self.modules[m].start), range(layer + 1, self.n_layers))
         self.next_computed = nxt
 
     def record(self) -> None:
@@ -260,13 +261,19 @@ class MemoryPrefill:
     def load_memory(self, memory_id: str, layer_id: int) -> int:
         """Copy memory ``memory_id``'s stored KV of layer ``layer_id`` into the running prefill's buffers
         (keys pre-RoPE; they are rotated to their new positions at attention). Returns bytes moved."""
+        return self.load_memories([memory_id], layer_id)
+
+    def load_memories(self, memory_ids: Sequence[str], layer_id: int) -> int:
+        """``load_memory`` of several memories at one layer, as one transfer from the store (the loader's
+        job for the segments that dropped out of recomputation together). Returns bytes moved."""
         run = self._run
-        m = run.modules[memory_id]
-        a, b = m.start, m.end
-        return self.store.read_layer(
-            m.unit, layer_id, m.offset, m.offset + m.length,
-            run.k_pre[layer_id, :, a:b], run.out.buffers(b)[1][layer_id, 0, :, a:b], non_blocking=self.device.type == "cuda",
-        )  # fmt: skip
+        reads = []
+        for mid in memory_ids:
+            m = run.modules[mid]
+            a, b = m.start, m.end
+            reads.append(LayerRead(m.unit, m.offset, m.offset + m.length, run.k_pre[layer_id, :, a:b],
+                                   run.out.buffers(b)[1][layer_id, 0, :, a:b]))  # fmt: skip
+        return self.store.read_layers(reads, layer_id, non_blocking=self.device.type == "cuda")
 
     def prefill_layer(self, input: torch.Tensor, layer_id: int, kv: PrefillRun) -> tuple[torch.Tensor, PrefillRun]:
         """Run decoder layer ``layer_id`` on the computed rows ``input: [1, T, dim]`` against ``kv``.
@@ -360,15 +367,14 @@ class MemoryPrefill:
             t_built = time.perf_counter()
             run = PrefillRun(self, prompt, plan, ctx, self._out_cache(prompt.n_tokens))
             self._run = run
-            loader = LayerLoader(self.load_memory, cfg.n_layers, self.config.load_schedule, device=self.device)
+            loader = LayerLoader(self.load_memories, cfg.n_layers, self.config.load_schedule, device=self.device)
             run.loader = loader
             try:
                 needed = run.needed_from_stored(run.computed)
-                for m in plan.modules:
-                    if m.id in needed:
-                        loader.need(m.id, range(cfg.n_layers))
-                    elif m.unit is not None and plan.stored_value_layers:  # CacheBlend compares with stored values
-                        loader.need(m.id, sorted(plan.stored_value_layers))
+                loader.need([m.id for m in plan.modules if m.id in needed], range(cfg.n_layers))
+                if plan.stored_value_layers:  # CacheBlend compares with the stored values of the others
+                    others = [m.id for m in plan.modules if m.unit is not None and m.id not in needed]
+                    loader.need(others, sorted(plan.stored_value_layers))
                 ids = torch.tensor(prompt.token_ids(), device=self.device)
                 x = self.model.model.embed_tokens(ids[run.rows])[None]  # [1, T, dim]
                 for layer in range(cfg.n_layers):

@@ -6,7 +6,7 @@ is over its byte budget its least recently used units move one tier down, and th
 them. Units in use by a running prefill are pinned (never moved or dropped while pinned).
 
 ``read_layer`` copies one layer of a unit's token range into caller buffers -- the load the KEEP
-prefill issues per (segment, layer). A tier can emulate a slower link (``bandwidth``) so the loading
+prefill needs per (segment, layer); ``read_layers`` moves one layer of several units as one transfer. A tier can emulate a slower link (``bandwidth``) so the loading
 schedule can be studied on a machine without one.
 """
 
@@ -57,6 +57,17 @@ class UnitKV:
     @property
     def n_tokens(self) -> int:
         return self.k.shape[2]
+
+
+@dataclass
+class LayerRead:
+    """One unit's part of a layer load: tokens ``[start, end)`` of unit ``key`` into ``out_k, out_v: [Hkv, end - start, D]``."""
+
+    key: str
+    start: int
+    end: int
+    out_k: torch.Tensor
+    out_v: torch.Tensor
 
 
 @dataclass
@@ -262,18 +273,28 @@ class KVStore:
 
         Returns the bytes moved. Honours the tier's emulated ``bandwidth`` (sleeps out the difference).
         """
+        return self.read_layers([LayerRead(key, start, end, out_k, out_v)], layer, non_blocking=non_blocking)
+
+    def read_layers(self, reads: list[LayerRead], layer: int, *, non_blocking: bool = False) -> int:
+        """Copy layer ``layer`` of several units' token ranges, one transfer: the bytes of every read are
+        moved first, then an emulated ``bandwidth`` is waited out once for the total (as one DMA of a
+        descriptor list, not one wake-up per unit). Returns the bytes moved."""
         t0 = time.perf_counter()
-        with self._lock:
-            tier = self._find(key)
-            k, v = tier.layer(key, layer, start, end)
-        out_k.copy_(k, non_blocking=non_blocking)
-        out_v.copy_(v, non_blocking=non_blocking)
-        nbytes = k.numel() * k.element_size() + v.numel() * v.element_size()
-        with self._lock:
-            tier.stats.reads += 1
-            tier.stats.bytes_read += nbytes
-        if tier.cfg.bandwidth is not None:
-            wait = nbytes / tier.cfg.bandwidth - (time.perf_counter() - t0)
-            if wait > 0:
-                time.sleep(wait)
-        return nbytes
+        link_s, total = 0.0, 0
+        for r in reads:
+            with self._lock:
+                tier = self._find(r.key)
+                k, v = tier.layer(r.key, layer, r.start, r.end)
+            r.out_k.copy_(k, non_blocking=non_blocking)
+            r.out_v.copy_(v, non_blocking=non_blocking)
+            nbytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+            with self._lock:
+                tier.stats.reads += 1
+                tier.stats.bytes_read += nbytes
+            total += nbytes
+            if tier.cfg.bandwidth is not None:
+                link_s += nbytes / tier.cfg.bandwidth
+        wait = link_s - (time.perf_counter() - t0)
+        if wait > 0:
+            time.sleep(wait)
+        return total

@@ -56,7 +56,7 @@ class MetaWorldConfig:
         flip_images: rotate images 180 degrees so the scene is upright.
         benchmark_seed: seed MT1 uses to generate each task's 50 variations.
         actions: the 7-D -> 4-D action mapping.
-        memory_delays: memory tasks with a delay (reference, order): draw it per seed uniform over (low, high)
+        memory_delays: memory tasks with a delay (reference, tally, order): draw it per seed uniform over (low, high)
             steps instead of 20..60 (``None``), the cue and layout unchanged; an evaluation under delays the
             policy was not trained on. The episode's step limit grows with a delay beyond 60.
     """
