@@ -6,8 +6,9 @@ is over its byte budget its least recently used units move one tier down, and th
 them. Units in use by a running prefill are pinned (never moved or dropped while pinned).
 
 ``read_layer`` copies one layer of a unit's token range into caller buffers -- the load the KEEP
-prefill needs per (segment, layer); ``read_layers`` moves one layer of several units as one transfer. A tier can emulate a slower link (``bandwidth``) so the loading
-schedule can be studied on a machine without one.
+prefill needs per (segment, layer); ``read_layers`` moves one layer of several units as one transfer.
+A tier can emulate a slower link (``bandwidth``) so the loading schedule can be studied on a machine
+without one.
 """
 
 from __future__ import annotations
@@ -280,21 +281,20 @@ class KVStore:
         moved first, then an emulated ``bandwidth`` is waited out once for the total (as one DMA of a
         descriptor list, not one wake-up per unit). Returns the bytes moved."""
         t0 = time.perf_counter()
-        link_s, total = 0.0, 0
-        for r in reads:
-            with self._lock:
-                tier = self._find(r.key)
-                k, v = tier.layer(r.key, layer, r.start, r.end)
+        with self._lock:  # one lookup pass: the copies run outside the lock
+            tiers = [self._find(r.key) for r in reads]
+            slices = [tier.layer(r.key, layer, r.start, r.end) for tier, r in zip(tiers, reads)]
+        sizes = []
+        for r, (k, v) in zip(reads, slices):
             r.out_k.copy_(k, non_blocking=non_blocking)
             r.out_v.copy_(v, non_blocking=non_blocking)
-            nbytes = k.numel() * k.element_size() + v.numel() * v.element_size()
-            with self._lock:
+            sizes.append(k.numel() * k.element_size() + v.numel() * v.element_size())
+        with self._lock:
+            for tier, nbytes in zip(tiers, sizes):
                 tier.stats.reads += 1
                 tier.stats.bytes_read += nbytes
-            total += nbytes
-            if tier.cfg.bandwidth is not None:
-                link_s += nbytes / tier.cfg.bandwidth
+        link_s = sum(n / t.cfg.bandwidth for t, n in zip(tiers, sizes) if t.cfg.bandwidth is not None)
         wait = link_s - (time.perf_counter() - t0)
         if wait > 0:
             time.sleep(wait)
-        return total
+        return sum(sizes)
