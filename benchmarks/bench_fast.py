@@ -1,5 +1,6 @@
 """The fast path, ms per call: eager vs torch.compile-d (``SessionConfig.compile``) vs weight-only int8/int4 LLM
-(``--quantize``) vs fused q/k/v and gate/up projections (``--fuse``), side by side in one process, each against the eager float32 row of its geometry.
+(``--quantize``) vs fused q/k/v and gate/up projections (``--fuse``) vs linear layers prepacked for oneDNN
+(``--prepack``, CPU only, eager only), side by side in one process, each against the eager float32 row of its geometry.
 
 Geometries (``--geometry``):
 
@@ -65,6 +66,7 @@ from vla_runtime.images import read_image
 from vla_runtime.kv import KVConfig, make_cache
 from vla_runtime.models.fuse import fuse_projections
 from vla_runtime.models.llama import LlamaConfig, LlamaModel
+from vla_runtime.models.prepack import prepack_linears
 from vla_runtime.models.quantize import QuantMode, quantize_linears, weight_bytes
 from vla_runtime.policies.compiled import CompiledDecoder, compile_options
 
@@ -79,21 +81,26 @@ FAMILIES = {  # --geometry: the tiny checkpoint's maker and load_policy's extra 
 }
 QUANT_MODES = {m.value: m for m in (QuantMode.INT8, QuantMode.INT4)}  # --quantized
 FUSED = "fused q/k/v, gate/up"  # --fused
+PREPACKED = "prepacked (oneDNN)"  # --prepacked: eager only (a compiled graph multiplies by the weights themselves)
 
 
 def weight_variants(args: argparse.Namespace) -> dict[str, dict]:
-    """The rows that change the LLM's weights (``--fused``, then the weight-only rows ``--quantized`` asks for), by
-    row name -> their ``load_policy`` options."""
+    """The rows that change the LLM's weights (``--fused``, the weight-only rows ``--quantized`` asks for, then
+    ``--prepacked``), by row name -> their ``load_policy`` options."""
     fused = {FUSED: {"fuse": True}} if args.fused else {}
-    return fused | {f"weight-only {name}": {"quantize": QUANT_MODES[name]} for name in args.quantized}
+    prepacked = {PREPACKED: {"prepack": True}} if args.prepacked else {}
+    return fused | {f"weight-only {name}": {"quantize": QUANT_MODES[name]} for name in args.quantized} | prepacked
 
 
 def transformed(model: LlamaModel, options: dict) -> LlamaModel:
-    """A copy of ``model`` with ``load_policy``'s ``fuse`` / ``quantize`` ``options`` applied to its layers."""
+    """A copy of ``model`` with ``load_policy``'s ``fuse`` / ``quantize`` / ``prepack`` ``options`` applied to its
+    layers."""
     out = copy.deepcopy(model)
     if options.get("fuse"):
         fuse_projections(out.layers)
     quantize_linears(out.layers, options.get("quantize", QuantMode.NONE))
+    if options.get("prepack"):
+        prepack_linears(out.layers)
     return out
 
 
@@ -111,6 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "lease their compilation)")
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
                    help="the fused q/k/v, gate/up rows (default: on)")
+    p.add_argument("--prepacked", action=argparse.BooleanOptionalAction, default=None,
+                   help="the eager row with every linear layer prepacked for oneDNN (default: on for --device cpu with "
+                        "float32; CPU float32 only)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="model and cache dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--compile", dest="compile_mode", choices=("default", "reduce-overhead"), default=None,
@@ -134,6 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = args.device.type == "cuda"
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     args.compile_mode = CompileMode(args.compile_mode or ("reduce-overhead" if cuda else "default"))
+    cpu_float32 = not cuda and args.dtype == torch.float32
+    if args.prepacked and not cpu_float32:
+        raise SystemExit("--prepacked: prepacking is for float32 on the CPU")
+    args.prepacked = cpu_float32 if args.prepacked is None else args.prepacked
     return args
 
 
@@ -272,7 +286,7 @@ def decode_group(name: str, model: LlamaModel, *, context: int, args: argparse.N
 
     options = compile_options(args.compile_mode, args.device)
     calls = {EAGER: rolled_back(model, filled(model), x)}
-    compiled = {COMPILED: model} | {f"{variant} + compiled": m for variant, m in variants.items()}
+    compiled = {COMPILED: model} | {f"{variant} + compiled": m for variant, m in variants.items() if variant != PREPACKED}
     for variant, m in variants.items():
         calls[variant] = rolled_back(m, filled(m), x)
     setup_s, guarded = {}, {}
@@ -291,7 +305,9 @@ def decode_group(name: str, model: LlamaModel, *, context: int, args: argparse.N
     agreement[EAGER] = {"llm_layer_bytes": weight_bytes(model.layers)}
     read = {name: weight_bytes(model.layers) for name in (EAGER, COMPILED, GUARDED) if name in calls}
     for variant, m in variants.items():
-        read[variant] = read[f"{variant} + compiled"] = weight_bytes(m.layers)
+        read[variant] = weight_bytes(m.layers)
+        if f"{variant} + compiled" in calls:
+            read[f"{variant} + compiled"] = read[variant]
     return Group(name, calls, setup_s, agreement, read)
 
 
@@ -354,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
                args=args, results=results, setup_s={g.name: g.setup_s for g in groups},
                agreement={g.name: g.agreement for g in groups}, copy_bandwidth_bytes_per_s=bandwidth,
                weight_bandwidth_limits=limits, profile=profiled)  # fmt: skip
-    plot_medians(results, args.out.with_suffix(".png"), title="eager vs compiled vs fused vs quantized", xlabel="ms per call (median, p10-p90)")
+    plot_medians(results, args.out.with_suffix(".png"), title="eager vs compiled vs fused vs quantized vs prepacked", xlabel="ms per call (median, p10-p90)")
     return 0
 
 

@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the batched server's wait for robots expected back, as a fraction of its batch time (0: off)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads of the server (pinned)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--prepack", action="store_true",
+                   help="every server's policy with its linear layers prepacked for oneDNN (`serve --prepack`; CPU)")
     p.add_argument("--compile", dest="compile_mode", choices=["default", "reduce-overhead"],
                    help="also a third server, one at a time with compiled sessions (`serve --compile ... --max-batch 1`)")
     p.add_argument("--seed", type=int, default=0)
@@ -212,7 +214,7 @@ def make_policy(args: argparse.Namespace, root: Path):
         rope=RopeConfig(head_dim=64, original_max_position=8192),
     )  # fmt: skip  (the small geometry of bench_families.py)
     path = make_tiny_openvla(root / "ckpt", seed=args.seed, llm=llm, dtype=torch.float32)
-    return load_policy(path, device=args.device, dtype="float32" if args.device == "cpu" else None)
+    return load_policy(path, device=args.device, dtype="float32" if args.device == "cpu" else None, prepack=args.prepack)
 
 
 def run_round(server, port: int, n: int, args: argparse.Namespace) -> dict:

@@ -24,10 +24,10 @@ def test_bench_fast_small_geometry_writes_every_variant(tmp_path):
     record = json.loads((tmp_path / "b.json").read_text())
     results = record["results"]
     quantized = ["weight-only int8", "weight-only int4"]  # the default --quantized rows
-    changed = [bench.FUSED, *quantized]  # and --fused
-    assert set(results) == {f"small step: {v}" for v in [bench.EAGER, bench.COMPILED, *changed]} | {
+    changed = [bench.FUSED, *quantized]  # and --fused; --prepacked (on for the CPU in float32) is eager only
+    assert set(results) == {f"small step: {v}" for v in [bench.EAGER, bench.COMPILED, *changed, bench.PREPACKED]} | {
         f"small decode: {v}"
-        for v in [bench.EAGER, bench.COMPILED, bench.GUARDED, *changed, *(f"{q} + compiled" for q in changed)]
+        for v in [bench.EAGER, bench.COMPILED, bench.GUARDED, *changed, bench.PREPACKED, *(f"{q} + compiled" for q in changed)]
     }
     for name, r in results.items():
         assert r["baseline"] == f"{name.split(':')[0]}: {bench.EAGER}" and len(r["times_ms"]) == 2
@@ -36,8 +36,9 @@ def test_bench_fast_small_geometry_writes_every_variant(tmp_path):
     for q in quantized:
         assert 0 <= step[q]["identical_tokens"] <= 1 and step[q]["steps"] == 2
         assert step[q]["llm_layer_bytes"] < step[q]["float_llm_layer_bytes"] / 3
-    fused = step[bench.FUSED]  # the same weights, concatenated: the same bytes and (up to rounding) the same tokens
-    assert fused["llm_layer_bytes"] == fused["float_llm_layer_bytes"] and fused["identical_tokens"] > 0.9
+    for same_weights in (bench.FUSED, bench.PREPACKED):  # the same bytes and (up to rounding) the same tokens
+        row = step[same_weights]
+        assert row["llm_layer_bytes"] == row["float_llm_layer_bytes"] and row["identical_tokens"] > 0.9
     limits = record["weight_bandwidth_limits"]
     assert set(limits) == {name for name in results if name.startswith("small decode")}  # every decode row, no step row
     assert record["copy_bandwidth_bytes_per_s"] > 0 and all(v["x_limit"] > 0 for v in limits.values())
@@ -67,9 +68,12 @@ def test_bench_fast_device_defaults_and_the_weight_bandwidth_limit():
     bench = _bench_fast()
     args = bench.parse_args([])
     assert (args.device.type, args.dtype, args.compile_mode.value) == ("cpu", torch.float32, "default")
-    assert list(bench.weight_variants(args)) == [bench.FUSED, "weight-only int8", "weight-only int4"]
-    assert bench.weight_variants(bench.parse_args(["--quantized", "--no-fused"])) == {}  # eager and compiled only
-    assert bench.weight_variants(bench.parse_args(["--quantized", "int4", "--no-fused"])) == {
+    assert list(bench.weight_variants(args)) == [bench.FUSED, "weight-only int8", "weight-only int4", bench.PREPACKED]
+    assert bench.PREPACKED not in bench.weight_variants(bench.parse_args(["--dtype", "bfloat16"]))  # float32 CPU only
+    with pytest.raises(SystemExit, match="prepacking is for float32 on the CPU"):
+        bench.parse_args(["--prepacked", "--dtype", "bfloat16"])
+    assert bench.weight_variants(bench.parse_args(["--quantized", "--no-fused", "--no-prepacked"])) == {}  # eager, compiled
+    assert bench.weight_variants(bench.parse_args(["--quantized", "int4", "--no-fused", "--no-prepacked"])) == {
         "weight-only int4": {"quantize": bench.QUANT_MODES["int4"]}}
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="torch sees no CUDA device"):

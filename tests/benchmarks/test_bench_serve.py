@@ -42,3 +42,15 @@ def test_compile_adds_a_server_of_compiled_sessions_one_at_a_time(bench, tmp_pat
     record = json.loads(out.read_text())
     assert set(record["summary"]) == {f"1|{v}" for v in ("batched", "one-at-a-time", bench.COMPILED)}
     assert set(record["step_ms"][bench.COMPILED]) == {"1"}  # its forwards: one robot's compiled step at a time
+
+
+def test_prepack_loads_the_servers_policy_with_prepacked_linear_layers(bench, tmp_path):
+    import argparse
+
+    from vla_runtime.models.prepack import PrepackedLinear
+
+    args = bench.parse_args(["--llm", "tiny", "--prepack"])
+    layer = bench.make_policy(args, tmp_path).vlm.language_model.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, PrepackedLinear)
+    plain = bench.make_policy(argparse.Namespace(**{**vars(args), "prepack": False}), tmp_path / "plain")
+    assert not isinstance(plain.vlm.language_model.model.layers[0].self_attn.q_proj, PrepackedLinear)

@@ -54,15 +54,18 @@ def test_quantize_and_fuse_become_load_options_of_openvla_checkpoints_only(tmp_p
     assert load_options(args) == {"quantize": QuantMode.INT4}
     args = build_parser().parse_args(["eval", "--checkpoint", str(ckpt), "--tasks", "reach-v3", "--fuse", "--quantize", "int8"])
     assert load_options(args) == {"quantize": QuantMode.INT8, "fuse": True}
+    args = build_parser().parse_args(["serve", "--checkpoint", str(ckpt), "--prepack"])
+    assert load_options(args) == {"prepack": True}
 
 
-def test_fuse_on_another_family_is_refused_with_the_flag_and_the_family(tmp_path):
+@pytest.mark.parametrize("flag", ["--fuse", "--prepack"])
+def test_fuse_or_prepack_on_another_family_is_refused_with_the_flag_and_the_family(tmp_path, flag):
     from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact
 
     ckpt = make_tiny_cogact(tmp_path / "tiny-cogact", seed=0)
-    with pytest.raises(ValueError, match="--fuse applies to OpenVLA checkpoints; .* is a cogact checkpoint"):
+    with pytest.raises(ValueError, match=f"{flag} applies to OpenVLA checkpoints; .* is a cogact checkpoint"):
         load_options(build_parser().parse_args(["predict", "--checkpoint", str(ckpt), "--image", "f.png",
-                                                "--instruction", "x", "--fuse"]))  # fmt: skip
+                                                "--instruction", "x", flag]))  # fmt: skip
 
 
 @pytest.mark.parametrize("command", sorted(REQUIRED))

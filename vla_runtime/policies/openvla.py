@@ -33,6 +33,7 @@ from ..kv import KVConfig, has_gate
 from ..kv.chunked_gated import ChunkedGatedCache
 from ..models.generation import TokenHead, decode
 from ..models.fuse import fuse_projections
+from ..models.prepack import prepack_linears
 from ..models.quantize import QuantMode, quantize_linears
 from ..models.openvla.processing_openvla import ActionTokenizer, history_frame, single_layout
 from ..models.prismatic.configuration_prismatic import OpenVLAConfig, read_json
@@ -285,6 +286,7 @@ def load_openvla_policy(
     decoding: ActionDecoding = ActionDecoding.ACTIONS,
     quantize: QuantMode = QuantMode.NONE,
     fuse: bool = False,
+    prepack: bool = False,
 ) -> OpenVLAPolicy:
     """Load an OpenVLA checkpoint directory as a policy (``load_policy``'s OpenVLA branch).
 
@@ -301,6 +303,10 @@ def load_openvla_policy(
         the LM head, activations and the KV cache stay in ``dtype``).
     fuse: q/k/v and gate/up of the LLM's decoder layers as one GEMM each (``models.fuse``; after the adapter
         merge, before ``quantize``): fewer, larger GEMMs per decode token, the same outputs up to float rounding.
+    prepack: every float32 linear layer of the model (vision towers, projector, LLM) multiplies by a copy of its
+        weight prepacked for oneDNN at load (``models.prepack``; last, after ``quantize``, which it leaves alone):
+        faster eager steps on a CPU, the same outputs up to float rounding, twice the linear layers' weight memory.
+        CPU and float32 only.
     """
     plan = plan_load(path, device=device, dtype=dtype, kv=kv, unnorm_key=unnorm_key, adapter=adapter)
     checkpoint = load_openvla(path, device=plan.device, dtype=plan.dtype)
@@ -312,6 +318,8 @@ def load_openvla_policy(
     if quantize is not QuantMode.NONE:
         replaced = quantize_linears(checkpoint.model.language_model.model.layers, quantize)
         log.info("quantized %d linear layers of the LLM to %s (weights only)", replaced, quantize.value)
+    if prepack and plan.device.type != "meta":
+        log.info("prepacked %d linear layers for oneDNN", prepack_linears(checkpoint.model))
     return OpenVLAPolicy(checkpoint, device=plan.device, dtype=plan.dtype, kv=plan.kv, unnorm_key=plan.unnorm_key,
                          decoding=decoding, session=plan.session, kv_gate=plan.gate)  # fmt: skip
 
