@@ -44,13 +44,12 @@ def test_compile_adds_a_server_of_compiled_sessions_one_at_a_time(bench, tmp_pat
     assert set(record["step_ms"][bench.COMPILED]) == {"1"}  # its forwards: one robot's compiled step at a time
 
 
-def test_prepack_loads_the_servers_policy_with_prepacked_linear_layers(bench, tmp_path):
-    import argparse
+def test_prepack_loads_the_servers_policy_prepacked(bench, tmp_path, monkeypatch):
+    import vla_runtime.api
 
-    from vla_runtime.models.prepack import PrepackedLinear
-
-    args = bench.parse_args(["--llm", "tiny", "--prepack"])
-    layer = bench.make_policy(args, tmp_path).vlm.language_model.model.layers[0].self_attn.q_proj
-    assert isinstance(layer, PrepackedLinear)
-    plain = bench.make_policy(argparse.Namespace(**{**vars(args), "prepack": False}), tmp_path / "plain")
-    assert not isinstance(plain.vlm.language_model.model.layers[0].self_attn.q_proj, PrepackedLinear)
+    seen = []
+    load = vla_runtime.api.load_policy
+    monkeypatch.setattr(vla_runtime.api, "load_policy", lambda *a, **k: seen.append(k["prepack"]) or load(*a, **k))
+    for flags in ([], ["--prepack"]):
+        bench.make_policy(bench.parse_args(["--llm", "tiny", *flags]), tmp_path / str(len(flags)))
+    assert seen == [False, True]

@@ -13,6 +13,8 @@ from vla_runtime.api import Observation, load_policy
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.config import SessionConfig
 from vla_runtime.kv import KVConfig
+from vla_runtime.kv.rope import RopeConfig
+from vla_runtime.models.llama import LlamaConfig
 from vla_runtime.models.prepack import PrepackedLinear, prepack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
@@ -26,13 +28,20 @@ def model() -> nn.Sequential:
 @pytest.mark.parametrize("shape", [(1, 48), (8, 48), (3, 21, 48)])
 def test_a_prepacked_model_computes_what_the_linear_layers_compute(shape):
     plain, packed = model(), model()
-    assert prepack_linears(packed) == 2
+    assert prepack_linears(packed, min_weights=0) == 2
     assert all(isinstance(packed[i], PrepackedLinear) for i in (0, 2))
     assert packed.state_dict().keys() == plain.state_dict().keys()  # the same names: it saves and loads as before
     x = torch.randn(*shape)
     with torch.inference_mode():
         torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
-    assert prepack_linears(packed) == 0  # prepacked already: left as it is
+    assert prepack_linears(packed, min_weights=0) == 0  # prepacked already: left as it is
+
+
+def test_only_layers_with_enough_weights_are_prepacked_by_default():
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 256), nn.Linear(64, 64))
+    assert prepack_linears(layers) == 1  # 512 x 512 = MIN_PACKED_WEIGHTS; the smaller ones stay ATen's
+    assert [type(m) for m in layers] == [PrepackedLinear, nn.Linear, nn.Linear]
 
 
 def test_inference_multiplies_by_the_packed_copy_and_autograd_by_the_weight():
@@ -70,7 +79,7 @@ def test_a_weight_changed_in_place_is_repacked():
 
 def test_a_prepacked_model_traces_as_one_graph_with_the_weights():
     packed = model()
-    prepack_linears(packed)
+    prepack_linears(packed, min_weights=0)
     x = torch.randn(5, 48)
     compiled = torch.compile(packed, fullgraph=True, backend="eager")
     with torch.inference_mode():
@@ -87,7 +96,9 @@ def test_weights_other_than_float32_on_the_cpu_are_refused_by_name():
 
 
 def test_a_prepacked_policy_decodes_the_plain_policys_action_tokens_alone_and_batched(tmp_path):
-    path = make_tiny_openvla(tmp_path / "tiny-openvla", seed=0)
+    llm = LlamaConfig(dim=512, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=64, ffn_dim=1376, vocab_size=32064,
+                      max_position=2048, rope=RopeConfig(head_dim=64, original_max_position=2048))  # big enough to pack
+    path = make_tiny_openvla(tmp_path / "small-openvla", seed=0, llm=llm, dtype=torch.float32)
     plain, packed = (load_policy(path, device="cpu", prepack=p) for p in (False, True))
     assert isinstance(packed.vlm.language_model.model.layers[0].self_attn.q_proj, PrepackedLinear)
     assert type(plain.vlm.language_model.model.layers[0].self_attn.q_proj) is nn.Linear

@@ -19,8 +19,9 @@ a few dozen rows. For such calls ATen's GEMM is far from the machine's limits; o
 weight are not. On the 2-core build machine (``python benchmarks/bench_prepack.py --threads T``: a pass over
 every weight of the serve bench's decoder, 96 MiB), prepacked is 1.26x / 1.45x as fast for one row on T = 1 / 2
 threads, 1.58x / 1.89x for eight rows, 1.64x / 1.86x for a 21-token prefill; over a LLaMA-2-7B layer (772 MiB)
-1.15x for one row on 2 threads and 2.6-3.1x for eight, but **0.82x for one row on one thread**, and on the tiny
-test models (64 hidden) the op's fixed cost makes it slower. Measure before you turn it on. The packed kernel's
+1.15x for one row on 2 threads and 2.6-3.1x for eight, but **0.82x for one row on one thread**. Layers with
+fewer than ``MIN_PACKED_WEIGHTS`` weights stay ATen's: the packed op's fixed cost per call made the small
+models (128 hidden and less) 0.6-0.75x as fast. Measure before you turn it on. The packed kernel's
 row ``i`` does not depend on the other rows (a row computes the same bits alone or in a batch), ATen's does not
 promise that. Every output is the same dot product as ``F.linear``'s up to the last bits of a float.
 """
@@ -32,6 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 PACK_ROWS_HINT = 8  # rows oneDNN picks the packed layout for: as fast as 1 or 64 for every batch measured (1-168)
+# The packed op costs ~13 us per call before any arithmetic (ATen's F.linear ~2 us): on one thread of the build
+# machine it lost to ATen on every weight of 256 x 256 and smaller and won from 512 x 512 (and 1024 x 256) at 8 rows.
+MIN_PACKED_WEIGHTS = 1 << 18  # weights (out x in) below which a layer is left to ATen
 
 
 def prepack_available() -> bool:
@@ -80,9 +84,10 @@ class PrepackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
-def prepack_linears(module: nn.Module) -> int:
-    """Replace every plain ``nn.Linear`` inside ``module`` (not already prepacked, not quantized) by a
-    ``PrepackedLinear``, in place. Returns how many were replaced.
+def prepack_linears(module: nn.Module, *, min_weights: int = MIN_PACKED_WEIGHTS) -> int:
+    """Replace every plain ``nn.Linear`` inside ``module`` (not already prepacked, not quantized) with at least
+    ``min_weights`` weights by a ``PrepackedLinear``, in place. Returns how many were replaced (0 for a model whose
+    layers are all smaller: there the packed op's fixed cost per call exceeds what it saves).
 
     Raises ``RuntimeError`` when torch has no oneDNN, ``ValueError`` when a layer's weight is not float32 on
     the CPU (prepacking is for CPU inference in float32)."""
@@ -97,8 +102,12 @@ def prepack_linears(module: nn.Module) -> int:
                 f"prepacking is for float32 weights on the CPU; {name} has {linear.weight.dtype} "
                 f"weights on {linear.weight.device} (load the policy with dtype float32 on cpu)"
             )
+    replaced = 0
     for name, linear in targets:
+        if linear.weight.numel() < min_weights:
+            continue
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         setattr(parent, attr, PrepackedLinear.from_linear(linear))
-    return len(targets)
+        replaced += 1
+    return replaced

@@ -33,7 +33,7 @@ from ..kv import KVConfig, has_gate
 from ..kv.chunked_gated import ChunkedGatedCache
 from ..models.generation import TokenHead, decode
 from ..models.fuse import fuse_projections
-from ..models.prepack import prepack_linears
+from ..models.prepack import MIN_PACKED_WEIGHTS, prepack_linears
 from ..models.quantize import QuantMode, quantize_linears
 from ..models.openvla.processing_openvla import ActionTokenizer, history_frame, single_layout
 from ..models.prismatic.configuration_prismatic import OpenVLAConfig, read_json
@@ -303,8 +303,9 @@ def load_openvla_policy(
         the LM head, activations and the KV cache stay in ``dtype``).
     fuse: q/k/v and gate/up of the LLM's decoder layers as one GEMM each (``models.fuse``; after the adapter
         merge, before ``quantize``): fewer, larger GEMMs per decode token, the same outputs up to float rounding.
-    prepack: every float32 linear layer of the model (vision towers, projector, LLM) multiplies by a copy of its
-        weight prepacked for oneDNN at load (``models.prepack``; last, after ``quantize``, which it leaves alone):
+    prepack: every float32 linear layer of the model (vision towers, projector, LLM) with at least
+        ``MIN_PACKED_WEIGHTS`` weights multiplies by a copy of its weight prepacked for oneDNN at load
+        (``models.prepack``; last, after ``quantize``, whose layers it leaves alone):
         faster eager steps on a CPU, the same outputs up to float rounding, twice the linear layers' weight memory.
         CPU and float32 only.
     """
@@ -319,7 +320,8 @@ def load_openvla_policy(
         replaced = quantize_linears(checkpoint.model.language_model.model.layers, quantize)
         log.info("quantized %d linear layers of the LLM to %s (weights only)", replaced, quantize.value)
     if prepack and plan.device.type != "meta":
-        log.info("prepacked %d linear layers for oneDNN", prepack_linears(checkpoint.model))
+        packed = prepack_linears(checkpoint.model)
+        log.info("prepacked %d linear layers for oneDNN (layers under %d weights stay ATen's)", packed, MIN_PACKED_WEIGHTS)
     return OpenVLAPolicy(checkpoint, device=plan.device, dtype=plan.dtype, kv=plan.kv, unnorm_key=plan.unnorm_key,
                          decoding=decoding, session=plan.session, kv_gate=plan.gate)  # fmt: skip
 
