@@ -1,7 +1,9 @@
 """Prepacked linear layers (``models.prepack``): eager inference multiplies by the oneDNN-packed copy and
 computes what ``nn.Linear`` computes, each row of a batch the same bits as alone; a weight changed in place is
-repacked; training and ``torch.compile`` take the weight itself; a prepacked OpenVLA policy decodes the plain
-policy's action tokens, alone and batched."""
+repacked, and a deep copy repacks its own; training and ``torch.compile`` take the weight itself; a prepacked
+OpenVLA policy decodes the plain policy's action tokens, alone and batched."""
+
+import copy
 
 import numpy as np
 import pytest
@@ -77,6 +79,18 @@ def test_a_weight_changed_in_place_is_repacked():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_a_deep_copy_repacks_its_own_weight():
+    packed = model()
+    prepack_linears(packed, min_weights=0)
+    twin = copy.deepcopy(packed)
+    with torch.no_grad():
+        twin[0].weight.zero_()  # the copy's weight is its own: the original keeps computing with its weight
+    x = torch.randn(4, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(twin[0](x), twin[0].bias.expand(4, -1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[0](x), F.linear(x, packed[0].weight, packed[0].bias), rtol=1e-5, atol=1e-5)
+
+
 def test_a_prepacked_model_traces_as_one_graph_with_the_weights():
     packed = model()
     prepack_linears(packed, min_weights=0)
@@ -107,7 +121,7 @@ def test_a_prepacked_policy_decodes_the_plain_policys_action_tokens_alone_and_ba
     rng = np.random.default_rng(0)
     alone = [plain.new_session(p, config) for p in prompts]
     batched = [packed.new_session(p, config) for p in prompts]
-    for _ in range(5):
+    for _ in range(3):
         obs = [Observation(images={"primary": rng.integers(0, 256, (96, 128, 3), dtype=np.uint8)}) for _ in prompts]
         expected = [s.step(o) for s, o in zip(alone, obs)]
         results = packed.step_batch(batched, obs)

@@ -12,7 +12,7 @@ reads the weight still works. It multiplies by the packed copy only where that i
   and dtypes, and under ``torch.compile`` (inductor picks its own kernels for a graph).
 
 A weight changed in place after packing (``load_state_dict``, ``copy_``) is repacked at the next forward (its
-version counter moved). The packed copy is a second copy of the weights: it doubles the linear layers' memory.
+version counter moved); a deep copy repacks its own weight. The packed copy is a second copy of the weights: it doubles the linear layers' memory.
 
 Why: a decode token multiplies one row, or a batch of a few robots' rows, by every weight, and a frame's prefill
 a few dozen rows. For such calls ATen's GEMM is far from the machine's limits; oneDNN's kernels on the prepacked
@@ -61,6 +61,16 @@ class PrepackedLinear(nn.Linear):
         with torch.no_grad():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS_HINT)
         self._packed_version = self._version_of(self.weight)
+
+    def __getstate__(self) -> dict:
+        # the packed copy is an opaque oneDNN tensor (no storage to copy or pickle): rebuilt from the weight
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._repack()
 
     @staticmethod
     def _version_of(weight: torch.Tensor) -> int | None:
