@@ -46,6 +46,10 @@ class PolicyNodeConfig:
     device: str = _help("auto (cuda when available), cpu or cuda[:N]", default="auto")
     dtype: str = _help("float32 or bfloat16; empty = the device's default", default="")
     torch_threads: int = _help("torch CPU threads for inference; 0 = torch's default (all cores)", default=0)
+    prepack: bool = _help(
+        "OpenVLA on a CPU in float32: linear layers multiply by weights prepacked for oneDNN at load (README, Speed)",
+        default=False,
+    )
     policy_modules: list[str] = _help(
         "Python modules imported before loading, for policy families registered outside vla_runtime", default_factory=list
     )
@@ -149,6 +153,23 @@ class PolicyNodeConfig:
         if crossed:
             raise ValueError(f"`action_low` > `action_high` at dimensions {crossed}")
         self.control_config()
+
+    def load_options(self, device: str) -> dict:
+        """``load_policy``'s keyword arguments besides the checkpoint; ``ValueError`` for ``prepack`` on a checkpoint
+        of another family than OpenVLA."""
+        options: dict = {"device": device}
+        if self.dtype:
+            options["dtype"] = self.dtype
+        if self.adapter:
+            options["adapter"] = self.adapter
+        if self.prepack:
+            from vla_runtime.api import detect_family
+
+            family = detect_family(self.checkpoint)
+            if family != "openvla":
+                raise ValueError(f"parameter `prepack` applies to OpenVLA checkpoints; {self.checkpoint} is a {family} checkpoint")
+            options["prepack"] = True
+        return options
 
     def input_limits(self) -> InputLimits:
         """What the node judges its inputs by (``inputs.Inputs``)."""

@@ -135,7 +135,7 @@ class PolicyNode(PolicyControl, LifecycleNode):
                 importlib.import_module(module)
             device = str(resolve_device(None if cfg.device == "auto" else cfg.device))
             set_cpu_threads(cfg.torch_threads)
-            options = {"device": device, **({"dtype": cfg.dtype} if cfg.dtype else {}), **({"adapter": cfg.adapter} if cfg.adapter else {})}
+            options = cfg.load_options(device)
             self.get_logger().info(f"loading {cfg.checkpoint} on {device}")
             policy = load_policy(cfg.checkpoint, **options)
             self._outputs = ActionOutputs(self, cfg, action_dim=policy.action_dim, chunk_size=policy.chunk_size)
