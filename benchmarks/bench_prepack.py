@@ -22,6 +22,7 @@ action tokens are compared (the same frames stepped as often).
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 from pathlib import Path
@@ -92,7 +93,7 @@ def policy_steps(args: argparse.Namespace, root: Path) -> tuple[dict, dict]:
         for robots in (1, 8):
             group = [policy.new_session("pick up the red block", config) for _ in range(robots)]
             sessions[robots, name] = group
-            counter = iter(range(10**9))
+            counter = itertools.count()
 
             def step(policy=policy, group=group, counter=counter) -> None:
                 k = next(counter)

@@ -116,8 +116,6 @@ def prepack_linears(module: nn.Module, *, min_weights: int = MIN_PACKED_WEIGHTS)
     for name, linear in targets:
         if linear.weight.numel() < min_weights:
             continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, PrepackedLinear.from_linear(linear))
+        module.set_submodule(name, PrepackedLinear.from_linear(linear))
         replaced += 1
     return replaced

@@ -120,10 +120,8 @@ def quantize_linears(module: nn.Module, mode: QuantMode, *, group_size: int = IN
         return 0
     targets = [(name, child) for name, child in module.named_modules() if isinstance(child, nn.Linear)]
     for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
         new = Int8Linear.from_linear(linear) if mode is QuantMode.INT8 else Int4Linear.from_linear(linear, group_size)
-        setattr(parent, attr, new)
+        module.set_submodule(name, new)
     return len(targets)
 
 
