@@ -20,9 +20,9 @@ from .policies.base import (
     validate_image,
     validate_instruction,
 )
-from .policies.registry import FAMILIES, detect_family, load_policy, register_family
+from .policies.registry import FAMILIES, check_speed_options, detect_family, load_policy, register_family
 
 __all__ = [
     "FAMILIES", "PRIMARY_CAMERA", "ActionPrefix", "ActionQueue", "BatchInputError", "EpisodeSession", "Observation", "Policy",
-    "StepResult", "detect_family", "load_policy", "register_family", "validate_image", "validate_instruction",
+    "StepResult", "check_speed_options", "detect_family", "load_policy", "register_family", "validate_image", "validate_instruction",
 ]

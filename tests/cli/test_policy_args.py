@@ -44,8 +44,9 @@ def test_an_option_of_another_cache_is_refused_with_its_owner():
         session_from_args(parse("predict", "--kv", "full", "--kv-max-chunks", "3"))
 
 
-def test_quantize_and_fuse_become_load_options_of_openvla_checkpoints_only(tmp_path):
+def test_quantize_fuse_and_prepack_become_load_options_of_every_built_in_family(tmp_path):
     from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
+    from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact
     from vla_runtime.models.quantize import QuantMode
 
     assert load_options(parse("predict")) == {}  # --quantize none: nothing to pass
@@ -54,18 +55,21 @@ def test_quantize_and_fuse_become_load_options_of_openvla_checkpoints_only(tmp_p
     assert load_options(args) == {"quantize": QuantMode.INT4}
     args = build_parser().parse_args(["eval", "--checkpoint", str(ckpt), "--tasks", "reach-v3", "--fuse", "--quantize", "int8"])
     assert load_options(args) == {"quantize": QuantMode.INT8, "fuse": True}
-    args = build_parser().parse_args(["serve", "--checkpoint", str(ckpt), "--prepack"])
-    assert load_options(args) == {"prepack": True}
+    cogact = make_tiny_cogact(tmp_path / "tiny-cogact", seed=0)
+    args = build_parser().parse_args(["serve", "--checkpoint", str(cogact), "--prepack", "--fuse"])
+    assert load_options(args) == {"fuse": True, "prepack": True}
 
 
-@pytest.mark.parametrize("flag", ["--fuse", "--prepack"])
-def test_fuse_or_prepack_on_another_family_is_refused_with_the_flag_and_the_family(tmp_path, flag):
-    from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact
+@pytest.mark.parametrize("flag", ["--fuse", "--prepack", "--quantize int8"])
+def test_a_speed_flag_on_a_plug_in_family_without_them_is_refused_with_the_flag_and_the_family(tmp_path, monkeypatch, flag):
+    from vla_runtime import api
 
-    ckpt = make_tiny_cogact(tmp_path / "tiny-cogact", seed=0)
-    with pytest.raises(ValueError, match=f"{flag} applies to OpenVLA checkpoints; .* is a cogact checkpoint"):
-        load_options(build_parser().parse_args(["predict", "--checkpoint", str(ckpt), "--image", "f.png",
-                                                "--instruction", "x", flag]))  # fmt: skip
+    monkeypatch.setitem(api.FAMILIES, "test-plug-in", (lambda p: (p / "PLUG_IN").exists(), lambda p, **kw: None))
+    (tmp_path / "PLUG_IN").touch()
+    with pytest.raises(ValueError, match=f"{flag} applies to the families whose loader takes the speed options .* is a "
+                                         "test-plug-in checkpoint"):  # fmt: skip
+        load_options(build_parser().parse_args(["predict", "--checkpoint", str(tmp_path), "--image", "f.png",
+                                                "--instruction", "x", *flag.split()]))  # fmt: skip
 
 
 @pytest.mark.parametrize("command", sorted(REQUIRED))

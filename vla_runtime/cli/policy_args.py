@@ -27,19 +27,19 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
                    help="raw recent window in tokens, sink_window and chunked (default: one control step of the policy)")
     p.add_argument("--kv-max-chunks", type=int, default=None, help="chunked: retained chunks per layer (default: as many as fit)")
     p.add_argument("--quantize", choices=QUANT_MODES, default="none",
-                   help="weight-only int8/int4 of the LLM's decoder layers (OpenVLA; activations and the KV cache stay "
-                        "in --dtype; default: %(default)s)")
+                   help="weight-only int8/int4 of the LLM's decoder layers (activations and the KV cache stay in "
+                        "--dtype; default: %(default)s)")
     p.add_argument("--fuse", action="store_true",
                    help="q/k/v and gate/up of the LLM's decoder layers as one GEMM each: fewer, larger GEMMs per "
-                        "decode token, the same outputs up to float rounding (OpenVLA)")
+                        "decode token, the same outputs up to float rounding")
     p.add_argument("--prepack", action="store_true",
                    help="CPU, float32: linear layers of 512 x 512 weights and more multiply by a copy of their weight "
                         "prepacked for oneDNN at load: faster eager steps of batched robots and on several threads "
-                        "(README, Speed), the same outputs up to float rounding, a second copy of those weights (OpenVLA)")
+                        "(README, Speed), the same outputs up to float rounding, a second copy of those weights")
     p.add_argument("--compile", choices=COMPILE_MODES, default="off",
                    help="off = eager; default = torch.compile the vision towers and the decoder (compiled when the "
                         "session starts, about a minute on CPU); reduce-overhead = the same with CUDA graphs, CUDA "
-                        "only (OpenVLA; default: %(default)s)")
+                        "only (default: %(default)s)")
     p.add_argument("--compile-guards", action="store_true",
                    help="compiled steps evaluate every torch.compile guard after the warm-up (slower; default: only "
                         "the guards that pick between the compiled graphs)")
@@ -56,20 +56,16 @@ def kv_from_args(args: argparse.Namespace) -> KVConfig:
 
 def load_options(args: argparse.Namespace) -> dict:
     """``load_policy`` options of the shared flags: ``quantize`` unless ``--quantize none``, ``fuse`` with
-    ``--fuse``, ``prepack`` with ``--prepack`` (OpenVLA checkpoints only: ``ValueError`` naming the flag and the
-    checkpoint's family otherwise)."""
+    ``--fuse``, ``prepack`` with ``--prepack`` (``ValueError`` naming the flag for a plug-in family whose loader
+    does not take them)."""
     mode = QuantMode(args.quantize)
+    spelled = {"quantize": f"--quantize {mode.value}", "fuse": "--fuse", "prepack": "--prepack"}
     options = ({} if mode is QuantMode.NONE else {"quantize": mode}) | ({"fuse": True} if args.fuse else {})
     options |= {"prepack": True} if args.prepack else {}
-    if not options:
-        return {}
-    from .. import models  # noqa: F401  (registers the families)
-    from ..api import detect_family
+    if options:
+        from ..api import check_speed_options
 
-    family = detect_family(args.checkpoint)
-    if family != "openvla":
-        flag = f"--quantize {mode.value}" if "quantize" in options else "--fuse" if "fuse" in options else "--prepack"
-        raise ValueError(f"{flag} applies to OpenVLA checkpoints; {args.checkpoint} is a {family} checkpoint")
+        check_speed_options(args.checkpoint, {name: spelled[name] for name in options})
     return options
 
 

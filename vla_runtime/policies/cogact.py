@@ -26,6 +26,8 @@ from ..models.cogact.modeling_cogact import ActionModel, CogACT
 from ..models.cogact.processing_cogact import AdaptiveEnsembler, cognition_suffix
 from ..models.diffusion import DiffusionConfig, Inpaint, rtc_weights
 from ..models.prismatic.prompt_prismatic import PromptIds
+from ..models.quantize import QuantMode
+from ..models.speed import speed_up
 from .base import ActionPrefix, Observation, Policy, StepResult
 from .compiled import CompiledDiT, compile_options
 from .loading import plan_load
@@ -155,6 +157,9 @@ def load_cogact_policy(
     ensemble_horizon: int | None = None,
     ensemble_alpha: float = 0.1,
     use_ema: bool = False,
+    quantize: QuantMode = QuantMode.NONE,
+    fuse: bool = False,
+    prepack: bool = False,
 ) -> CogACTPolicy:
     """Load a CogACT run directory (``load_policy``'s CogACT branch).
 
@@ -164,7 +169,8 @@ def load_cogact_policy(
     (2 Google robot, 7 WidowX; None = return whole chunks). use_ema: sample with ``ema_diffusion`` weights.
     device ``"meta"`` builds the structure only (``vla-runtime info``). A trained ``ChunkGate`` beside the run
     (``gates.safetensors``) is loaded and, without ``kv``, sets the default cache, as does a ``session_config.json``
-    there (``loading.plan_load``).
+    there (``loading.plan_load``). quantize, fuse, prepack: the LLM's speed options, as OpenVLA's
+    (``models.speed``; prepacking also reaches the DiT's layers that are large enough).
     """
     plan = plan_load(path, device=device, dtype=dtype, kv=kv, unnorm_key=unnorm_key, adapter=adapter, full_only="CogACT")
     dev, dt = plan.device, plan.dtype
@@ -182,5 +188,7 @@ def load_cogact_policy(
         action_model = ActionModel(config.action_model, sampling.diffusion)
     if dev.type != "meta":
         action_model.load_state_dict({k: v.to(dev, torch.float32) for k, v in state.items()}, strict=True, assign=True)
-    return CogACTPolicy(ckpt, config, CogACT(ckpt.vlm, action_model.eval()), vlm=ckpt.vlm, device=dev, dtype=dt, kv=plan.kv,
+    model = CogACT(ckpt.vlm, action_model.eval())
+    speed_up(model, ckpt.vlm.language_model.model.layers, quantize=quantize, fuse=fuse, prepack=prepack)
+    return CogACTPolicy(ckpt, config, model, vlm=ckpt.vlm, device=dev, dtype=dt, kv=plan.kv,
                         unnorm_key=plan.unnorm_key, session=plan.session, kv_gate=plan.gate)  # fmt: skip

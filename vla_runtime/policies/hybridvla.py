@@ -45,6 +45,8 @@ from ..models.hybridvla.modeling_hybridvla import DiffusionHead, HybridVLA, deco
 from ..models.hybridvla.processing_hybridvla import STATE_LAYOUTS, ar_action_tokenizer, collaborative_ensemble, to_proprio
 from ..models.prismatic.processing_prismatic import ActionStats
 from ..models.prismatic.prompt_prismatic import PromptIds
+from ..models.quantize import QuantMode
+from ..models.speed import speed_up
 from .base import Observation, Policy, StepResult
 from .loading import plan_load
 from .prismatic_session import ActionHeadSession, PrismaticPolicy
@@ -251,6 +253,9 @@ def load_hybridvla_policy(
     ensemble_threshold: float | None = None,
     need_to_sub: int | None = None,
     state_layout: str | None = None,
+    quantize: QuantMode = QuantMode.NONE,
+    fuse: bool = False,
+    prepack: bool = False,
 ) -> HybridVLAPolicy:
     """Load a HybridVLA run directory (``load_policy``'s HybridVLA branch).
 
@@ -263,7 +268,8 @@ def load_hybridvla_policy(
     position + gripper); ``None`` = by the state's length.
     ``future_action_window_size`` cannot be read from the weights: it comes from config.json (default 0).
     A trained ``ChunkGate`` beside the run (``gates.safetensors``) is loaded and, without ``kv``, sets the default cache,
-    as does a ``session_config.json`` there (``loading.plan_load``).
+    as does a ``session_config.json`` there (``loading.plan_load``). quantize, fuse, prepack: the LLM's speed
+    options, as OpenVLA's (``models.speed``; prepacking also reaches the diffusion modules' large layers).
     """
     plan = plan_load(path, device=device, dtype=dtype, kv=kv, unnorm_key=unnorm_key, adapter=adapter, full_only="HybridVLA")
     dev, dt = plan.device, plan.dtype
@@ -284,7 +290,9 @@ def load_hybridvla_policy(
     if dev.type != "meta":
         head.load_module_state_dicts(ckpt.modules, device=dev, dtype=dt)
     config = HybridVLAConfig(vlm=ckpt.config, head=head.cfg, sampling=sampling)
+    model = HybridVLA(ckpt.vlm, head.eval())
+    speed_up(model, ckpt.vlm.language_model.model.layers, quantize=quantize, fuse=fuse, prepack=prepack)
     return HybridVLAPolicy(
-        ckpt, config, HybridVLA(ckpt.vlm, head.eval()), vlm=ckpt.vlm, device=dev, dtype=dt, kv=plan.kv,
+        ckpt, config, model, vlm=ckpt.vlm, device=dev, dtype=dt, kv=plan.kv,
         unnorm_key=plan.unnorm_key, session=plan.session, kv_gate=plan.gate, state_layout=state_layout,
     )  # fmt: skip

@@ -32,12 +32,11 @@ from ..device import synchronize
 from ..kv import KVConfig, has_gate
 from ..kv.chunked_gated import ChunkedGatedCache
 from ..models.generation import TokenHead, decode
-from ..models.fuse import fuse_projections
-from ..models.prepack import MIN_PACKED_WEIGHTS, prepack_linears
-from ..models.quantize import QuantMode, quantize_linears
+from ..models.quantize import QuantMode
 from ..models.openvla.processing_openvla import ActionTokenizer, history_frame, single_layout
 from ..models.prismatic.configuration_prismatic import OpenVLAConfig, read_json
 from ..models.prismatic.processing_prismatic import ActionStats, Forward, resolve_unnorm_key
+from ..models.speed import speed_up
 from .base import Observation, Policy, StepResult
 from .loading import plan_load
 from .prismatic_session import PrismaticPolicy, PrismaticSession, parameter_count
@@ -313,15 +312,7 @@ def load_openvla_policy(
     checkpoint = load_openvla(path, device=plan.device, dtype=plan.dtype)
     if adapter is not None:
         _apply_adapter(checkpoint, Path(adapter), load_weights=plan.device.type != "meta")
-    if fuse:
-        fused = fuse_projections(checkpoint.model.language_model.model.layers)
-        log.info("fused q/k/v and gate/up in %d decoder layers of the LLM", fused)
-    if quantize is not QuantMode.NONE:
-        replaced = quantize_linears(checkpoint.model.language_model.model.layers, quantize)
-        log.info("quantized %d linear layers of the LLM to %s (weights only)", replaced, quantize.value)
-    if prepack and plan.device.type != "meta":
-        packed = prepack_linears(checkpoint.model)
-        log.info("prepacked %d linear layers for oneDNN (layers under %d weights stay ATen's)", packed, MIN_PACKED_WEIGHTS)
+    speed_up(checkpoint.model, checkpoint.model.language_model.model.layers, quantize=quantize, fuse=fuse, prepack=prepack)
     return OpenVLAPolicy(checkpoint, device=plan.device, dtype=plan.dtype, kv=plan.kv, unnorm_key=plan.unnorm_key,
                          decoding=decoding, session=plan.session, kv_gate=plan.gate)  # fmt: skip
 

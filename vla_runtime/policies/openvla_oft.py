@@ -35,6 +35,8 @@ from ..kv.base import KVStats
 from ..models.openvla_oft.configuration_oft import DIFFUSION_STEPS, OFTConfig, OFTPlatform
 from ..models.openvla_oft.normalization_oft import BoundsStats
 from ..models.prismatic.processing_prismatic import center_crop, resolve_unnorm_key
+from ..models.quantize import QuantMode
+from ..models.speed import speed_up
 from .base import (
     PRIMARY_CAMERA, CompiledSession, Observation, Policy, StepResult, validate_image, validate_instruction,
 )  # fmt: skip
@@ -302,6 +304,9 @@ def load_openvla_oft_policy(
     platform: str | OFTPlatform | None = None,
     cameras: Sequence[str] = (PRIMARY_CAMERA,),
     diffusion_steps: int = DIFFUSION_STEPS,
+    quantize: QuantMode = QuantMode.NONE,
+    fuse: bool = False,
+    prepack: bool = False,
 ) -> OpenVLAOFTPolicy:
     """Load an OpenVLA-OFT directory (``load_policy``'s OFT branch).
 
@@ -312,7 +317,9 @@ def load_openvla_oft_policy(
     (``gates.safetensors`` + ``kv_config.json``) in the adapter, else beside the checkpoint, is loaded. adapter: a ``vla_finetune``
     OFT output directory (``apply_oft_adapter``: LoRA merged, its action head / proprio projector and statistics).
     diffusion_steps: DDIM steps per chunk of the diffusion variant (upstream's 50); each session's noise is
-    drawn from its own generator, seeded with ``SessionConfig.seed`` (re-seeded on ``reset``).
+    drawn from its own generator, seeded with ``SessionConfig.seed`` (re-seeded on ``reset``). quantize, fuse,
+    prepack: the LLM's speed options, as OpenVLA's (``models.speed``, after the adapter; prepacking also reaches
+    the action head's large layers).
     """
     if isinstance(platform, str):
         try:
@@ -325,5 +332,6 @@ def load_openvla_oft_policy(
     checkpoint = load_openvla_oft(path, device=dev, dtype=dt, platform=platform, num_images=len(cameras), diffusion_steps=diffusion_steps)
     if adapter is not None:
         apply_oft_adapter(checkpoint, Path(adapter), device=dev, dtype=dt)
+    speed_up(checkpoint.model, checkpoint.model.vla.language_model.model.layers, quantize=quantize, fuse=fuse, prepack=prepack)
     return OpenVLAOFTPolicy(checkpoint, device=dev, dtype=dt, unnorm_key=plan.unnorm_key, cameras=cameras, kv=plan.kv,
                             kv_gate=plan.gate, session=plan.session)  # fmt: skip

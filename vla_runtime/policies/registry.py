@@ -2,7 +2,10 @@
 
 The built-in families are named here by where their code lives and imported only when used: telling
 a checkpoint's family imports its small configuration module, loading it the family's policy module.
-Plug-ins (families defined outside vla_runtime) add themselves with ``register_family``.
+Plug-ins (families defined outside vla_runtime) add themselves with ``register_family``. Every built-in
+family's loader takes the speed options of ``models.speed`` (``quantize``, ``fuse``, ``prepack``); a plug-in says
+whether its loader does (``register_family(..., speed_options=True)``), and ``check_speed_options`` refuses them
+by name for a checkpoint whose family does not.
 """
 
 from __future__ import annotations
@@ -45,13 +48,17 @@ FAMILIES: dict[str, tuple[Detector, Loader]] = {
     "cogact": _builtin("checkpoints.prismatic_run:detect_cogact", "cogact:load_cogact_policy"),
     "hybridvla": _builtin("checkpoints.prismatic_run:detect_hybridvla", "hybridvla:load_hybridvla_policy"),
 }
+SPEED_FAMILIES: set[str] = set(FAMILIES)  # the families whose loader takes quantize / fuse / prepack (models.speed)
 
 
-def register_family(name: str, detect: Detector, load: Loader) -> None:
-    """Add a policy family: ``detect(path)`` says whether a directory holds one, ``load(path, **kwargs)`` loads it."""
+def register_family(name: str, detect: Detector, load: Loader, *, speed_options: bool = False) -> None:
+    """Add a policy family: ``detect(path)`` says whether a directory holds one, ``load(path, **kwargs)`` loads it.
+    ``speed_options``: ``load`` takes ``quantize``, ``fuse`` and ``prepack`` (``models.speed.speed_up`` applies them)."""
     if name in FAMILIES:
         raise ValueError(f"policy family {name!r} is already registered")
     FAMILIES[name] = (detect, load)
+    if speed_options:
+        SPEED_FAMILIES.add(name)
 
 
 def detect_family(path: str | Path) -> str:
@@ -68,6 +75,20 @@ def detect_family(path: str | Path) -> str:
         f"{path} is not a checkpoint this runtime knows: expected config.json (OpenVLA HF format) "
         f"or a run directory with checkpoints/*.pt (CogACT/HybridVLA); known families: {', '.join(sorted(FAMILIES))}"
     )
+
+
+def check_speed_options(path: str | Path, given: dict[str, str]) -> None:
+    """``given``: each speed option a caller passes -> how its user wrote it (``--fuse``, ``parameter `fuse```).
+    ``ValueError`` naming the first of them and the checkpoint's family when that family's loader does not take
+    them (a plug-in registered without ``speed_options``); nothing to check when ``given`` is empty."""
+    if not given:
+        return
+    family = detect_family(path)
+    if family not in SPEED_FAMILIES:
+        raise ValueError(
+            f"{next(iter(given.values()))} applies to the families whose loader takes the speed options "
+            f"({', '.join(sorted(SPEED_FAMILIES))}); {path} is a {family} checkpoint"
+        )
 
 
 def load_policy(path: str | Path, **kwargs) -> Policy:

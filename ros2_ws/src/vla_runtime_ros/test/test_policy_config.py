@@ -68,7 +68,9 @@ def running(harness, ckpt, **overrides):
         ({"policy_modules": ["no_such_policy_module"]}, "No module named 'no_such_policy_module'"),
         ({"late_grace_ms": -1.0}, "`late_grace_ms` must be >= 0, got -1.0"),
         ({"control_thread_priority": 100}, "`control_thread_priority` must be 0 (normal scheduling) or 1-99 (SCHED_FIFO), got 100"),
-        ({"prepack": True}, "parameter `prepack` applies to OpenVLA checkpoints;"),
+        ({"prepack": True}, "parameter `prepack` applies to the families whose loader takes the speed options"),
+        ({"fuse": True}, "parameter `fuse` applies to the families whose loader takes the speed options"),
+        ({"quantize": "int5"}, "parameter `quantize` is 'int5'; expected one of none, int8, int4"),
     ],
 )
 def test_bad_parameters_fail_configure_naming_the_parameter(harness, policy_checkpoints, capfd, overrides, message):
@@ -80,13 +82,17 @@ def test_bad_parameters_fail_configure_naming_the_parameter(harness, policy_chec
     assert message in capfd.readouterr().err
 
 
-def test_an_openvla_checkpoint_loads_prepacked_with_the_prepack_parameter(openvla_checkpoint):
+def test_the_speed_parameters_become_load_options(openvla_checkpoint):
+    from vla_runtime.models.quantize import QuantMode
     from vla_runtime_ros.params import PolicyNodeConfig
 
     plain = PolicyNodeConfig(checkpoint=str(openvla_checkpoint), dtype="float32")
     assert plain.load_options("cpu") == {"device": "cpu", "dtype": "float32"}
     packed = PolicyNodeConfig(checkpoint=str(openvla_checkpoint), prepack=True, adapter="run")
     assert packed.load_options("cpu") == {"device": "cpu", "adapter": "run", "prepack": True}
+    every = PolicyNodeConfig(checkpoint=str(openvla_checkpoint), quantize="int8", fuse=True, prepack=True)
+    assert every.quantize is QuantMode.INT8
+    assert every.load_options("cpu") == {"device": "cpu", "quantize": QuantMode.INT8, "fuse": True, "prepack": True}
 
 
 def test_twist_output_needs_six_dimensional_actions(harness, tmp_path, capfd):

@@ -16,7 +16,8 @@ import yaml
 pytest.importorskip("rclpy")
 
 from launch_shim import Recorded, evaluate, kind  # noqa: E402
-from vla_runtime_ros.params import PlannerNodeConfig, PolicyNodeConfig, SimNodeConfig, config_from_params, param_specs  # noqa: E402
+from vla_runtime_ros.param_specs import config_from_params, param_specs  # noqa: E402
+from vla_runtime_ros.params import PlannerNodeConfig, PolicyNodeConfig, SimNodeConfig  # noqa: E402
 from vla_runtime_ros.runner import parse_process_args  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parents[1]

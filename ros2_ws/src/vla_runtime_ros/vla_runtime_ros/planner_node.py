@@ -63,7 +63,8 @@ from vla_runtime.memory.messages import (  # noqa: E402
 from vla_runtime.memory.planner import Planner, PlannerConfig, PlanStep  # noqa: E402
 
 from . import conversions  # noqa: E402
-from .params import PlannerNodeConfig, declare_config, read_config  # noqa: E402
+from .param_specs import declare_config, read_config  # noqa: E402
+from .params import PlannerNodeConfig  # noqa: E402
 from .runner import run_node  # noqa: E402
 
 LATCHED_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)

@@ -78,7 +78,8 @@ from .episodes import EpisodeRequest, PolicyRunner  # noqa: E402
 from .inputs import InputLimits, Inputs  # noqa: E402
 from .instructions import LATCHED_QOS, Deduplicator, subscribe_instructions  # noqa: E402
 from .outputs import ActionOutputs  # noqa: E402
-from .params import PolicyNodeConfig, declare_config, read_config  # noqa: E402
+from .param_specs import declare_config, read_config  # noqa: E402
+from .params import PolicyNodeConfig  # noqa: E402
 from .policy_control import PolicyControl  # noqa: E402
 from .runner import NodeStartError, Stop, run_node  # noqa: E402
 from .telemetry import PolicyTelemetry  # noqa: E402

@@ -44,7 +44,8 @@ from vla_runtime.sim import MEMORY_TASKS, SIMULATORS, SimEnv, make_env  # noqa: 
 from vla_runtime.sim.memory import MEMORY_CAMERA  # noqa: E402
 
 from . import conversions  # noqa: E402
-from .params import SimNodeConfig, declare_config, read_config  # noqa: E402
+from .param_specs import declare_config, read_config  # noqa: E402
+from .params import SimNodeConfig  # noqa: E402
 from .runner import run_node  # noqa: E402
 
 LATCHED_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
