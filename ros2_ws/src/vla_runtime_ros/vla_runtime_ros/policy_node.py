@@ -72,6 +72,7 @@ from std_srvs.srv import Trigger  # noqa: E402
 from vla_runtime.api import load_policy  # noqa: E402
 from vla_runtime.control import ControlLoop, DeadlineTicker  # noqa: E402
 from vla_runtime.device import release_cached_memory, resolve_device, set_cpu_threads  # noqa: E402
+from vla_runtime.models.speed import SPEED_OPTIONS  # noqa: E402
 
 from . import conversions  # noqa: E402
 from .episodes import EpisodeRequest, PolicyRunner  # noqa: E402
@@ -137,7 +138,8 @@ class PolicyNode(PolicyControl, LifecycleNode):
             device = str(resolve_device(None if cfg.device == "auto" else cfg.device))
             set_cpu_threads(cfg.torch_threads)
             options = cfg.load_options(device)
-            self.get_logger().info(f"loading {cfg.checkpoint} on {device}")
+            speed = "".join(f", {k} {getattr(v, 'value', v)}" for k, v in options.items() if k in SPEED_OPTIONS)
+            self.get_logger().info(f"loading {cfg.checkpoint} on {device}{speed}")
             policy = load_policy(cfg.checkpoint, **options)
             self._outputs = ActionOutputs(self, cfg, action_dim=policy.action_dim, chunk_size=policy.chunk_size)
         except (ValueError, KeyError, OSError, ImportError, RuntimeError) as e:
