@@ -8,7 +8,8 @@ Geometries (``--geometry``):
   (single mode, full cache: vision, prefill, 7 action tokens) and one decode forward (T=1) over the step's
   context.
 - ``cogact``: the tiny test CogACT (the same VLM with a 56-px image, and its DiT): a whole ``session.step`` (single
-  mode: vision, prefill, 10 DDIM steps of the DiT with classifier-free guidance), eager and compiled.
+  mode: vision, prefill, 10 DDIM steps of the DiT with classifier-free guidance), eager, compiled, fused and
+  weight-only (every family row below too).
 - ``hybridvla``: the tiny test HybridVLA: a whole ``session.step`` (single mode: vision, DDIM steps through the
   LLM, the AR branch's tokens, the collaborative ensemble), eager and compiled.
 - ``oft``: the tiny test OpenVLA-OFT (LIBERO layout: two cameras, a proprio token, the L1 head): a whole
@@ -239,9 +240,11 @@ def small_group(args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
 
 def family_group(family: str, args: argparse.Namespace, tmp: Path) -> Iterator[Group]:
     """A tiny CogACT, HybridVLA or OpenVLA-OFT: whole steps, eager and compiled (the same seed: the same noise, so
-    the same actions up to float rounding, checked before timing)."""
+    the same actions up to float rounding, checked before timing), and the fused and weight-only rows (the largest
+    difference of their first step's actions from a fresh eager session's, the same noise, is reported)."""
     make, load = FAMILIES[family]
-    policy = load_policy(make(tmp / f"tiny-{family}", seed=args.seed), device=args.device, dtype=args.dtype, **load)
+    path = make(tmp / f"tiny-{family}", seed=args.seed)
+    policy = load_policy(path, device=args.device, dtype=args.dtype, **load)
     state = {"hybridvla": policy.action_dim, "oft": getattr(policy.config, "proprio_dim", None)}.get(family)
     image = read_image(args.image)
     obs = Observation(images=dict.fromkeys(load.get("cameras", ("primary",)), image),
@@ -253,7 +256,16 @@ def family_group(family: str, args: argparse.Namespace, tmp: Path) -> Iterator[G
     if diff > 1e-3:
         raise SystemExit(f"compiled {family}'s actions differ from eager's by {diff:.3g} (robot units)")
     calls = {EAGER: lambda: eager.step(obs), COMPILED: lambda: compiled.step(obs)}
-    yield Group(f"{family} step", calls, {COMPILED: compile_s}, {COMPILED: {"max_abs_action_diff": diff}})
+    setup_s, agreement = {COMPILED: compile_s}, {COMPILED: {"max_abs_action_diff": diff}}
+    first = policy.new_session(INSTRUCTION, config).step(obs).actions  # a fresh session's first step: its noise
+    for name, options in weight_variants(args).items():
+        if options.get("prepack"):  # every layer of the tiny families is under MIN_PACKED_WEIGHTS: nothing to prepack
+            continue
+        changed, setup_s[name] = timed(lambda: load_policy(path, device=args.device, dtype=args.dtype, **options, **load))
+        session = changed.new_session(INSTRUCTION, config)
+        agreement[name] = {"max_abs_action_diff": float(np.abs(session.step(obs).actions - first).max())}
+        calls[name] = lambda s=session: s.step(obs)
+    yield Group(f"{family} step", calls, setup_s, agreement)
 
 
 def action_agreement(eager, other, args: argparse.Namespace) -> dict:

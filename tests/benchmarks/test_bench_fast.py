@@ -49,13 +49,15 @@ def test_bench_fast_small_geometry_writes_every_variant(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["cogact", "hybridvla", "oft"])
-def test_bench_fast_family_geometries_time_eager_and_compiled_steps(tmp_path, family):
+def test_bench_fast_family_geometries_time_eager_compiled_fused_and_quantized_steps(tmp_path, family):
     argv = ["--geometry", family, "--repeats", "2", "--warmup", "1", "--bandwidth-mib", "8", "--out", str(tmp_path / "c")]
     assert get_benchmark("fast").run(argv) == 0
     bench = sys.modules["bench_fast"]
     record = json.loads((tmp_path / "c.json").read_text())
-    assert set(record["results"]) == {f"{family} step: {v}" for v in (bench.EAGER, bench.COMPILED)}
-    assert record["agreement"][f"{family} step"][bench.COMPILED]["max_abs_action_diff"] <= 1e-3
+    rows = (bench.EAGER, bench.COMPILED, bench.FUSED, "weight-only int8", "weight-only int4")  # nothing to prepack
+    assert set(record["results"]) == {f"{family} step: {v}" for v in rows}
+    agreement = record["agreement"][f"{family} step"]
+    assert agreement[bench.COMPILED]["max_abs_action_diff"] <= 1e-3 and agreement[bench.FUSED]["max_abs_action_diff"] <= 1e-4
     assert record["weight_bandwidth_limits"] == {}  # step rows only
 
 
