@@ -78,10 +78,6 @@ def _kv_specs(prefix: str) -> list[ParamSpec]:
     return specs
 
 
-def parameter_names(cls: type) -> set[str]:
-    return {spec.name for spec in param_specs(cls)}
-
-
 def config_from_params(cls: type[T], values: dict[str, Any], prefix: str = "") -> T:
     """Build dataclass ``cls`` from flat ``{dotted name: value}``; types are checked and coerced.
 
