@@ -1,6 +1,6 @@
 """The load-time speed options every built-in family takes, applied in their one valid order.
 
-    speed_up(model, model_llm_layers, fuse=True, quantize=QuantMode.INT8, prepack=False)
+    speed_up(model, model.language_model.model.layers, fuse=True, quantize=QuantMode.INT8)   # an OpenVLA
 
 ``fuse`` joins q/k/v and gate/up of the LLM's decoder layers (``models.fuse``), ``quantize`` makes those layers'
 weights int8/int4 (``models.quantize``), ``prepack`` gives every float32 linear layer of the whole model that is
