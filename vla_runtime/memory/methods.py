@@ -31,7 +31,8 @@ from .importance import SegmentAttention, reduce_attention
 from .prompt import MemoryPrompt
 
 if TYPE_CHECKING:
-    from .prefill import AttentionView, PlanContext, PrefillRun
+    from .prefill import PlanContext
+    from .prefill_run import AttentionView, PrefillRun
 
 
 @dataclass(frozen=True)

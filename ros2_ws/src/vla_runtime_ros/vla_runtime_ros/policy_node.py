@@ -23,9 +23,9 @@ Lifecycle: configure loads the policy and creates the interfaces; activate start
 and the control thread; deactivate stops that thread (the running step finishes and is dropped);
 cleanup and shutdown release everything, the policy included.
 
-Threads: subscription callbacks only validate message headers and store the newest frame. The
-control thread (``vla_runtime.control.DeadlineTicker``, outside the executor, as ros2_control runs its
-update loop; started by activate and joined by deactivate, so it never overlaps a lifecycle transition)
+Threads: subscription callbacks (``input_callbacks.py``) only validate message headers and store the newest
+frame. The control thread (``vla_runtime.control.DeadlineTicker``, outside the executor, as ros2_control runs
+its update loop; started by activate and joined by deactivate, so it never overlaps a lifecycle transition)
 owns the ``vla_runtime.control.ControlLoop`` (queued actions, scheduling, fallback), the in-flight
 worker job and episode changes. It sleeps until the next tick's due time on the steady clock (the
 loop's tick grid, so a phase move to meet the camera, ``align_to_frames``, applies at once) and runs the
@@ -65,16 +65,14 @@ from rcl_interfaces.msg import SetParametersResult  # noqa: E402
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup  # noqa: E402
 from rclpy.event_handler import SubscriptionEventCallbacks  # noqa: E402
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn  # noqa: E402
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_policy_name_from_kind  # noqa: E402
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E402
 from sensor_msgs.msg import CompressedImage, Image, JointState  # noqa: E402
-from std_msgs.msg import String  # noqa: E402
 from std_srvs.srv import Trigger  # noqa: E402
 from vla_runtime.api import load_policy  # noqa: E402
 from vla_runtime.control import ControlLoop, DeadlineTicker  # noqa: E402
 from vla_runtime.device import release_cached_memory, resolve_device, set_cpu_threads  # noqa: E402
 from vla_runtime.models.speed import SPEED_OPTIONS  # noqa: E402
 
-from . import conversions  # noqa: E402
 from .episodes import EpisodeRequest, PolicyRunner  # noqa: E402
 from .inputs import InputLimits, Inputs  # noqa: E402
 from .instructions import LATCHED_QOS, Deduplicator, subscribe_instructions  # noqa: E402
@@ -82,6 +80,7 @@ from .outputs import ActionOutputs  # noqa: E402
 from .param_specs import declare_config, read_config  # noqa: E402
 from .params import PolicyNodeConfig  # noqa: E402
 from .policy_control import PolicyControl  # noqa: E402
+from .input_callbacks import InputCallbacks  # noqa: E402
 from .runner import NodeStartError, Stop, run_node  # noqa: E402
 from .telemetry import PolicyTelemetry  # noqa: E402
 
@@ -92,7 +91,7 @@ INSTRUCTION_QOS = LATCHED_QOS  # what the planner publishes with; volatile publi
 RUNTIME_PARAMETERS = ("dry_run",)
 
 
-class PolicyNode(PolicyControl, LifecycleNode):
+class PolicyNode(InputCallbacks, PolicyControl, LifecycleNode):
     """Runs ``load_policy(checkpoint)`` sessions behind ROS topics (see the module docstring)."""
 
     def __init__(self, node_name: str = "vla_policy", **kwargs) -> None:
@@ -287,94 +286,11 @@ class PolicyNode(PolicyControl, LifecycleNode):
             self.get_logger().warning(f"dry_run = {p.value}")
         return SetParametersResult(successful=True)
 
-    # ------------------------------------------------------------------ input callbacks (tiny)
-    def _on_image(self, msg: Image | CompressedImage) -> None:
-        now, cfg = time.monotonic(), self._cfg
-        if cfg is None:  # cleanup is destroying this subscription
-            return
-        stamp = msg.header.stamp
-        with self._lock:
-            self._telemetry.frame_stamp = f"{stamp.sec}.{stamp.nanosec:09d}"
-        try:
-            if isinstance(msg, Image):
-                conversions.check_image_msg(msg, max_pixels=cfg.max_image_pixels)
-            elif len(msg.data) == 0:
-                raise ValueError(f"CompressedImage data is empty (format {msg.format!r})")
-        except ValueError as e:
-            self._report_error(f"image rejected: {e}", kind="input")
-            return
-        with self._lock:
-            self._telemetry.frames_received += 1
-            self._telemetry.frames_dropped += self._inputs.add_frame(msg, now, active=self._active)
-            self._frame_arrived.notify_all()
-        if self._future is None:  # a job in flight takes the newest frame itself (module docstring)
-            self._wake()
-
-    def _on_incompatible_image_qos(self, event) -> None:
-        if self._cfg is None:
-            return
-        self._report_error(
-            f"a camera publisher's QoS is incompatible with this subscription ({qos_policy_name_from_kind(event.last_policy_kind)}); "
-            f"its frames never arrive. image_reliability is {self._cfg.image_reliability!r}: use best_effort for best-effort cameras",
-            kind="setup",
-        )
-
-    def _on_incompatible_instruction_qos(self, event) -> None:
-        if self._cfg is None:
-            return
-        self._report_error(
-            f"an instruction publisher's QoS is incompatible with this subscription ({qos_policy_name_from_kind(event.last_policy_kind)}); "
-            "its instructions never arrive. Publish instructions reliable (volatile or transient local)", kind="setup",
-        )
-
-    def _on_instruction(self, msg: String, info: dict) -> None:
-        if self._instruction_seen.seen(info):  # through the other subscription already, or older than one that was
-            return
-        try:
-            text = conversions.instruction_text(msg.data)
-        except ValueError as e:
-            self._report_error(f"instruction rejected: {e}", kind="input")
-            return
-        with self._lock:
-            self._inputs.set_instruction(text, time.monotonic())
-            if text != self._episode_instruction and self._active:
-                self._request_episode(text)
-        self.get_logger().info(f"instruction: {text!r}")
-
-    def _on_joint_state(self, msg: JointState) -> None:
-        cfg = self._cfg
-        if cfg is None:
-            return
-        try:
-            state = conversions.joint_state_to_array(msg, cfg.joint_names)
-        except ValueError as e:
-            with self._lock:
-                self._inputs.reject_state(str(e))
-            self._report_error(f"joint state rejected: {e}", kind="input")
-            return
-        with self._lock:
-            self._inputs.add_state(state, msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9)
-            self._telemetry.joint_state_stamp = self._inputs.state_stamp
-        if self._future is None:  # a frame may have been waiting for this state
-            self._wake()
-
-    def _wake(self) -> None:
-        """Wake the control thread between ticks (a frame, a joint state or a finished job)."""
-        with self._lock:  # _stop_control clears it under the lock before stopping it
-            if self._control_thread is not None:
-                self._control_thread.wake()
-
     def _on_control_error(self, error: BaseException) -> None:
         """A control tick raised: a bug in the node, reported (log, /diagnostics); the ticks go on."""
         where = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
         at = f" at {where.filename}:{where.lineno}" if where else ""
         self._report_error(f"control tick failed: {type(error).__name__}: {error}{at}", kind="control")
-
-    def _watchdog(self, now: float) -> str:
-        """Why no action may go out now ('' when inputs are fresh; caller holds ``_lock``); shown on /diagnostics."""
-        reason = self._inputs.hold_reason(now)
-        self._telemetry.warning, self._telemetry.frames_stale = reason, self._inputs.frames_stale
-        return reason
 
     # ------------------------------------------------------------------ diagnostics
     def _report_error(self, message: str, *, kind: str) -> None:
