@@ -45,9 +45,13 @@ def unpack(packed: Path, work: Path, *, camera: str = "corner") -> tuple[Path, P
     """``pack``'s files -> (``work/data``, ``work/frame-cache``): the dataset's meta and the cache under the name
     ``vla-runtime finetune --dataset work/data --cache-dir work/frame-cache`` looks for. Idempotent."""
     data, caches = work / "data", work / "frame-cache"
-    if not (data / "meta" / "info.json").is_file():
-        with tarfile.open(packed / META) as t:
+    info = data / "meta" / "info.json"
+    with tarfile.open(packed / META) as t:
+        if not info.is_file():
             t.extractall(work, filter="data")
+        elif t.extractfile(str(info.relative_to(work))).read() != info.read_bytes():
+            raise ValueError(f"{work} already holds another dataset ({info} differs from {packed / META}'s); "
+                             "unpack into a new work directory")  # fmt: skip
     target = caches / f"{data.name}-{camera}-{cache_key(data, camera)}"
     if not (target / "episodes.json").is_file():
         staging = work / "frames.unpacking"

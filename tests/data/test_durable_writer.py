@@ -107,3 +107,83 @@ def test_a_data_file_without_its_footer_is_a_clear_error(tmp_path):
     data.write_bytes(data.read_bytes()[:-100])  # cut off the footer
     with pytest.raises(ValueError, match=f"data file {data} of episode 0 is not a readable parquet file: .*magic bytes"):
         LeRobotDataset(root).episode(0)
+
+
+def test_a_failed_write_leaves_the_writer_as_it_was(tmp_path, monkeypatch):
+    """An episode whose data file could not be written counts nowhere: not in the tasks, not in the statistics,
+    and a later resume keeps every stored frame's task."""
+    import vla_runtime.data.writer as writer_module
+
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    with LeRobotWriter(whole, FEATURES, WriterConfig(fps=10)) as writer:
+        for i in (0, 1):
+            writer.add_episode(EPISODES[i], per_episode={"episode_seeds": i})
+    real = writer_module._write_parquet
+
+    def disk_full(table, path):
+        raise OSError("No space left on device")
+
+    with LeRobotWriter(broken, FEATURES, WriterConfig(fps=10)) as writer:
+        writer.add_episode(EPISODES[0], per_episode={"episode_seeds": 0})
+        monkeypatch.setattr(writer_module, "_write_parquet", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            writer.add_episode(EPISODES[3], per_episode={"episode_seeds": 3})  # task "push": never stored
+        monkeypatch.setattr(writer_module, "_write_parquet", real)
+        writer.add_episode(EPISODES[1], per_episode={"episode_seeds": 1})
+    assert files(broken) == files(whole)  # tasks, stats, episode rows: as if the failed episode never came
+
+    with LeRobotWriter(broken, FEATURES, WriterConfig(fps=10), resume=True) as writer:
+        writer.add_episode(EPISODES[3], per_episode={"episode_seeds": 3})
+    ds = LeRobotDataset(broken)
+    assert [ds.episode(i).task for i in range(3)] == ["open", "close", "push"]
+
+
+def test_resume_rewrites_metadata_a_kill_left_ahead_of_the_commit(tmp_path, monkeypatch, caplog):
+    """A kill after stats/tasks/episodes were rewritten but before info.json: the reader ignores the stale
+    statistics (with a warning), and a resume that adds nothing rewrites them for the committed episodes."""
+    import json
+
+    from vla_runtime.data import durable
+
+    root, two = tmp_path / "ds", tmp_path / "two"
+    with LeRobotWriter(two, FEATURES, WriterConfig(fps=10)) as writer:
+        for i in (0, 1):
+            writer.add_episode(EPISODES[i], per_episode={"episode_seeds": i})
+    real = durable.write_text_atomic
+
+    def killed_at_info(path, text):
+        if path.name == "info.json":
+            raise KeyboardInterrupt  # the kill: nothing after this line of add_episode runs
+        real(path, text)
+
+    with LeRobotWriter(root, FEATURES, WriterConfig(fps=10)) as writer:
+        for i in (0, 1):
+            writer.add_episode(EPISODES[i], per_episode={"episode_seeds": i})
+        monkeypatch.setattr(durable, "write_text_atomic", killed_at_info)
+        with pytest.raises(KeyboardInterrupt):
+            writer.add_episode(EPISODES[3], per_episode={"episode_seeds": 3})
+    monkeypatch.setattr(durable, "write_text_atomic", real)
+    assert json.loads((root / "meta/stats.json").read_text())["action"]["count"] == [12]  # ahead of the commit
+    with caplog.at_level("WARNING"):
+        ds = LeRobotDataset(root)
+    assert len(ds) == 2 and ds.stats is None and "counts [12] frames, info.json 7" in caplog.text
+
+    with LeRobotWriter(root, FEATURES, WriterConfig(fps=10), resume=True):
+        pass  # a resume that adds nothing (every task already complete)
+    assert files(root) == files(two)
+    assert LeRobotDataset(root).stats["action"]["count"].tolist() == [7]
+
+
+def test_every_episode_carries_the_same_per_episode_keys_and_resume_keeps_the_extra_info(tmp_path):
+    root = tmp_path / "ds"
+    with LeRobotWriter(root, FEATURES, WriterConfig(fps=10, extra_info={"sim": "test"})) as writer:
+        writer.add_episode(EPISODES[0], per_episode={"episode_seeds": 0})
+        with pytest.raises(ValueError, match=r"per_episode keys \['episode_detours', 'episode_seeds'\] differ .*"
+                                             r"\['episode_seeds'\]"):  # fmt: skip
+            writer.add_episode(EPISODES[1], per_episode={"episode_seeds": 1, "episode_detours": [2, 3]})
+        assert writer.num_episodes == 1
+    with pytest.raises(ValueError, match=r"records detours=None, sim='test', this run would record detours=0.5, "
+                                         r"sim='other' \(resume with the flags"):  # fmt: skip
+        LeRobotWriter(root, FEATURES, WriterConfig(fps=10, extra_info={"sim": "other", "detours": 0.5}), resume=True)
+    with LeRobotWriter(root, FEATURES, WriterConfig(fps=10, extra_info={"sim": "test"}), resume=True) as writer:
+        assert writer.per_episode == {"episode_seeds": [0]}

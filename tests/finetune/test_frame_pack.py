@@ -2,10 +2,11 @@
 absent: the unpacked cache sits under the name the unpacked dataset hashes to and holds the same arrays."""
 
 import numpy as np
-
+import pytest
 from vla_finetune.frame_pack import main, pack, unpack
 from vla_finetune.frames import cached_dataset
 from vla_finetune.trainer import Trainer
+
 from vla_runtime.data import LeRobotDataset
 
 from .conftest import make_config, write_dataset
@@ -39,3 +40,11 @@ def test_the_command_line_packs_and_unpacks(tmp_path, capsys):
     main(["unpack", str(tmp_path / "p"), str(tmp_path / "w"), "--camera", "front"])
     work = tmp_path / "w"
     assert f"--dataset {work / 'data'} --cache-dir {work / 'frame-cache'}" in capsys.readouterr().out
+
+
+def test_another_pack_is_not_unpacked_over_a_work_directory(tmp_path):
+    for name, lengths in (("a", (3, 4)), ("b", (5,))):
+        pack(write_dataset(tmp_path / name, size=16, lengths=lengths), tmp_path / f"p{name}", camera="front", preset=1)
+    unpack(tmp_path / "pa", tmp_path / "w", camera="front")
+    with pytest.raises(ValueError, match="already holds another dataset .*unpack into a new work directory"):
+        unpack(tmp_path / "pb", tmp_path / "w", camera="front")

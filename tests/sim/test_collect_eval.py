@@ -198,6 +198,8 @@ def test_collect_tries_each_tasks_own_seeds_in_order_and_resumes_after_the_last_
     assert LeRobotDataset(tmp_path / "ds").extra["per_episode"]["episode_seeds"] == [3, 2]
     with pytest.raises(ValueError, match="seed 3, which this run would not try"):
         collect(config(episodes=3, seeds={"reach-v3": [2, 0]}, resume=True), progress=False)
+    with pytest.raises(ValueError, match="holds more than --episodes 1 episodes of reach-v3"):
+        collect(config(episodes=1, seeds=seeds, resume=True), progress=False)
 
 
 @pytest.mark.parametrize(

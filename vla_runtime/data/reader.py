@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,8 @@ from . import layout
 from .episode import Episode
 from .stats import from_json
 from .video import read_frames
+
+log = logging.getLogger(__name__)
 
 
 def _decode_image(value: dict) -> np.ndarray:
@@ -56,8 +59,7 @@ class LeRobotDataset:
         self.camera_keys = [k for k, ft in self.features.items() if ft["dtype"] in ("image", "video")]
         self._episodes, self.tasks = self._load_index()
         self.extra = self._load_extra()
-        stats_path = self.root / layout.STATS_PATH
-        self.stats = from_json(json.loads(stats_path.read_text())) if stats_path.is_file() else None
+        self.stats = self._load_stats()
         self._data_cache: tuple[Path, object] | None = None
 
     # -- metadata ---------------------------------------------------------------------------------
@@ -83,6 +85,22 @@ class LeRobotDataset:
         if len(episodes) != self.info["total_episodes"]:
             raise ValueError(f"{self.root}: info.json says {self.info['total_episodes']} episodes, the episode index has {len(episodes)}")
         return episodes, tasks
+
+    def _load_stats(self) -> dict | None:
+        """``meta/stats.json``; ``None`` (with a warning) when it is absent or counts other frames than ``info.json``
+        (a writer killed between the two files: resuming the collection rewrites it)."""
+        path = self.root / layout.STATS_PATH
+        if not path.is_file():
+            return None
+        stats = from_json(json.loads(path.read_text()))
+        total = self.info.get("total_frames")
+        counts = {int(np.asarray(s["count"]).ravel()[0]) for k, s in stats.items()
+                  if "count" in s and self.features.get(k, {}).get("dtype") not in ("image", "video")}  # fmt: skip
+        if total is not None and counts and counts != {int(total)}:
+            log.warning("%s counts %s frames, info.json %d: statistics of unfinished episodes; ignored (resume the "
+                        "collection to rewrite them)", path, sorted(counts), total)  # fmt: skip
+            return None
+        return stats
 
     def _load_extra(self) -> dict:
         """Our own metadata (datasets we wrote); per-episode lists cut back to the committed episodes."""

@@ -42,11 +42,13 @@ class FinishedState:
             yield from self.dataset
 
 
-def finished_state(root: Path, expected_info: dict, has_video: bool) -> FinishedState:
+def finished_state(root: Path, expected_info: dict, has_video: bool, extra_info: dict) -> FinishedState:
     """Clean ``root`` down to its committed episodes and return them.
 
     ``expected_info``: the ``info.json`` the resuming writer would write for an empty dataset; the
-    dataset's must agree on ``MATCHING_KEYS`` (same features, fps, codec), else ``ValueError``.
+    dataset's must agree on ``MATCHING_KEYS`` (same features, fps, codec), else ``ValueError``. ``extra_info``:
+    the resuming writer's own metadata (``WriterConfig.extra_info``), which must equal the dataset's (it
+    describes every episode: e.g. how the episodes were collected), else ``ValueError``.
     """
     info_path = root / layout.INFO_PATH
     if not info_path.is_file():
@@ -66,7 +68,22 @@ def finished_state(root: Path, expected_info: dict, has_video: bool) -> Finished
     if removed:
         log.info("removed %d files of the unfinished episode: %s", len(removed), ", ".join(str(p.relative_to(root)) for p in removed))
     dataset = LeRobotDataset(root)
-    return FinishedState(rows=rows, per_episode=dataset.extra.get(layout.PER_EPISODE_KEY, {}), dataset=dataset)
+    stored = {k: v for k, v in dataset.extra.items() if k != layout.PER_EPISODE_KEY}
+    wanted = json.loads(json.dumps(extra_info))  # as it would read back
+    if stored != wanted:
+        differ = sorted(k for k in stored.keys() | wanted.keys() if stored.get(k) != wanted.get(k))
+        raise ValueError(
+            f"cannot resume {root}: its {layout.EXTRA_PATH} records "
+            + ", ".join(f"{k}={stored.get(k)!r}" for k in differ)
+            + ", this run would record "
+            + ", ".join(f"{k}={wanted.get(k)!r}" for k in differ)
+            + " (resume with the flags the dataset was started with)"
+        )
+    per_episode = dataset.extra.get(layout.PER_EPISODE_KEY, {})
+    short = {k: len(v) for k, v in per_episode.items() if len(v) != n}
+    if short:
+        raise ValueError(f"cannot resume {root}: per-episode metadata {short} does not cover its {n} episodes")
+    return FinishedState(rows=rows, per_episode=per_episode, dataset=dataset)
 
 
 def _remove_unfinished(root: Path) -> None:

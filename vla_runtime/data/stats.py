@@ -41,6 +41,11 @@ class ImageStats:
             self.hist[c] += np.bincount(frames[..., c].ravel(), minlength=256)
         self.frames += frames.shape[0]
 
+    def add(self, other: "ImageStats") -> None:
+        """Count another accumulator's frames into this one."""
+        self.hist += other.hist
+        self.frames += other.frames
+
     def stats(self) -> dict[str, np.ndarray]:
         """{stat: [3, 1, 1]} in [0, 1]; ``count`` [1] = frames seen."""
         levels = np.arange(256, dtype=np.float64) / 255.0

@@ -117,9 +117,15 @@ class LeRobotWriter:
         if self._closed:
             raise RuntimeError("the writer is closed")
         self._check(episode)
+        per_episode = per_episode or {}
+        if self._episodes and set(per_episode) != set(self._per_episode):
+            raise ValueError(
+                f"per_episode keys {sorted(per_episode)} differ from the ones the dataset's episodes carry "
+                f"{sorted(self._per_episode)}: every episode must give the same per-episode metadata"
+            )
         ep_index = len(self._episodes)
         log.info("writing episode %d (%d frames)", ep_index, len(episode))
-        columns, row = self._register(episode, ep_index)
+        columns, row, tasks, image_stats = self._register(episode, ep_index)
         chunk, file = self._next_file
         images = {} if self._codec else episode.images
         table = frame_table(self._schema, columns, images)
@@ -128,21 +134,25 @@ class LeRobotWriter:
         if self._codec:
             for cam, frames in episode.images.items():
                 self._write_video(cam, frames, chunk, file)
+        # the episode's files are durable: only now does it count (a failed write above leaves the writer as it was)
+        self._accumulate(columns, row, tasks, image_stats)
         self._next_file = layout.next_chunk_file(chunk, file)
-        for key, value in (per_episode or {}).items():
+        for key, value in per_episode.items():
             self._per_episode.setdefault(key, []).append(value)
-        self._episodes.append(row)
-        self._total_frames += len(episode)
         self._write_meta()
         log.info("episode %d durable (%d episodes, %d frames in %s)", ep_index, len(self._episodes), self._total_frames, self.root)
         return ep_index
 
-    def _register(self, episode: Episode, ep_index: int) -> tuple[dict[str, np.ndarray], dict]:
-        """The episode's per-frame columns and its ``meta/episodes`` row; adds it to the running statistics."""
+    def _register(
+        self, episode: Episode, ep_index: int
+    ) -> tuple[dict[str, np.ndarray], dict, dict[str, int], dict[str, ImageStats]]:
+        """The episode's per-frame columns, its ``meta/episodes`` row, the task table with its tasks added and its
+        per-camera pixel statistics; changes nothing (``_accumulate`` adds them once the episode is durable)."""
         n = len(episode)
         start = self._total_frames
         frame_tasks = episode.tasks_per_frame()
-        task_index = np.array([self._tasks.setdefault(t, len(self._tasks)) for t in frame_tasks], dtype=np.int64)
+        tasks = dict(self._tasks)
+        task_index = np.array([tasks.setdefault(t, len(tasks)) for t in frame_tasks], dtype=np.int64)
         columns = {
             "timestamp": (np.arange(n) / self.config.fps).astype(np.float32),
             "frame_index": np.arange(n, dtype=np.int64),
@@ -168,21 +178,30 @@ class LeRobotWriter:
                 key = layout.image_key(cam)
                 row.update({f"videos/{key}/chunk_index": chunk, f"videos/{key}/file_index": file,
                             f"videos/{key}/from_timestamp": 0.0, f"videos/{key}/to_timestamp": n / self.config.fps})
-        ep_stats = {}
+        ep_stats, image_stats = {}, {}
         for cam, frames in episode.images.items():
-            s = ImageStats()
-            s.update(frames)
-            self._image_stats[cam].update(frames)
-            ep_stats[layout.image_key(cam)] = s.stats()
+            image_stats[cam] = ImageStats()
+            image_stats[cam].update(frames)
+            ep_stats[layout.image_key(cam)] = image_stats[cam].stats()
         for key, values in columns.items():
-            self._numeric.setdefault(key, []).append(values)
             ep_stats[key] = vector_stats(values)
         ep_stats = {key: ep_stats[key] for key in self._info_features}  # LeRobot's order: the features'
         for key, stats in to_json(ep_stats).items():
             for name, value in stats.items():
                 row[f"stats/{key}/{name}"] = value
         row.update({"meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0})  # LeRobot's column order
-        return columns, row
+        return columns, row, tasks, image_stats
+
+    def _accumulate(self, columns: dict[str, np.ndarray], row: dict, tasks: dict[str, int],
+                    image_stats: dict[str, ImageStats]) -> None:  # fmt: skip
+        """Count a durable episode (``_register``'s results) into the tasks, the episode rows and the statistics."""
+        self._tasks = tasks
+        for key, values in columns.items():
+            self._numeric.setdefault(key, []).append(values)
+        for cam, stats in image_stats.items():
+            self._image_stats[cam].add(stats)
+        self._episodes.append(row)
+        self._total_frames += int(row["length"])
 
     def _write_video(self, cam: str, frames: np.ndarray, chunk: int, file: int) -> None:
         path = self.root / layout.VIDEO_PATH.format(video_key=layout.image_key(cam), chunk_index=chunk, file_index=file)
@@ -254,13 +273,22 @@ class LeRobotWriter:
         """Take over the finished episodes of the dataset in ``root``; delete everything else a killed writer left."""
         from .resume import finished_state
 
-        state = finished_state(self.root, self._info(), self._codec is not None)
+        state = finished_state(self.root, self._info(), self._codec is not None, self.config.extra_info)
         for ep_index, (episode, row) in enumerate(zip(state.episodes, state.rows)):
-            self._register(episode, ep_index)  # rebuilds tasks and statistics exactly as the first run did
-            self._episodes.append(row)
-            self._total_frames += len(episode)
+            # rebuilds tasks and statistics as the first run did (images: from the stored frames; lossless codecs
+            # give the first run's statistics exactly, lossy ones those of the frames as stored)
+            columns, _, tasks, image_stats = self._register(episode, ep_index)
+            self._accumulate(columns, row, tasks, image_stats)
             self._next_file = layout.next_chunk_file(int(row["data/chunk_index"]), int(row["data/file_index"]))
+        stored_tasks = state.dataset.tasks if state.dataset is not None else []
+        if list(self._tasks) != stored_tasks[: len(self._tasks)]:  # stored task_index values would name other tasks
+            raise ValueError(
+                f"cannot resume {self.root}: meta/tasks.parquet numbers its tasks {stored_tasks}, not in the order the "
+                f"finished episodes first name them {list(self._tasks)}"
+            )
         self._per_episode = state.per_episode
+        if self._episodes:  # meta/ may run ahead of info.json (a kill between the two): rewrite it for these episodes
+            self._write_meta()
         log.info("resuming %s after %d finished episodes (%d frames)", self.root, len(self._episodes), self._total_frames)
 
     @property

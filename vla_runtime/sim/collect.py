@@ -10,7 +10,7 @@ skipped and counted; the next seed is tried (``seed + k`` at attempt k, or the t
 Every kept episode is durable before the next rollout starts (``LeRobotWriter``); ``resume=True``
 continues a killed run: it keeps the finished episodes, and for each task goes on from the seed after
 its last kept one, so interrupted-then-resumed and uninterrupted runs with the same flags write the
-same episodes.
+same episodes (and, with lossless images, the same statistics).
 
 ``detours`` (memory tasks with a go step): in that fraction of episodes, drawn per seed, the arm is first driven
 toward a wrong answer for a few steps after go while the stored actions stay the expert's, which steer back
@@ -290,6 +290,8 @@ def _restore_progress(writer: LeRobotWriter, config: CollectConfig, results: dic
             raise ValueError(f"cannot resume {config.out}: it holds episodes of {task!r}, which --tasks does not name")
         results[task].kept += 1
         results[task].frames += length
+        if results[task].kept > config.episodes:
+            raise ValueError(f"cannot resume {config.out}: it holds more than --episodes {config.episodes} episodes of {task}")
         tried = config.attempt_seeds(task)
         if seed not in tried:
             raise ValueError(f"cannot resume {config.out}: it holds {task} seed {seed}, which this run would not try")
