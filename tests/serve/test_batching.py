@@ -171,7 +171,8 @@ def test_a_failing_batch_resets_the_episodes_it_touched(tiny_policy, frame):
     engine.start()
     try:
         for f in futures:
-            with pytest.raises(InternalError, match=r"internal error \(RuntimeError\) while stepping \(the episode was reset\)"):
+            with pytest.raises(InternalError, match=r"internal error \(RuntimeError\) in a step batched with other robots' "
+                                                    r"\(the episode was reset\)"):
                 f.result()
         assert all(r.episode_session is None and r.episode == 1 for r in robots)
     finally:
@@ -255,3 +256,58 @@ def test_a_robot_is_expected_back_only_between_an_answer_and_its_next_request():
     assert robot.expected_back() is None
     with pytest.raises(ValueError, match="rejoin_fraction"):
         BatchConfig(rejoin_fraction=-0.1)
+
+
+def test_a_robot_whose_full_cache_cannot_take_the_step_fails_alone(tiny_policy, frame):
+    """History mode, a full cache of bounded capacity: a robot whose cache cannot take its next step is refused
+    before the batch runs (its episode ends, as alone), and the robot batched with it steps as if alone."""
+    probe = tiny_policy.new_session("go", SessionConfig(history="history"))
+    for t in range(2):
+        probe.step(Observation(images={"primary": frame(t)}))
+    held = probe.cache.stats().tokens_raw
+    need = probe.frame.length(tiny_policy.vlm.cfg.vision.num_patches) + probe.head_tokens  # a later step's most tokens
+    config = SessionConfig(history="history", kv=KVConfig.of("full", capacity=held + need - 1))
+    engine, (full, fresh) = engine_with(tiny_policy, 2, config=config)
+    engine.start()
+    try:
+        for t in range(2):
+            engine.submit(full, step(frame(t), "go")).result()
+    finally:
+        engine.stop()
+    batched = PolicyEngine(tiny_policy, config, engine.registry, BatchConfig(window_ms=0))
+    futures = [batched.submit(full, step(frame(2))), batched.submit(fresh, step(frame(5), "go"))]
+    batched.start()  # the first batch takes both
+    try:
+        with pytest.raises(BadRequest, match=rf"FullCache is full: {held} tokens held \+ {need} new > capacity "
+                                             rf"{held + need - 1}.* \(the episode was reset\)"):  # fmt: skip
+            futures[0].result()
+        alone = tiny_policy.new_session("go", config).step(Observation(images={"primary": frame(5)}))
+        np.testing.assert_array_equal(futures[1].result()["actions"], alone.actions)
+        assert (fresh.episode, full.episode, full.episode_session) == (0, 1, None)
+    finally:
+        batched.stop()
+    exact = tiny_policy.new_session("go", SessionConfig(history="history", kv=KVConfig.of("full", capacity=held + need)))
+    for t in range(3):  # one more slot: the third step fits exactly (the check is no stricter than the cache)
+        tiny_policy.step_batch([exact], [Observation(images={"primary": frame(t)})])
+    assert exact.cache.stats().tokens_raw == held + need
+
+
+def test_a_failure_while_gathering_a_batch_answers_its_requests_and_the_worker_goes_on(tiny_policy, frame, monkeypatch):
+    engine, (robot,) = engine_with(tiny_policy, 1)
+    gather, calls = engine._gather, []
+
+    def overflowing_once(jobs):  # what an unbounded wait did to ``queue.get`` before the config refused one
+        calls.append(len(jobs))
+        if len(calls) == 1:
+            raise OverflowError("timestamp out of range for platform time_t")
+        return gather(jobs)
+
+    monkeypatch.setattr(engine, "_gather", overflowing_once)
+    first = engine.submit(robot, step(frame(0), "go"))
+    engine.start()
+    try:
+        with pytest.raises(InternalError, match=r"internal error \(OverflowError\)"):
+            first.result(timeout=120)  # a generous bound: a dead worker would leave it unanswered for ever
+        assert engine.submit(robot, step(frame(1), "go")).result()["step"] == 0  # the worker still runs
+    finally:
+        engine.stop()

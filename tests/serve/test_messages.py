@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from vla_runtime.serve.config import Limits, ObservationKeys, ServeConfig
+from vla_runtime.serve.config import BatchConfig, Limits, ObservationKeys, ServeConfig
 from vla_runtime.serve.messages import BadRequest, RequestKind, parse_request
 
 KEYS = ObservationKeys()
@@ -89,4 +89,17 @@ def test_config_validation_names_the_field():
         ServeConfig(max_sessions=0)
     with pytest.raises(ValueError, match="`api_token` must not be empty"):
         ServeConfig(api_token=" ")
+    # what a YAML file can hold that the fields' types do not: refused by name, not a TypeError deep inside
+    with pytest.raises(ValueError, match="`api_token` must be a string or null, got 123456"):
+        ServeConfig(api_token=123456)
+    with pytest.raises(ValueError, match="`port` must be an integer, got '8000'"):
+        ServeConfig(port="8000")
+    with pytest.raises(ValueError, match="`max_image_pixels` must be an integer, got 1.5"):
+        Limits(max_image_pixels=1.5)
+    # a wait the worker's queue cannot take (``inf`` overflows its timeout): refused before the server starts
+    with pytest.raises(ValueError, match="`window_ms` must be a finite number, got inf"):
+        BatchConfig(window_ms=float("inf"))
+    with pytest.raises(ValueError, match="`rejoin_fraction` must be in 0..10000, got 1e\\+300"):
+        BatchConfig(rejoin_fraction=1e300)
+    assert ServeConfig(idle_timeout_s=5).idle_timeout_s == 5  # an int for a float is fine
     assert ObservationKeys(state="s").state == ["s"]

@@ -72,6 +72,10 @@ def tagged(data: bytes, dtype, shape) -> bytes:
         (msgpack.packb({1: 2}), "not a valid msgpack frame"),  # non-string map key
         (msgpack.packb(msgpack.ExtType(5, b"xyz")), "not a valid msgpack frame"),
         (msgpack.packb(list(range(5000))), "not a valid msgpack frame"),  # over max_container_len
+        (tagged(b"", "(,)f4", [0]), "unknown array dtype"),  # numpy's parser raises SyntaxError for this one
+        # nested containers under max_bytes and max_container_len that would decode into millions of objects
+        (msgpack.packb({"x": [[{}] * 4096] * 4000}), "more than 65536 arrays, maps and entries"),
+        (msgpack.packb({"x": [[1] * 4096] * 4000}), "more than 65536 arrays, maps and entries"),
     ],
 )
 def test_malformed_frames_are_refused(frame, match):
@@ -91,3 +95,10 @@ def test_decoded_arrays_are_read_only_views():
     out = wire.unpack(openpi_wire.packb({"a": np.ones(4, np.float32)}))["a"]
     with pytest.raises(ValueError, match="read-only"):
         out[0] = 2
+
+
+def test_the_item_limit_counts_nested_containers_and_entries():
+    nested = msgpack.packb([[1, 2], {"a": [3]}])  # 4 containers, 6 entries: 10 items
+    assert wire.unpack(nested, DecodeLimits(max_items=10)) == [[1, 2], {"a": [3]}]
+    with pytest.raises(WireError, match="more than 9 arrays, maps and entries"):
+        wire.unpack(nested, DecodeLimits(max_items=9))

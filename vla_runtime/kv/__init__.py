@@ -21,7 +21,7 @@ from .base import AttendSeam, CacheParams, DecoupledParams, EpisodeCache, KVCach
 from .chunked_gated import ChunkedGatedCache
 from .chunked_params import ChunkedGatedParams
 from .config import KVConfig, matching_sink_window
-from .full import FullCache, FullParams
+from .full import CacheFullError, FullCache, FullParams
 from .gate import ChunkGate, ChunkGateConfig
 from .gate_io import has_gate, load_gate, save_gate, saved_gate_geometry
 from .geometry import CacheGeometry
@@ -30,6 +30,7 @@ from .sink_window import SinkWindowCache, SinkWindowParams
 
 __all__ = [
     "CACHES",
+    "CacheFullError",
     "AttendSeam",
     "CacheGeometry",
     "CacheParams",

@@ -32,6 +32,10 @@ class FullParams(CacheParams):
     """Hyper-parameters of ``FullCache``: only ``capacity`` (tokens; ``None`` = the model's ``max_position``)."""
 
 
+class CacheFullError(ValueError):
+    """A forward would take a ``FullCache`` past its capacity: the episode cannot go on in it."""
+
+
 class FullCache(SlotCache):
     """Every token kept, absolute positions. Buffers ``store.k, store.v: [L, B, Hkv, capacity, D]`` (k rotated).
     ``static_shapes``: attend over a power-of-two extent behind a mask (see the module doc)."""
@@ -66,9 +70,10 @@ class FullCache(SlotCache):
         self._key_bias: torch.Tensor | None = None  # [L, n]: added to every score of the first n keys
         self._ahead: tuple[int, torch.Tensor, torch.Tensor] | None = None  # ``tokens_ahead``: first position, cos, sin
 
-    def _check_room(self, t: int) -> None:
+    def check_room(self, t: int) -> None:
+        """``CacheFullError`` when ``t`` more tokens would not fit; nothing changes."""
         if self.length + t > self.capacity:
-            raise ValueError(
+            raise CacheFullError(
                 f"FullCache is full: {self.length} tokens held + {t} new > capacity {self.capacity}; "
                 "raise KVConfig.capacity or use mode='chunked'"
             )
@@ -76,7 +81,7 @@ class FullCache(SlotCache):
     def _begin_forward(self, t: int, device: torch.device) -> None:
         """First layer of a forward of ``t`` tokens: positions once for all layers."""
         start = self.length
-        self._check_room(t)
+        self.check_room(t)
         self._new_slots = torch.arange(start, start + t, device=device)  # [T]: the new tokens' slots and positions
         if self._ahead is None:
             self._cos, self._sin = self.store.rope.span(start, start + t)  # [T, D] each: the new tokens' positions
@@ -107,7 +112,7 @@ class FullCache(SlotCache):
         eagerly, and the room for them was checked now (``ValueError`` when the cache is full, the message an
         eager forward gives). The table itself grows by replacement (``RopeTable``), and a compiled graph that read
         it would need a new graph when it does."""
-        self._check_room(n)
+        self.check_room(n)
         self._ahead = (self.length, *self.store.rope.span(self.length, self.length + n))
         try:
             yield

@@ -40,12 +40,13 @@ def check_batch(policy, sessions: Sequence, observations: Sequence[Observation])
 
 
 def row_inputs(sessions: Sequence, observations: Sequence[Observation], read: Callable[..., R]) -> list[R]:
-    """``read(session, observation)`` of every row, in order; the first ``ValueError`` becomes a ``BatchInputError``
-    with that row's index. ``read`` must change nothing of the episode (so a refused batch leaves every episode as
-    it was)."""
+    """``read(session, observation)`` of every row, in order, once its cache has room for the step
+    (``check_room``); the first ``ValueError`` becomes a ``BatchInputError`` with that row's index. ``read`` must
+    change nothing of the episode (so a refused batch leaves every episode as it was)."""
     out = []
     for i, (session, obs) in enumerate(zip(sessions, observations)):
         try:
+            session.check_room()
             out.append(read(session, obs))
         except ValueError as e:
             raise BatchInputError(i, e) from e

@@ -224,6 +224,19 @@ class PrismaticSession(CompiledSession):
         self.pixels(obs)
         self._proprio_tokens(obs)
 
+    def check_room(self) -> None:
+        """``CacheFullError`` when the episode's cache (a bounded full cache, history mode) cannot take this step
+        whole: the prompt first at the episode's start, then a step's tokens as the cache was sized for them
+        (``_build``; OpenVLA's first step feeds one fewer, the action token later steps carry over); nothing
+        changes. What ``step_batch`` checks for every row before any of them runs, so that one robot's full cache
+        fails its own step only."""
+        check = getattr(self.cache, "check_room", None)  # only a full cache is bounded; the others make room
+        if check is None or not self.history:  # single mode starts every step from an empty cache sized for it
+            return
+        patches = self.policy.vlm.cfg.vision.num_patches
+        prompt = 0 if self._pinned else history_prompt(self.prompt).length(patches)
+        check(prompt + self.frame.length(patches) + self.head_tokens)
+
     def pixels(self, obs: Observation) -> torch.Tensor:
         """The primary camera's pixel values [1, 3 * towers, S, S] (``ValueError`` for a missing or bad image;
         nothing of the episode changes)."""

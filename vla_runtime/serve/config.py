@@ -2,10 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import types
 from dataclasses import dataclass, field
+from typing import get_type_hints
 
 from ..api import PRIMARY_CAMERA
 from .wire import DecodeLimits
+
+MAX_WINDOW_MS = 60_000.0  # a batch never waits a minute for more steps
+MAX_REJOIN_FRACTION = 1e4  # of the median batch time
+
+
+def check_types(config: object) -> None:
+    """``ValueError`` naming the field unless every ``int``, ``float``, ``str`` and ``bool`` field of the dataclass
+    ``config`` (optional ones: or ``None``) holds a value of that type (an int for a float; floats finite). A YAML
+    file's ``api_token: 123456`` or ``port: "8000"`` is refused by name instead of failing somewhere inside."""
+    names = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
+    hints = get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        hint = hints[f.name]
+        optional = isinstance(hint, types.UnionType) and type(None) in hint.__args__
+        kind = next((a for a in hint.__args__ if a is not type(None)), None) if optional else hint
+        if kind not in names:
+            continue
+        value = getattr(config, f.name)
+        if value is None and optional:
+            continue
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok:
+            raise ValueError(f"`{f.name}` must be {names[kind]}{' or null' if optional else ''}, got {value!r}")
 
 
 @dataclass
@@ -62,6 +91,7 @@ class Limits:
     max_container_len: int = 4096
 
     def __post_init__(self) -> None:
+        check_types(self)
         for name in ("max_message_bytes", "max_image_pixels", "max_state_dim", "max_prompt_chars", "max_container_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
@@ -90,12 +120,13 @@ class BatchConfig:
     rejoin_fraction: float = 0.1
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.max_batch < 1:
             raise ValueError(f"`max_batch` must be >= 1, got {self.max_batch}")
-        if self.window_ms < 0:
-            raise ValueError(f"`window_ms` must be >= 0, got {self.window_ms}")
-        if self.rejoin_fraction < 0:
-            raise ValueError(f"`rejoin_fraction` must be >= 0, got {self.rejoin_fraction}")
+        if not 0 <= self.window_ms <= MAX_WINDOW_MS:
+            raise ValueError(f"`window_ms` must be in 0..{MAX_WINDOW_MS:g}, got {self.window_ms}")
+        if not 0 <= self.rejoin_fraction <= MAX_REJOIN_FRACTION:
+            raise ValueError(f"`rejoin_fraction` must be in 0..{MAX_REJOIN_FRACTION:g}, got {self.rejoin_fraction}")
 
 
 @dataclass
@@ -125,6 +156,7 @@ class ServeConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
 
     def __post_init__(self) -> None:
+        check_types(self)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"`port` must be in 0..65535, got {self.port}")
         if self.max_sessions < 1:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ..api import BatchInputError, Policy, StepResult
 from ..config import CompileMode, SessionConfig
+from ..kv import CacheFullError
 from .config import BatchConfig
 from .messages import BadRequest, Request, RequestKind
 from .sessions import RobotSession, SessionClosed, SessionRegistry
@@ -137,8 +138,9 @@ class PolicyEngine:
             if first is _STOP:
                 self._drain()
                 return
-            jobs, stop = self._gather(first)
+            jobs, stop = [first], False
             try:
+                stop = self._gather(jobs)
                 self._run_jobs(jobs)
             except Exception as e:  # noqa: BLE001 - a bug here must not stop the worker (every client would hang)
                 log.exception("worker failed on a batch of %d requests", len(jobs))
@@ -149,12 +151,13 @@ class PolicyEngine:
                 self._drain()
                 return
 
-    def _gather(self, first: Job) -> tuple[list[Job], bool]:
-        """``first`` plus the steps of other sessions that are queued or arrive within the window, or, while
-        robots expected back (``_expected_back``) are missing, until they arrive or the rejoin wait ends."""
-        jobs = [first]
+    def _gather(self, jobs: list[Job]) -> bool:
+        """Add to ``jobs`` (holding the first one) the steps of other sessions that are queued or arrive within the
+        window, or, while robots expected back (``_expected_back``) are missing, until they arrive or the rejoin
+        wait ends. Whether the server is stopping. (Every job taken is in ``jobs``, should this raise.)"""
+        first = jobs[0]
         if not self.batched or first.request.kind is not RequestKind.STEP:
-            return jobs, False
+            return False
         start = time.perf_counter()
         window_end = start + self.batch.window_ms / 1e3
         expected, rejoin_end = self._expected_back(start, first.robot)
@@ -172,7 +175,7 @@ class PolicyEngine:
                 break
             waited |= waiting_for and time.perf_counter() > window_end
             if job is _STOP:
-                return jobs, True
+                return True
             if any(j.robot is job.robot for j in jobs):  # one step per session per batch
                 self._carry.append(job)
                 break
@@ -180,7 +183,7 @@ class PolicyEngine:
             self.rejoined += job.robot in expected and time.perf_counter() > window_end
             expected.discard(job.robot)
         self.rejoin_waits += waited
-        return jobs, False
+        return False
 
     def _expected_back(self, now: float, first) -> tuple[set, float]:
         """The robots (other than ``first``'s) whose next step is due within the rejoin wait of ``now``
@@ -254,14 +257,24 @@ class PolicyEngine:
         try:
             results = self.policy.step_batch([s for _, s in steps], [j.request.observation for j, _ in steps])
         except BatchInputError as e:  # no session changed: answer that one, batch the others
-            self._fail(steps[e.index][0], e.error, stepped=False)
+            # a full cache cannot take this episode's next step: the episode ends, as a step alone would end it
+            self._fail(steps[e.index][0], e.error, stepped=isinstance(e.error, CacheFullError))
             rest = steps[: e.index] + steps[e.index + 1 :]
             if rest:
                 self._step_batch(rest)
             return
         except Exception as e:  # noqa: BLE001 - every session of the batch may have been written to
+            if len(steps) == 1:
+                self._fail(steps[0][0], e, stepped=True)
+                return
+            # which row failed is unknown: every episode of the batch is reset, and no robot is told another's error
+            log.error("batched step of sessions %s failed; their episodes are reset", [j.robot.id for j, _ in steps],
+                      exc_info=e)  # fmt: skip
             for job, _ in steps:
-                self._fail(job, e, stepped=True)
+                job.robot.forget_episode()
+                job.future.set_exception(InternalError(
+                    f"internal error ({type(e).__name__}) in a step batched with other robots' (the episode was reset)"
+                ))  # fmt: skip
             return
         elapsed = (time.perf_counter() - start) * 1e3
         self.batch_times.append(elapsed / 1e3)

@@ -32,15 +32,19 @@ class DecodeLimits:
     Args:
         max_bytes: largest frame accepted (also what the websocket layer enforces).
         max_container_len: most entries of one msgpack array or map.
+        max_items: most arrays, maps and their entries in the whole frame, nested ones included (a frame of
+            nested empty containers small enough to pass ``max_bytes`` would otherwise decode into millions of
+            Python objects: seconds of CPU and a gigabyte of memory).
         max_ndim: most dimensions of one array.
     """
 
     max_bytes: int = 16 * 2**20
     max_container_len: int = 4096
+    max_items: int = 2**16
     max_ndim: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_container_len", "max_ndim"):
+        for name in ("max_bytes", "max_container_len", "max_items", "max_ndim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
 
@@ -68,7 +72,7 @@ def _numeric_dtype(value: Any) -> np.dtype:
         raise WireError(f"array dtype must be a short numpy dtype string such as '<f4', got {value!r}")
     try:
         dtype = np.dtype(value)
-    except TypeError as e:
+    except Exception as e:  # noqa: BLE001 - numpy's dtype parser raises TypeError, ValueError, even SyntaxError
         raise WireError(f"unknown array dtype {value!r}") from e
     if dtype.kind not in NUMERIC_KINDS or dtype.fields is not None or dtype.subdtype is not None:
         raise WireError(f"array dtype {value!r} is not allowed (only bool, integer and float)")
@@ -87,8 +91,20 @@ def _field(obj: dict, name: bytes) -> Any:
 class _Decoder:
     def __init__(self, limits: DecodeLimits) -> None:
         self.limits = limits
+        self.items = 0  # arrays, maps and their entries decoded so far
+
+    def count(self, container: list | dict) -> None:
+        """Inner containers are finished (and counted) before the ones holding them."""
+        self.items += 1 + len(container)
+        if self.items > self.limits.max_items:
+            raise WireError(f"frame holds more than {self.limits.max_items} arrays, maps and entries")
+
+    def list_hook(self, obj: list) -> list:  # msgpack's list_hook: called for every array
+        self.count(obj)
+        return obj
 
     def __call__(self, obj: dict) -> Any:  # msgpack's object_hook: called for every map
+        self.count(obj)
         if obj.get(ARRAY_TAG, obj.get(ARRAY_TAG.decode())) is True:
             return self._array(obj)
         if obj.get(SCALAR_TAG, obj.get(SCALAR_TAG.decode())) is True:
@@ -126,9 +142,10 @@ def unpack(frame: bytes, limits: DecodeLimits | None = None) -> Any:
     if len(frame) > limits.max_bytes:
         raise WireError(f"frame of {len(frame)} bytes exceeds the limit of {limits.max_bytes}")
     n = limits.max_container_len
+    decoder = _Decoder(limits)
     try:
         return msgpack.unpackb(
-            frame, raw=False, strict_map_key=True, object_hook=_Decoder(limits),
+            frame, raw=False, strict_map_key=True, object_hook=decoder, list_hook=decoder.list_hook,
             max_array_len=n, max_map_len=n, max_ext_len=0,
         )  # fmt: skip
     except WireError:
