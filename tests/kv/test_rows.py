@@ -64,6 +64,12 @@ def test_mark_and_rollback_reach_every_row():
         together.rollback(mark)
     with pytest.raises(ValueError, match="batch of 1 rows for 2 caches"):
         model(inputs_embeds=x[:1, :3], cache=together)
+    old = together.mark()  # a mark of this episode is not one of the next
+    together.reset()
+    model(inputs_embeds=x[:, : bounds[0]], cache=together, pin=True)
+    with pytest.raises(ValueError, match="unknown RowsCache mark"):
+        together.rollback(old)
+    assert together.mark() == 0
 
 
 def held_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:

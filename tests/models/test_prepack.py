@@ -128,3 +128,11 @@ def test_a_prepacked_policy_decodes_the_plain_policys_action_tokens_alone_and_ba
         for want, got, a, b in zip(expected, results, alone, batched):
             np.testing.assert_array_equal(b.last_tokens, a.last_tokens)
             np.testing.assert_allclose(got.actions, want.actions, atol=1e-6)
+
+
+def test_weights_made_in_inference_mode_are_refused():
+    """They keep no version counter: a later in-place change could not be seen, and the packed copy would go stale."""
+    with torch.inference_mode():
+        layer = nn.Linear(16, 8)
+    with pytest.raises(ValueError, match="inference tensor .* outside inference mode"):
+        PrepackedLinear.from_linear(layer)

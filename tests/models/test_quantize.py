@@ -81,3 +81,11 @@ def test_a_quantized_policy_steps_with_smaller_llm_weights(tmp_path):
         assert result.actions.shape == (1, policy.action_dim) and np.isfinite(result.actions).all()
         sizes[mode] = weight_bytes(policy.vlm.language_model.model.layers)
     assert sizes[QuantMode.NONE] > 3.5 * sizes[QuantMode.INT8] and sizes[QuantMode.INT8] > 1.4 * sizes[QuantMode.INT4]
+
+
+@pytest.mark.parametrize("width", [72, 96])  # 72: torch 2.14's bfloat16 CPU int8 kernel gave NaN / 1e28 there
+def test_int8_in_bfloat16_is_the_matmul_with_its_dequantized_weight_at_any_width(width):
+    layer = Int8Linear.from_linear(torch.nn.Linear(width, 64, bias=False).to(torch.bfloat16))
+    x = torch.randn(3, 2 * width, dtype=torch.bfloat16)[:, ::2]  # a strided last dimension too
+    want = x.float() @ layer.dequantized_weight().float().T
+    torch.testing.assert_close(layer(x).float(), want, rtol=0.02, atol=0.05)

@@ -111,5 +111,9 @@ class RowsCache:
         )
 
     def reset(self) -> None:
+        """Every row's cache forgets its episode, and the marks taken over them are gone."""
         for cache in self.caches:
             cache.reset()
+        self._marks.clear()
+        self._new.clear()
+        self._tables = None

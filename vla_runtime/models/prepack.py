@@ -51,7 +51,12 @@ class PrepackedLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "PrepackedLinear":
-        """A ``PrepackedLinear`` sharing ``linear``'s parameters (no copy of them; the packed copy is made now)."""
+        """A ``PrepackedLinear`` sharing ``linear``'s parameters (no copy of them; the packed copy is made now).
+        ``ValueError`` for inference-tensor weights (a model built under ``torch.inference_mode``): they keep no
+        version counter, so a later in-place change could not be told from the packed copy."""
+        if linear.weight.is_inference():
+            raise ValueError("cannot prepack a layer whose weight is an inference tensor (made under "
+                             "torch.inference_mode): build or load the model outside inference mode")  # fmt: skip
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         new.weight, new.bias = linear.weight, linear.bias
         new._repack()
@@ -74,7 +79,7 @@ class PrepackedLinear(nn.Linear):
 
     @staticmethod
     def _version_of(weight: torch.Tensor) -> int | None:
-        # inference tensors keep no version counter (and cannot be changed outside inference mode)
+        # an inference tensor (``from_linear`` refuses one; a weight swapped in later) keeps no version counter
         return None if weight.is_inference() else weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

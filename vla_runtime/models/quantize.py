@@ -60,9 +60,11 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out]. On CPU ATen's ``_weight_int8pack_mm`` (the same buffers, dequantised inside
-        the kernel); elsewhere the plain-torch form, ``(x @ q.T) * scale``."""
-        if x.device.type == "cpu":
-            flat = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight_int8, self.scale.to(x.dtype))
+        the kernel); elsewhere, and for bfloat16 inputs whose width is not a multiple of 16 (torch 2.14's CPU kernel
+        returns garbage or crashes there), the plain-torch form, ``(x @ q.T) * scale``."""
+        if x.device.type == "cpu" and (x.dtype != torch.bfloat16 or self.in_features % 16 == 0):
+            flat = x.reshape(-1, self.in_features).contiguous()  # the kernel reads rows as contiguous
+            flat = torch._weight_int8pack_mm(flat, self.weight_int8, self.scale.to(x.dtype))
             out = flat.view(*x.shape[:-1], self.out_features)
         else:
             out = F.linear(x, self.weight_int8.to(x.dtype)) * self.scale.to(x.dtype)
