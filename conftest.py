@@ -1,5 +1,5 @@
-"""For every test in the repository (``tests/`` and the ROS package's tests): a test must leave the test
-process scheduled as it found it.
+"""For every test in the repository (``tests/`` and the ROS package's tests): it starts from seeded global RNGs
+(``random``, numpy's, torch's), and it must leave the test process scheduled as it found it.
 
 The scheduling policy and priority, the nice value and the CPU affinity of the thread that runs the
 tests are inherited by every thread and process it starts afterwards: worker pools, simulator
@@ -67,6 +67,20 @@ def _check(when: str) -> str:
     put_back = f"could not put back {'; '.join(failed)}" if failed else "put back"
     return (f"the test process's scheduling changed {when} ({put_back}; threads and processes started in the meantime "
             "inherited it): " + "; ".join(f"{k} {shown(k, old)} -> {shown(k, new)}" for k, (old, new) in changed.items()))
+
+
+@pytest.fixture(autouse=True)
+def _seeded_global_rngs():
+    """Every test starts from the same global RNG states, whichever tests ran before it: a failure reproduces
+    alone (tests that need other draws pass their own generator)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture(autouse=True)

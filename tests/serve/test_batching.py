@@ -10,7 +10,7 @@ from vla_runtime.api import BatchInputError, Observation
 from vla_runtime.config import CompileMode, SessionConfig
 from vla_runtime.kv import KVConfig
 from vla_runtime.kv.rows import RowsCache
-from vla_runtime.serve.config import BatchConfig
+from vla_runtime.serve.config import MAX_REJOIN_FRACTION, BatchConfig
 from vla_runtime.serve.engine import InternalError, PolicyEngine
 from vla_runtime.serve.messages import BadRequest, Request, RequestKind
 from vla_runtime.serve.sessions import SessionRegistry
@@ -181,9 +181,11 @@ def test_a_failing_batch_resets_the_episodes_it_touched(tiny_policy, frame):
 
 def rejoin_engine(policy, n):
     """Two-plus robots stepped twice as one batch: each has answered steps and a short round trip. Window 0 and a
-    rejoin wait of up to 1000 batch times: a wait ends when the robots expected back arrive, not at its end."""
+    rejoin wait of up to 10,000 batch times (the most the config takes; a wait ends when the robots expected back
+    arrive, not at its end, so the test thread has that long to send the next step however slow the machine)."""
     registry = SessionRegistry(max_sessions=8, idle_timeout_s=60)
-    engine = PolicyEngine(policy, SessionConfig(history="history"), registry, BatchConfig(window_ms=0, rejoin_fraction=1000))
+    engine = PolicyEngine(policy, SessionConfig(history="history"), registry,
+                          BatchConfig(window_ms=0, rejoin_fraction=MAX_REJOIN_FRACTION))  # fmt: skip
     robots = [registry.open(f"robot{i}") for i in range(n)]
     return engine, robots
 

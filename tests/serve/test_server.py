@@ -72,10 +72,14 @@ def test_concurrent_clients_in_threads_get_what_each_would_get_alone(tiny_policy
     frames = [[frame(10 * c + i) for i in range(steps)] for c in range(n)]
     expected = [alone(tiny_policy, HISTORY, f"task {c}", frames[c]) for c in range(n)]
     got: dict[int, list] = {}
-    barrier = threading.Barrier(n)
+    barrier = threading.Barrier(n, timeout=120)  # a generous bound; a client that fails first breaks it at once
 
     def robot(c):
-        client = WebsocketClientPolicy("localhost", port)
+        try:
+            client = WebsocketClientPolicy("localhost", port)
+        except BaseException:
+            barrier.abort()  # the others stop waiting for this one (BrokenBarrierError) instead of hanging
+            raise
         barrier.wait()
         got[c] = [client.infer({"observation/image": f, "prompt": f"task {c}"})["actions"] for f in frames[c]]
 

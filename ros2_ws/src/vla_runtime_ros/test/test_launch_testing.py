@@ -33,6 +33,7 @@ from std_msgs.msg import Float32MultiArray, String  # noqa: E402
 TEST_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TEST_DIR))
 
+from ros_harness import PATIENCE  # noqa: E402
 from ros_test_policy import write_checkpoint  # noqa: E402
 from vla_runtime_ros import conversions  # noqa: E402
 from vla_runtime_ros.policy_node import INSTRUCTION_QOS  # noqa: E402
@@ -66,14 +67,17 @@ class TestPolicyLaunch(unittest.TestCase):
             node.create_subscription(Float32MultiArray, "/launch_test/vla_policy/action", actions.append, 10)
             images = node.create_publisher(Image, "/launch_test/image_raw", 10)
             instructions = node.create_publisher(String, "/launch_test/instruction", INSTRUCTION_QOS)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not any(
-                "launch_test/vla_policy" in s.name and any(kv.key == "state" and kv.value == "active" for kv in s.values)
-                for s in statuses
-            ):
+            def active():
+                return any("launch_test/vla_policy" in s.name and any(kv.key == "state" and kv.value == "active"
+                                                                      for kv in s.values) for s in statuses)  # fmt: skip
+
+            deadline = time.monotonic() + PATIENCE.timeout(120)  # scaled to this machine's slowness
+            while time.monotonic() < deadline and not active():
                 rclpy.spin_once(node, timeout_sec=0.1)
+            self.assertTrue(active(), "the node never reported itself active on /diagnostics")
             instructions.publish(String(data="pick up the cup"))
             frame = conversions.array_to_image_msg(np.full((32, 32, 3), 128, np.uint8))
+            deadline = time.monotonic() + PATIENCE.timeout(120)
             while time.monotonic() < deadline and not actions:
                 images.publish(frame)
                 rclpy.spin_once(node, timeout_sec=0.1)

@@ -3,6 +3,7 @@ DDS, no node, every moment given explicitly."""
 
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -122,7 +123,7 @@ def control_over(box: Inputs):
     return control
 
 
-def test_a_step_whose_next_frame_is_due_waits_for_it_and_one_that_is_not_does_not():
+def test_a_step_whose_next_frame_is_due_waits_for_it_and_one_that_is_not_does_not(monkeypatch):
     box, period = inputs(use_joint_state=False), 1 / 30
     start = time.monotonic()
     for i in range(6):  # the camera's clock: the last frame arrived a period ago, the next is due now
@@ -138,11 +139,22 @@ def test_a_step_whose_next_frame_is_due_waits_for_it_and_one_that_is_not_does_no
     worker.start()
     holding.wait()
     with control._lock:  # only free once the worker waits (the wait releases it)
-        box.add_frame(image(6.0), time.monotonic(), active=True)
+        arrived = time.monotonic()
+        box.add_frame(image(6.0), arrived, active=True)
         control._frame_arrived.notify_all()
     worker.join(timeout=120)
     assert not worker.is_alive() and waited == [True]
     assert box.usable_frame(time.monotonic()).seq == 7  # the frame it waited for is the one it takes
-    with control._lock:  # the next frame is a whole period off: no wait within 5 ms
+    from vla_runtime_ros import policy_control
+
+    # half a period after that frame (the step's clock, fixed), the next one is half a period off
+    monkeypatch.setattr(policy_control, "time", SimpleNamespace(monotonic=lambda: arrived + period / 2))
+    waits = []
+    control._frame_arrived.wait_for = lambda *args, **kwargs: waits.append(kwargs) or False  # records a wait
+    with control._lock:  # not due within 5 ms: no wait at all
         assert control._await_next_frame(threading.Event(), 0.005) is False
+    assert waits == []
+    with control._lock:  # due within a period: it waits for it, at most that long
+        assert control._await_next_frame(threading.Event(), period) is False
+    assert waits == [{"timeout": period}]
     assert box.clock.period() == pytest.approx(period, rel=0.2)

@@ -195,7 +195,8 @@ def test_actions_arrive_with_the_right_shape_near_the_control_rate(rig):
     msg = conversions.array_to_image_msg(image)
     rig.reset()
     start = len(rig.actions)
-    ticks_before, t_before = int(rig.values()["ticks"]), time.monotonic()
+    before = rig.values()
+    ticks_before, published_before, t_before = int(before["ticks"]), int(before["actions_published"]), time.monotonic()
     # a 30 Hz camera for at least 3 s and until 12 actions came (a loaded machine warms up slowly)
     for frame in camera_clock(30.0, 1200):
         rig.publish(msg)
@@ -212,15 +213,18 @@ def test_actions_arrive_with_the_right_shape_near_the_control_rate(rig):
     times = [r.t for r in received[2:]]  # the first ones include the stream's start-up
     rate = (len(times) - 1) / (times[-1] - times[0])
     values = rig.values()
-    # never above the control rate; at least what this machine allowed: a step starts once the previous
+    # never above the control rate: at most one action per tick (counted by the node, so a burst of late deliveries
+    # to this process cannot blur it); at least what this machine allowed: a step starts once the previous
     # action left the queue and its action goes out on a tick, so an action per ceil(step/period)+1 ticks, of
     # the ticks the node ran (a process the machine stalls for a second runs no ticks meanwhile: the timer
     # skips them, and the node's tick count shows it)
+    ticks = int(values["ticks"]) - ticks_before
+    assert int(values["actions_published"]) - published_before <= ticks, values
     period = 1.0 / RATE_HZ
-    tick_share = min(1.0, (int(values["ticks"]) - ticks_before) / ((time.monotonic() - t_before) * RATE_HZ))
+    tick_share = min(1.0, ticks / ((time.monotonic() - t_before) * RATE_HZ))
     reachable = tick_share / (period * (math.ceil(float(values["step_ms_p95"]) / 1e3 / period) + 1))
-    assert 0.7 * reachable < rate < 1.15 * RATE_HZ, f"{rate:.2f} Hz for a {RATE_HZ} Hz control rate: {values}"
-    assert 0.5 * reachable < float(values["action_rate_hz"]) < 1.2 * RATE_HZ, values
+    assert 0.7 * reachable < rate, f"{rate:.2f} Hz for a {RATE_HZ} Hz control rate: {values}"
+    assert 0.5 * reachable < float(values["action_rate_hz"]), values
     # more frames came than were used (30 Hz in, 5 Hz out): the unused ones count as dropped
     assert int(values["frames_received"]) > int(values["steps"]) and int(values["frames_dropped"]) > 0, values
     assert float(values["step_ms_p95"]) >= float(values["step_ms_p50"]) > 0
