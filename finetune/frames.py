@@ -65,7 +65,8 @@ class DecodedDataset:
 def cache_key(root: Path, camera: str) -> str:
     """Hash of every file under the dataset (relative path, size, mtime) and the camera."""
     h = hashlib.sha1(f"v{FORMAT}:{camera}".encode())
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    files = (Path(d) / name for d, _, names in os.walk(root, followlinks=True) for name in names)  # symlinked folders too
+    for path in sorted(p for p in files if p.is_file()):
         st = path.stat()
         h.update(f"{path.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]

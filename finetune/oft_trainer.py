@@ -166,6 +166,10 @@ def check_oft_config(cfg: FinetuneConfig, world: int) -> None:
         problems.append("--resume")
     if cfg.merge:
         problems.append("merge (load the output with adapter=)")
+    if cfg.time_budget is not None:
+        problems.append("time_budget (give max_steps)")
+    if cfg.save_dtype is not None:
+        problems.append("save_dtype (the output is a LoRA adapter and its heads, in float32)")
     if cfg.goal_weight:
         problems.append("goal_weight (the goal loss is the token trainer's)")
     if cfg.cue_weight:

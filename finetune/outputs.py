@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
+from vla_runtime.data import durable
 from vla_runtime.kv import KVConfig
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ RUN_CONFIG = "finetune_config.yaml"
 LOG = "train_log.jsonl"
 PLOT = "training_curves.png"
 LAST = Path("checkpoints") / "last"
+# where a save writes the next checkpoint, and where the one it replaces waits until the new one is in place
+NEXT, PREVIOUS = LAST.with_name("last.tmp"), LAST.with_name("last.old")
 # config fields a resumed run may change
 RESUMABLE_CHANGES = {
     "max_steps",
@@ -68,18 +71,24 @@ def write_json(path: Path, data) -> None:
 
 
 def write_run_config(out: Path, cfg) -> None:
+    """``finetune_config.yaml``, replaced atomically (a kill while it is rewritten leaves the old one)."""
     data = to_plain(cfg)
     data["resume"] = False
-    (out / RUN_CONFIG).write_text(yaml.safe_dump(data, sort_keys=False))
+    durable.write_text_atomic(out / RUN_CONFIG, yaml.safe_dump(data, sort_keys=False))
 
 
-def recorded_max_steps(out: Path) -> int:
-    return int(yaml.safe_load((out / RUN_CONFIG).read_text())["max_steps"])
+def recorded_config(out: Path) -> dict:
+    """The run's ``finetune_config.yaml`` (``ValueError`` naming it when it is not a mapping)."""
+    path = out / RUN_CONFIG
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a run config (a mapping of its fields); it cannot be resumed")
+    return data
 
 
 def config_changes(out: Path, cfg) -> list[str]:
     """Fields (dotted) whose value differs from the run recorded in ``out``, ignoring ``RESUMABLE_CHANGES``."""
-    old = yaml.safe_load((out / RUN_CONFIG).read_text())
+    old = recorded_config(out)
     new = to_plain(cfg)
 
     def diff(a: dict, b: dict, prefix: str = "") -> list[str]:
@@ -101,30 +110,76 @@ def config_changes(out: Path, cfg) -> list[str]:
 
 
 def save_training_state(
-    out: Path, *, step: int, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer
+    out: Path, *, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, state: dict
 ) -> None:
-    """Write ``checkpoints/last`` atomically: trainable weights (safetensors), optimizer (tensors and
-    numbers only, read back with ``weights_only=True``) and the step."""
-    last = out / LAST
-    tmp = last.with_name("last.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in params.items()}, str(tmp / "trainable.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step}) + "\n")
-    shutil.rmtree(last, ignore_errors=True)
-    tmp.rename(last)
+    """Write ``checkpoints/last`` so that a kill at any moment leaves one complete checkpoint to resume from:
+    trainable weights (safetensors), optimizer (tensors and numbers only, read back with ``weights_only=True``)
+    and ``state`` (``step`` and what else the run needs to resume: ``state.json``, written last). The new
+    checkpoint is written and fsync-ed as ``last.tmp``; the old ``last`` moves aside as ``last.old`` before the new
+    one takes its name, and is deleted only then (``recover_training_state`` finishes a save a kill interrupted)."""
+    last, nxt, previous = out / LAST, out / NEXT, out / PREVIOUS
+    shutil.rmtree(nxt, ignore_errors=True)
+    durable.make_dirs(nxt)
+    save_file({k: v.detach().contiguous().cpu() for k, v in params.items()}, str(nxt / "trainable.safetensors"))
+    torch.save(optimizer.state_dict(), nxt / "optimizer.pt")
+    for name in ("trainable.safetensors", "optimizer.pt"):
+        durable.fsync_file(nxt / name)
+    durable.write_text_atomic(nxt / "state.json", json.dumps(state) + "\n")  # last: the checkpoint is complete
+    if last.exists():
+        shutil.rmtree(previous, ignore_errors=True)
+        last.rename(previous)
+    nxt.rename(last)
+    durable.fsync_dir(last.parent)
+    shutil.rmtree(previous, ignore_errors=True)
 
 
-def load_training_state(out: Path, *, device: torch.device) -> tuple[int, dict[str, torch.Tensor], dict]:
-    """(step, trainable weights, optimizer state) from ``checkpoints/last``."""
+def _complete_step(directory: Path) -> int | None:
+    """The step of the checkpoint in ``directory`` if it is complete (its ``state.json`` is written last)."""
+    path = directory / "state.json"
+    return int(json.loads(path.read_text())["step"]) if path.is_file() else None
+
+
+def recover_training_state(out: Path) -> dict | None:
+    """Make the newest complete checkpoint ``checkpoints/last`` (a save a kill interrupted left it as ``last.tmp``
+    or ``last.old``) and delete the others; returns its ``state.json`` (``None``: no checkpoint)."""
+    found = [(step, d) for d in (out / LAST, out / NEXT, out / PREVIOUS) if (step := _complete_step(d)) is not None]
+    if not found:
+        return None
+    _, newest = max(found, key=lambda f: f[0])
+    if newest != out / LAST:
+        log.warning("a checkpoint save was interrupted: resuming from %s", newest)
+        shutil.rmtree(out / LAST, ignore_errors=True)
+        newest.rename(out / LAST)
+        durable.fsync_dir(out / LAST.parent)
+    for stale in (out / NEXT, out / PREVIOUS):
+        shutil.rmtree(stale, ignore_errors=True)
+    return json.loads((out / LAST / "state.json").read_text())
+
+
+def training_state(out: Path) -> dict | None:
+    """``checkpoints/last/state.json`` (``None``: no checkpoint)."""
+    path = out / LAST / "state.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_statistics(out: Path, statistics: dict) -> None:
+    """``ValueError`` unless the data's statistics are the ones the run in ``out`` started with (the action bins
+    its steps so far were trained on)."""
+    path = out / STATISTICS
+    if path.is_file() and json.loads(path.read_text()) != json.loads(json.dumps(to_plain(statistics))):
+        raise ValueError(f"--resume: the dataset's statistics differ from {path}, the run's: the data changed since "
+                         "the run started; resume it with the same data, or start a new --out")  # fmt: skip
+
+
+def load_training_state(out: Path, *, device: torch.device) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """(``state.json``, trainable weights, optimizer state) from ``checkpoints/last``."""
     last = out / LAST
     if not (last / "state.json").is_file():
         raise FileNotFoundError(f"nothing to resume: {last} has no training checkpoint")
-    step = int(json.loads((last / "state.json").read_text())["step"])
+    state = json.loads((last / "state.json").read_text())
     params = load_file(str(last / "trainable.safetensors"), device=str(device))
     optimizer = torch.load(last / "optimizer.pt", map_location=device, weights_only=True)
-    return step, params, optimizer
+    return state, params, optimizer
 
 
 # ---- log and plot ---------------------------------------------------------------------------------

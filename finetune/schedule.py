@@ -47,6 +47,10 @@ class TimeBudget:
         self._t0: float | None = None
         self.fitted: int | None = None
 
+    def seconds_left(self) -> float:
+        """Of the budget, now (what a checkpoint records for a resumed run)."""
+        return self.seconds - (self.clock() - self.started)
+
     def after_step(self, done: int, max_steps: int) -> int | None:
         self._steps += 1
         now = self.clock()

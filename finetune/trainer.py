@@ -72,6 +72,8 @@ class Trainer:
         self.device = self._device()
         self.autocast = self._autocast()
         self.out = cfg.out
+        self.step_cap = cfg.max_steps  # a time budget's refits never pass the configured steps
+        self.budget_minutes = cfg.time_budget  # left of it (a resumed run: what the checkpoint had left)
         self._check_out_dir()
         torch.manual_seed(cfg.seed)  # LoRA and gate initialisation: identical on every rank
         self.policy = load_policy(cfg.checkpoint, device=self.device, dtype="float32")
@@ -85,6 +87,8 @@ class Trainer:
         self._barrier()
         if not env.is_main:
             self.data = TrainingData.prepare(cfg, self.policy, cache_dir=cache_dir, build_cache=False, progress=False)
+        if cfg.resume:
+            outputs.check_statistics(self.out, self.data.statistics)
         self.kv = history_kv(cfg.kv, self.data) if cfg.history.episodic else cfg.kv
         self.gate = self._gate() if cfg.trains_gate else None
         self.peft_model = self._trainable()
@@ -135,25 +139,33 @@ class Trainer:
     def _check_out_dir(self) -> None:
         out, cfg = self.out, self.cfg
         ours = [outputs.RUN_CONFIG, outputs.LOG, str(outputs.LAST)]
-        if cfg.resume:
-            if not (out / outputs.LAST / "state.json").is_file():
-                raise FileNotFoundError(f"--resume: {out / outputs.LAST} has no training checkpoint to resume from")
-            changes = outputs.config_changes(out, cfg)
-            if changes:
-                raise ValueError(f"--resume: the config differs from the run in {out}: {'; '.join(changes)}")
-            if cfg.time_budget is not None:  # the budget was fitted to max_steps in the run's config
-                cfg.max_steps = outputs.recorded_max_steps(out)
-            before = outputs.recorded_max_steps(out)
-            if before != cfg.max_steps and (cfg.lr_schedule != "constant" or cfg.gate.temperature_final is not None):
-                log.warning(
-                    "--resume: max_steps %d -> %d stretches the lr / gate-temperature schedules from here on",
-                    before,
-                    cfg.max_steps,
-                )
-        elif any((out / name).exists() for name in ours):
-            raise ValueError(
-                f"{out} already holds a fine-tuning run; pass --resume to continue it or choose a new --out"
-            )
+        if not cfg.resume:
+            if any((out / name).exists() for name in ours):
+                raise ValueError(f"{out} already holds a fine-tuning run; pass --resume to continue it or choose a new --out")
+            return
+        if not (out / outputs.RUN_CONFIG).is_file():
+            raise FileNotFoundError(f"--resume: {out} holds no fine-tuning run ({outputs.RUN_CONFIG} is missing)")
+        changes = outputs.config_changes(out, cfg)
+        if changes:
+            raise ValueError(f"--resume: the config differs from the run in {out}: {'; '.join(changes)}")
+        if self.env.is_main:  # finishes a checkpoint save a kill interrupted
+            outputs.recover_training_state(out)
+        self._barrier()
+        state = outputs.training_state(out)
+        if state is None:  # killed before its first checkpoint: nothing to continue, the same run from the start
+            log.warning("--resume: %s has no checkpoint yet; starting the run from step 0", out)
+            cfg.resume = False
+            return
+        recorded = int(outputs.recorded_config(out)["max_steps"])
+        if cfg.time_budget is not None:  # the run's fitted length and what was left of its budget at the checkpoint
+            cfg.max_steps = int(state.get("max_steps", recorded))
+            left = state.get("budget_left_s")
+            self.budget_minutes = left / 60 if left is not None and left > 0 else None
+            if left is not None and left <= 0:
+                cfg.max_steps = int(state["step"])  # the budget was spent
+        elif recorded != cfg.max_steps and (cfg.lr_schedule != "constant" or cfg.gate.temperature_final is not None):
+            log.warning("--resume: max_steps %d -> %d stretches the lr / gate-temperature schedules from here on",
+                        recorded, cfg.max_steps)  # fmt: skip
 
     def _gate(self) -> ChunkGate:
         """The policy's trained gate when it fits this cache, else a fresh one (mean pooling, keeps all)."""
@@ -209,7 +221,8 @@ class Trainer:
         return {name: p for name, p in self.module.named_parameters() if p.requires_grad}
 
     def _resume(self) -> None:
-        step, params, optimizer = outputs.load_training_state(self.out, device=self.device)
+        state, params, optimizer = outputs.load_training_state(self.out, device=self.device)
+        step = int(state["step"])
         own = self.trainable_state()
         if set(params) != set(own):
             raise ValueError(
@@ -300,8 +313,8 @@ class Trainer:
         bar = tqdm(
             total=cfg.max_steps, initial=self.start_step, desc="fine-tuning", unit="step", disable=not env.is_main
         )
-        budget = TimeBudget(cfg.time_budget) if cfg.time_budget is not None and not cfg.resume else None
-        cap = cfg.max_steps  # a refit may lengthen the run again (a slow start), never past the configured steps
+        budget = TimeBudget(self.budget_minutes) if self.budget_minutes is not None else None
+        cap = self.step_cap  # a refit may lengthen the run again (a slow start), never past the configured steps
         for step in itertools.count(self.start_step):
             if step >= cfg.max_steps:
                 break
@@ -336,9 +349,10 @@ class Trainer:
                 interval_steps, interval_start, interval_cpu = 0, time.perf_counter(), time.process_time()
             if done % cfg.save_every == 0 or done == cfg.max_steps:
                 if env.is_main:
-                    outputs.save_training_state(
-                        self.out, step=done, params=self.trainable_state(), optimizer=self.optimizer
-                    )
+                    state = {"step": done, "max_steps": cfg.max_steps,
+                             "budget_left_s": budget.seconds_left() if budget is not None else None}  # fmt: skip
+                    outputs.save_training_state(self.out, params=self.trainable_state(), optimizer=self.optimizer,
+                                                state=state)  # fmt: skip
                 self._barrier()
                 interval_start, interval_cpu = time.perf_counter(), time.process_time()  # saving is not training time
         bar.close()

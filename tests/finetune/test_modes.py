@@ -117,9 +117,9 @@ def test_resume_continues_exactly(tiny_ckpt, tiny_dataset, tmp_path, monkeypatch
     Trainer(make_config(tiny_ckpt, tiny_dataset, tmp_path / "straight", **run)).train()
     save = outputs.save_training_state
 
-    def save_then_die(out, *, step, params, optimizer):
-        save(out, step=step, params=params, optimizer=optimizer)
-        raise Killed(f"killed after step {step}")
+    def save_then_die(out, *, params, optimizer, state):
+        save(out, params=params, optimizer=optimizer, state=state)
+        raise Killed(f"killed after step {state['step']}")
 
     monkeypatch.setattr(outputs, "save_training_state", save_then_die)
     with pytest.raises(Killed, match="after step 2"):

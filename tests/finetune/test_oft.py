@@ -97,6 +97,9 @@ def test_unsupported_settings_are_named(tmp_path, oft_run):
     cfg = make_config(ckpt, tmp_path / "none", tmp_path / "run", trainable="all", data={"window": 0})
     with pytest.raises(ValueError, match="its fine-tuning does not support: data.window 0 .*; trainable 'all'"):
         make_trainer(cfg, DistEnv())
+    cfg = make_config(ckpt, tmp_path / "none", tmp_path / "run", time_budget=6, save_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"does not support: time_budget \(give max_steps\); save_dtype"):
+        make_trainer(cfg, DistEnv())
 
 
 def test_history_layout_by_hand():
