@@ -1,5 +1,7 @@
 """``vla_runtime.control`` on a fake clock: every time below is a number the test chooses (no sleeps)."""
 
+import math
+
 import numpy as np
 import pytest
 from vla_runtime.control import (
@@ -20,6 +22,10 @@ def test_config_rejects_bad_values_and_parses_strings_once():
         ControlConfig(step_quantile=0.0)
     with pytest.raises(ValueError, match="`refill_threshold` must be >= 0, got -1"):
         ControlConfig(refill_threshold=-1)
+    # NaN passes `x < 0`: a NaN blend weight would reach the robot, a NaN margin fail mid-episode
+    for name, value in (("temporal_coeff", math.nan), ("margin_ms", math.nan), ("margin_ms", math.inf), ("rate_hz", math.inf)):
+        with pytest.raises(ValueError, match=f"`{name}` must be a finite number"):
+            ControlConfig(**{name: value})
 
 
 def test_step_timer_quantile_tracks_the_recent_window():

@@ -184,6 +184,26 @@ def test_a_failed_request_is_raised_at_the_next_tick():
         clock.advance(clock.t + 10)  # the request planned at tick 2 wakes, cancelled
 
 
+def test_a_request_that_fails_after_a_reset_is_not_raised_in_the_new_episode():
+    clock = SimClock()
+
+    def slow_then_broken(observation):
+        clock.sleep_until(clock.t + 3 * PERIOD)  # still in flight when the robot resets
+        raise ConnectionError("the old episode's request failed")
+
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        loop = RemotePolicyLoop(slow_then_broken, ControlConfig(rate_hz=1 / PERIOD), clock=clock,
+                                submit=clock.track(executor),
+                                wait_until=lambda t, cancel: clock.sleep_until(t) or cancel.is_set())  # fmt: skip
+        assert loop.tick({"tick": 0}) is None
+        clock.advance(PERIOD)  # the request is in its policy call
+        loop.reset()
+        clock.advance(5 * PERIOD)  # it fails now, in the new episode
+        loop.tick({"tick": 6})  # no error of the old episode's raised here
+        loop.reset()
+        clock.advance(10)
+
+
 def test_publish_mode_immediate_is_refused():
     with pytest.raises(ValueError, match="publish_mode"):
         RemotePolicyLoop(lambda obs: {}, ControlConfig(publish_mode="immediate"))

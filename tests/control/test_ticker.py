@@ -150,6 +150,27 @@ def test_an_error_in_a_tick_is_reported_and_the_ticks_go_on():
     assert [str(e) for e in errors] == ["bad tick"]
 
 
+def test_an_on_error_that_raises_too_is_logged_and_the_ticks_go_on(caplog):
+    grid = Grid(0.01)
+    ran: list[float] = []
+
+    def tick(due: float) -> None:
+        grid.tick(due)
+        ran.append(due)
+        if len(ran) == 2:
+            raise ValueError("bad tick")
+
+    def broken_report(error: BaseException) -> None:
+        raise RuntimeError("the report failed")
+
+    ticker = DeadlineTicker(next_due=grid.next_due, period=0.01, on_tick=tick, on_wake=lambda: None,
+                            on_error=broken_report, clock=thread_clock())
+    ticker.start()
+    grid.wait_for(lambda: len(ran) >= 4)  # the thread outlived both exceptions
+    ticker.stop()
+    assert "on_error raised RuntimeError('the report failed') while reporting ValueError('bad tick')" in caplog.text
+
+
 def test_a_control_loop_driven_by_the_ticker_follows_a_phase_move_at_once():
     """The loop's grid is the ticker's: after ``phase_shift`` the next tick is due ``shift`` earlier."""
     cfg = ControlConfig(rate_hz=10, align_window=1)

@@ -127,6 +127,20 @@ def test_eval_parallel_workers_with_action_chunks(demos, capfd):
     assert "Traceback" not in err and "Exception ignored" not in err, err
 
 
+def test_a_worker_episode_that_raises_keeps_the_results_of_the_others_and_is_raised():
+    """Episodes that finished are handed on (made durable) before the failure is raised; what had not started is
+    not run (``--resume`` runs it)."""
+    from eval_fakes import make_policy, make_world
+
+    recorded = []
+    config = EvalConfig(tasks=["good", "bad"], episodes=3, seed=0, workers=2)
+    with pytest.raises(RuntimeError, match="the simulator crashed on bad seed 0"):
+        evaluate(make_policy, make_world, config, progress=False, on_result=lambda i, r: recorded.append(i))
+    assert sorted(recorded) == [0, 1, 2]  # every "good" episode (queued before any "bad" one) was recorded
+    with pytest.raises(ValueError, match="`tasks` names good more than once"):
+        EvalConfig(tasks=["good", "bad", "good"], episodes=1)
+
+
 def test_eval_rejects_a_policy_it_cannot_map(demos, monkeypatch):
     root, _ = demos
     policy, env = partial(make_replay_policy, root, action_dim=4), partial(make_env, "metaworld", ENV)

@@ -20,7 +20,8 @@ PERIOD = 1 / RATE
 
 
 class TickWorld:
-    """Observation ``t`` = the tick it was taken at (rendered after that tick's action); ends after ``ticks``."""
+    """Observation ``t`` = the tick whose world it shows: the reset's is tick 0's, the one rendered after tick
+    k's action tick k + 1's; ends after ``ticks``."""
 
     fps = 10
 
@@ -28,12 +29,12 @@ class TickWorld:
         self.ticks, self.k, self.applied = ticks, 0, []
 
     def reset(self):
-        return SimObservation(images={"primary": np.zeros((4, 4, 3), np.uint8)}, state=np.zeros(2), instruction="go", t=-1.0)
+        return SimObservation(images={"primary": np.zeros((4, 4, 3), np.uint8)}, state=np.zeros(2), instruction="go", t=0.0)
 
     def step(self, action):
         self.applied.append(np.array(action))
-        obs = SimObservation(images={"primary": np.zeros((4, 4, 3), np.uint8)}, state=np.zeros(2), instruction="go", t=self.k)
         self.k += 1
+        obs = SimObservation(images={"primary": np.zeros((4, 4, 3), np.uint8)}, state=np.zeros(2), instruction="go", t=self.k)
         done = self.k >= self.ticks
         return obs, done, False, StepInfo(self.k, done, np.array(action))
 
@@ -47,8 +48,8 @@ class FakeClock:
 
 
 class TickSession(EpisodeSession):
-    """Each step's chunk row ``i`` says (in dimension 0) the tick it is for: the frame's tick + ``i``; the step
-    takes ``step_s`` on the fake clock. The reset frame (t = -1) asks for ticks -1, 0, ..."""
+    """Each step's chunk row ``i`` says (in dimension 0) the tick it is for: the frame's tick + ``i`` (a policy
+    acts on the world it saw: row 0 for the state in its frame); the step takes ``step_s`` on the fake clock."""
 
     def __init__(self, clock: FakeClock, chunk: int, step_s: float) -> None:
         super().__init__("go", SessionConfig())
@@ -63,7 +64,7 @@ class TickSession(EpisodeSession):
         self.frames.append(frame)
         actions = np.zeros((self.chunk, 7))
         actions[:, 0] = frame + np.arange(self.chunk)
-        actions[:, 6] = 1.0
+        actions[:, 6] = 0.5  # a gripper command no hold sends
         return StepResult(actions=actions, timings={}, kv=KVStats(tokens_raw=1, bytes=1, tokens_seen=1))
 
 
@@ -80,13 +81,21 @@ def play(chunk: int, step_periods: float, ticks: int = 60, **control):
 def test_a_chunk_policy_whose_step_takes_three_periods_acts_on_every_tick_after_the_first_chunk():
     applied, stats, _ = play(chunk=8, step_periods=3.0)
     executed = [a[0] for a in applied]
-    first = next(k for k, a in enumerate(applied) if a[6] == 1.0)  # the first tick served by a chunk
+    first = next(k for k, a in enumerate(applied) if a[6] == 0.5)  # the first tick served by a chunk
     assert first <= 4  # the first step starts at once and takes 3 periods
     # latency-aware: tick k executes the row meant for tick k (rows for ticks past when a chunk lands are skipped)
     assert executed[first:] == list(range(first, len(applied)))
     assert stats["fallbacks"] == first and stats["actions_skipped"] > 0
-    # before it: hold (no motion; no gripper command seen yet)
-    assert all(not a.any() for a in applied[:first])
+    # before it: hold (no motion; no gripper command seen yet: open)
+    assert all(not a[:6].any() and a[6] == 1.0 for a in applied[:first])
+
+
+@pytest.mark.parametrize("chunk", [8, 1])
+def test_without_a_margin_a_step_planned_to_start_on_a_tick_starts_there(chunk):
+    """No step time measured yet and ``margin_ms`` 0: the first plan starts exactly on a tick (once, a step that
+    started there was never run)."""
+    applied, stats, frames = play(chunk=chunk, step_periods=0.3, margin_ms=0.0)
+    assert stats["steps"] >= len(applied) // max(chunk - 2, 1) - 2 and frames[0] == 0
 
 
 def test_a_single_action_policy_acts_on_the_newest_frame_with_no_empty_ticks():
@@ -152,7 +161,7 @@ def test_runs_repeat_exactly_and_time_scale_stretches_step_times():
 
 
 def test_hold_keeps_the_gripper_and_stops_the_arm():
-    assert hold_action(None, 4).tolist() == [0, 0, 0, 0]
+    assert hold_action(None, 4).tolist() == [0, 0, 0, 1.0]  # before any command: open (0 would close it)
     assert hold_action(np.array([0.3, -0.2, 0.1, -1.0]), 4).tolist() == [0, 0, 0, -1.0]
 
 

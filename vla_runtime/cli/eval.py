@@ -25,6 +25,7 @@ from ..kv.config import KVConfig, matching_sink_window
 from ..kv.gate_io import saved_gate_geometry
 from ..kv.registry import KVMode
 from ..sim import METAWORLD_ALL_TASKS, make_env
+from ..sim.actions import POLICY_ACTION_DIM
 from ..sim.base import check_task
 from ..sim.evaluate import EvalConfig, evaluate
 from ..sim.report import format_table, plot_summary, summarize, write_report
@@ -73,7 +74,8 @@ def control_config(args: argparse.Namespace) -> ControlConfig | None:
     if args.control_rate is None:
         return None
     return ControlConfig(rate_hz=args.control_rate, blend=args.blend, refill_threshold=args.refill_threshold,
-                         fallback=args.fallback, align_to_frames=False)  # fmt: skip
+                         fallback=args.fallback, fallback_keep_dims=(POLICY_ACTION_DIM - 1,),  # `zero` keeps the gripper
+                         align_to_frames=False)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

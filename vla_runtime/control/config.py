@@ -140,22 +140,19 @@ class ControlConfig:
         for name, kind in ENUMS.items():
             setattr(self, name, parse_enum(kind, getattr(self, name), name))
         self.fallback_keep_dims = tuple(self.fallback_keep_dims)
-        if not self.rate_hz > 0:
-            raise ValueError(f"`rate_hz` must be > 0, got {self.rate_hz}")
+        if not (self.rate_hz > 0 and math.isfinite(self.rate_hz)):
+            raise ValueError(f"`rate_hz` must be a finite number > 0, got {self.rate_hz}")
+        for name in ("margin_ms", "temporal_coeff", "adaptive_alpha", "frame_guard_ms", "frame_wait_ms"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):  # NaN fails both
+                raise ValueError(f"`{name}` must be a finite number >= 0, got {getattr(self, name)}")
         if not 0.0 < self.step_quantile <= 1.0:
             raise ValueError(f"`step_quantile` must be in (0, 1], got {self.step_quantile}")
-        if self.margin_ms < 0:
-            raise ValueError(f"`margin_ms` must be >= 0, got {self.margin_ms}")
         if self.step_window < 1:
             raise ValueError(f"`step_window` must be >= 1, got {self.step_window}")
         if self.refill_threshold < 0:
             raise ValueError(f"`refill_threshold` must be >= 0, got {self.refill_threshold}")
-        if self.temporal_coeff < 0 or self.adaptive_alpha < 0:
-            raise ValueError(f"`temporal_coeff` ({self.temporal_coeff}) and `adaptive_alpha` ({self.adaptive_alpha}) must be >= 0")
         if not self.late_grace_ms >= 0:  # NaN too
             raise ValueError(f"`late_grace_ms` must be >= 0, got {self.late_grace_ms}")
-        if self.frame_guard_ms < 0 or self.frame_wait_ms < 0:
-            raise ValueError(f"`frame_guard_ms` ({self.frame_guard_ms}) and `frame_wait_ms` ({self.frame_wait_ms}) must be >= 0")
         if not 0.0 <= self.align_quantile <= 1.0:
             raise ValueError(f"`align_quantile` must be in [0, 1], got {self.align_quantile}")
         if self.align_window < 1:

@@ -17,6 +17,7 @@ The clock and the way a request waits for its start are injectable (tests drive 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +28,8 @@ import numpy as np
 
 from .config import Blend, ControlConfig, PublishMode
 from .loop import ControlLoop, ControlStats
+
+log = logging.getLogger(__name__)
 
 Infer = Callable[[Any], dict]
 
@@ -125,7 +128,10 @@ class RemotePolicyLoop:
             actions = np.atleast_2d(np.asarray(self.infer(observation)["actions"], dtype=np.float64))  # [H, action_dim]
         except Exception as e:  # noqa: BLE001 - handed to the robot's next tick, never lost
             with self._lock:
-                self._error = e
+                if episode == self._episode:  # a request of an episode since reset is not the new episode's error
+                    self._error = e
+                else:
+                    log.warning("a request of episode %d failed after its reset: %s", episode, e)
             return
         done = self.clock()
         with self._lock:

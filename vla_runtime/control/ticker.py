@@ -18,11 +18,14 @@ control loop does not stop on one bad tick).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
 import time
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 
 class DeadlineTicker:
@@ -34,7 +37,8 @@ class DeadlineTicker:
         period: seconds between ticks.
         on_tick: runs the tick due at its argument (called at or after that time).
         on_wake: runs the work a ``wake()`` asked for (never during ``on_tick``).
-        on_error: gets an exception raised by either callback; the thread then goes on.
+        on_error: gets an exception raised by either callback; the thread then goes on (if ``on_error`` raises
+            too, both are logged).
         name: the thread's name.
         clock: monotonic seconds (``time.monotonic``; the waits are on it too).
     """
@@ -104,7 +108,7 @@ class DeadlineTicker:
         try:
             due = self._next_due()
         except Exception as e:  # noqa: BLE001 - reported; the ticks go on on the last grid
-            self._on_error(e)
+            self._report(e)
             due = -math.inf
         if due > self._last_due:
             return due
@@ -114,4 +118,11 @@ class DeadlineTicker:
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - reported through on_error, never lost; the loop goes on
-            self._on_error(e)
+            self._report(e)
+
+    def _report(self, error: BaseException) -> None:
+        """``on_error(error)``; should that raise too, both are logged and the ticks still go on."""
+        try:
+            self._on_error(error)
+        except Exception as failed:  # noqa: BLE001 - the last resort: the log
+            log.error("%s: on_error raised %r while reporting %r", self._thread.name, failed, error, exc_info=failed)

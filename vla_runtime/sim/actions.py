@@ -25,6 +25,7 @@ import numpy as np
 
 POLICY_ACTION_DIM = 7
 POLICY_ACTION_NAMES = ["dx", "dy", "dz", "droll", "dpitch", "dyaw", "gripper"]
+GRIPPER_OPEN = 1.0  # the policy convention's open gripper
 
 
 def check_policy_action(action: np.ndarray, simulator: str) -> np.ndarray:

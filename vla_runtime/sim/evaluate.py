@@ -69,6 +69,9 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if not self.tasks:
             raise ValueError("`tasks` is empty; name at least one task")
+        repeated = sorted({t for t in self.tasks if self.tasks.count(t) > 1})
+        if repeated:
+            raise ValueError(f"`tasks` names {', '.join(repeated)} more than once (each would run and count twice)")
         if self.episodes < 1:
             raise ValueError(f"`episodes` must be >= 1, got {self.episodes}")
         if self.workers < 1:
@@ -289,11 +292,24 @@ def evaluate(
         initargs=(policy_factory, env_factory, threads),
     ) as pool:
         futures = {pool.submit(_worker_episode, *jobs[i][:2], config, jobs[i][2]): i for i in todo}
+        failed: BaseException | None = None
         try:
             for future in as_completed(futures):
-                done(futures[future], future.result())
+                if future.cancelled():
+                    continue
+                try:
+                    result = future.result()
+                except Exception as e:  # noqa: BLE001 - raised below, once the episodes that finished are recorded
+                    if failed is None:
+                        failed = e
+                        for other in futures:  # what has not started is not run (a resume runs it)
+                            other.cancel()
+                    continue
+                done(futures[future], result)
         finally:
             bar.close()
+    if failed is not None:
+        raise failed
     return results
 
 

@@ -10,8 +10,11 @@ time, times ``time_scale`` (> 1 plays a slower machine): its actions land that m
 start, and the ticks in between run on what was queued.
 
 One thread and a discrete-event clock: the same measured step times give the same episode. Between ticks
-the clock jumps from event to event (a step landing, a step starting); every step starts on the
-observation of the last tick before its start (the simulator renders frames only at ticks).
+the clock jumps from event to event (a step landing, a step starting); every step starts on the frame of the
+last tick at or before its start (the simulator renders frames only at ticks). The observation
+``env.step`` returns after tick k's action shows the world at tick k + 1, so it is that tick's frame: a step
+starting between ticks k and k + 1 sees the world as it was at tick k, and row ``i`` of its chunk is the action
+for tick k + i (rows for ticks already past when it lands are skipped).
 
 ``Fallback.HOLD`` (publish nothing) means, for a simulated arm driven by delta actions, no motion with the
 gripper command unchanged: zeros, with the last executed action's final dimension (the gripper) kept.
@@ -29,6 +32,7 @@ import numpy as np
 from ..config import SessionConfig
 from ..control import ControlConfig, ControlLoop
 from ..policies.base import Policy
+from .actions import GRIPPER_OPEN
 from .base import SimEnv
 
 log = logging.getLogger(__name__)
@@ -47,10 +51,10 @@ class _Step:
 
 
 def hold_action(last: np.ndarray | None, action_dim: int) -> np.ndarray:
-    """No motion, the gripper (the last dimension) as last commanded: [action_dim]."""
+    """No motion, the gripper (the last dimension) as last commanded, open before any command (the policy
+    convention's 1; a 0 would close it): [action_dim]."""
     action = np.zeros(action_dim)
-    if last is not None:
-        action[-1] = last[-1]
+    action[-1] = last[-1] if last is not None else GRIPPER_OPEN
     return action
 
 
@@ -80,11 +84,12 @@ class RealtimeEpisode:
         the simulator's last ``StepInfo``, the loop's counters (``ControlStats`` as a dict) and the error of
         an action the simulator refused (the episode then ends as a failure)."""
         period = self.cfg.period
-        now, frame_time, pending = 0.0, 0.0, None
+        now, pending = 0.0, None
+        frame, frame_time, upcoming = None, None, obs  # the last tick's frame; this tick's (the reset: tick 0's)
         done, success, info, applied = False, False, None, None
         for k in range(max_ticks):
             tick = k * period
-            while True:  # events before this tick: a step landing, the next step starting
+            while True:  # events up to this tick: a step landing, the next step starting
                 if pending is not None and pending.lands <= tick:
                     now = pending.lands
                     self.loop.on_result(pending.actions, frame_time=pending.frame_time, now=now,
@@ -92,9 +97,11 @@ class RealtimeEpisode:
                     pending = None
                 if pending is None:
                     plan = self.loop.plan(now)
-                    if plan is not None and plan.start_at < tick:
+                    if plan is not None and plan.start_at <= tick:
                         self.loop.started(plan)
-                        pending = self._compute(obs, frame_time, plan.start_at, max(plan.start_at, now))
+                        start = max(plan.start_at, now)
+                        seen, seen_at = (upcoming, tick) if start >= tick or frame is None else (frame, frame_time)
+                        pending = self._compute(seen, seen_at, plan.start_at, start)
                         continue
                 break
             now = tick
@@ -113,7 +120,7 @@ class RealtimeEpisode:
                 log.warning("%s: episode ended at tick %d: %s", label, k, e)
                 return False, info, asdict(self.loop.stats), str(e)
             self.env_s += time.perf_counter() - t0
-            frame_time = tick
+            frame, frame_time, upcoming = upcoming, tick, obs  # obs: the world at the next tick
             self.on_frame(obs)
             if done:
                 break
