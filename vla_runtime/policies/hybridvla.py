@@ -44,6 +44,7 @@ from ..models.hybridvla.configuration_hybridvla import (
 from ..models.hybridvla.modeling_hybridvla import DiffusionHead, HybridVLA, decode_ar_actions, denoise_on_cache
 from ..models.hybridvla.processing_hybridvla import STATE_LAYOUTS, ar_action_tokenizer, collaborative_ensemble, to_proprio
 from ..models.prismatic.processing_prismatic import ActionStats
+from ..models.prismatic.statistics import dataset_stats
 from ..models.prismatic.prompt_prismatic import PromptIds
 from ..models.quantize import QuantMode
 from ..models.speed import speed_up
@@ -67,7 +68,7 @@ class HybridVLASession(ActionHeadSession):
         dim = policy.action_dim
         if self.action_stats.dim != dim:
             raise ValueError(f"statistics {self.unnorm_key!r} have {self.action_stats.dim} action dims; the model has {dim}")
-        proprio = policy.norm_stats[self.unnorm_key].get("proprio")
+        proprio = dataset_stats(policy.norm_stats, self.unnorm_key, "proprio")
         if proprio is None:
             raise KeyError(f"dataset statistics {self.unnorm_key!r} have no 'proprio' entry; HybridVLA normalises the robot state with it")
         self.proprio_stats = ActionStats.from_dict(proprio, what=f"{self.unnorm_key} proprio")

@@ -28,6 +28,7 @@ from ...images import validate_image
 from .configuration_prismatic import read_json
 from .configuration_vision import VisionConfig
 from .prompt_prismatic import PromptIds
+from .statistics import read_bounds
 
 # ---- image -------------------------------------------------------------------------------------
 
@@ -275,14 +276,8 @@ class ActionStats:
 
     @classmethod
     def from_dict(cls, stats: Mapping, *, what: str = "action") -> "ActionStats":
-        try:
-            q01, q99 = np.asarray(stats["q01"], dtype=np.float64), np.asarray(stats["q99"], dtype=np.float64)
-        except KeyError as e:
-            raise ValueError(f"{what} statistics need `q01` and `q99`; found keys {sorted(stats)}") from e
-        mask = np.asarray(stats.get("mask", [True] * len(q01)), dtype=bool)
-        if not q01.shape == q99.shape == mask.shape or q01.ndim != 1:
-            raise ValueError(f"{what} statistics have mismatched shapes q01 {q01.shape}, q99 {q99.shape}, mask {mask.shape}")
-        return cls(q01, q99, mask)
+        """A statistics entry ``{q01, q99, mask}`` (mask optional), checked by ``statistics.read_bounds``."""
+        return cls(*read_bounds(stats, "q01", "q99", what=what))
 
     @property
     def dim(self) -> int:
