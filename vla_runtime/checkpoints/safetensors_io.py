@@ -20,7 +20,8 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 def weight_files(path: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory (the index's shards, or the single file)."""
+    """The safetensors files of a checkpoint directory (the index's shards, or the single file). An index is
+    checked against its shards' headers (``check_index``)."""
     path = Path(path)
     index = path / INDEX_NAME
     if index.is_file():
@@ -28,15 +29,44 @@ def weight_files(path: str | Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index} is not a safetensors index (needs a `weight_map` object): {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index} `weight_map` must map tensor names to shard file names")
         files = [path / name for name in sorted(set(weight_map.values()))]
         for file in files:
             if not file.is_file():
                 raise FileNotFoundError(f"shard {file.name} listed in {index} does not exist")
+        check_index(index, weight_map)
         return files
     single = path / WEIGHTS_NAME
     if single.is_file():
         return [single]
     raise FileNotFoundError(f"no weights file in {path}: expected {WEIGHTS_NAME} or {INDEX_NAME} with its shards")
+
+
+def check_index(index: Path, weight_map: Mapping[str, str]) -> None:
+    """Every ``weight_map`` entry names a tensor its shard holds, and every tensor of a listed shard is in the
+    map under that shard (headers only); a ValueError naming the index and the tensor otherwise."""
+    listed: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        listed.setdefault(shard, set()).add(name)
+    stored: dict[str, set[str]] = {}
+    for shard in sorted(listed):
+        with open_safetensors(index.parent / shard) as f:
+            stored[shard] = set(f.keys())
+    for shard, names in sorted(listed.items()):
+        if absent := sorted(names - stored[shard]):
+            holders = [s for s, held in sorted(stored.items()) if absent[0] in held]
+            where = f"it is stored in {holders[0]}" if holders else "no listed shard holds it"
+            raise ValueError(
+                f"{index} maps tensor `{absent[0]}` to {shard}, which does not hold it ({where}; {len(absent)} such entries); "
+                "expected every weight_map entry to name a tensor of its shard"
+            )
+    for shard, names in sorted(listed.items()):
+        if unlisted := sorted(stored[shard] - names):
+            raise ValueError(
+                f"{index} does not map tensor `{unlisted[0]}` of {shard} to it ({len(unlisted)} such tensors); "
+                "expected every shard tensor in weight_map"
+            )
 
 
 def read_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
