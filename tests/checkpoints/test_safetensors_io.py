@@ -1,14 +1,18 @@
 """Safetensors checkpoints: the shard index must agree with the shards' headers (every ``weight_map`` entry a
-tensor of its shard, every shard tensor in the map), else a ValueError naming the index and the tensor."""
+tensor of its shard, every shard tensor in the map), else a ValueError naming the index and the tensor; a weight
+stored in an integer dtype is refused (naming the file and the tensor), not cast."""
 
 import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from vla_runtime.api import load_policy
+from vla_runtime.checkpoints.causal_lm import load_causal_lm
 from vla_runtime.checkpoints.safetensors_io import INDEX_NAME, save_safetensors, weight_files
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
+from vla_runtime.models.llama import LlamaConfig, LlamaForCausalLM
 
 
 @pytest.fixture
@@ -60,3 +64,23 @@ def test_openvla_refuses_an_index_naming_a_tensor_in_the_wrong_shard(tmp_path):
     index = edit_index(path, move)
     with pytest.raises(ValueError, match=rf"{index} maps tensor .* to model-00002-.*, which does not hold it"):
         load_policy(path, device="meta")
+
+
+def test_openvla_refuses_an_integer_weight(tmp_path):
+    path = make_tiny_openvla(tmp_path / "int8", seed=0)
+    state = load_file(path / "model.safetensors")
+    name = "language_model.model.layers.0.mlp.down_proj.weight"
+    state[name] = (state[name].float() * 100).to(torch.int8)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"^{path}/model.safetensors: tensor `{name}` is stored as I8; expected a floating-point weight"):
+        load_policy(path, device="meta")
+
+
+def test_causal_lm_refuses_an_integer_weight(tmp_path):
+    cfg = LlamaConfig.from_name("tiny")
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    state = {k: v.contiguous() for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    state["model.norm.weight"] = state["model.norm.weight"].to(torch.int8)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/model.safetensors: tensor `model.norm.weight` is torch.int8; expected a floating-point weight"):
+        load_causal_lm(tmp_path, tokenizer=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def load_checkpoint_modules(path: Path) -> dict[str, dict[str, torch.Tensor]]:
             f"(weights_only=True refuses arbitrary pickles): {e}"
         ) from e
     except (RuntimeError, OSError, EOFError, ValueError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = str(e).splitlines()[0].split(". ")[0] if str(e) else type(e).__name__  # torch appends paragraphs of advice
         raise ValueError(f"cannot read {path} as a torch checkpoint (truncated or corrupt?): {reason}") from e
     if not isinstance(blob, dict) or "model" not in blob:
         found = sorted(blob) if isinstance(blob, dict) else type(blob).__name__
@@ -121,6 +122,22 @@ class PrismaticRun:
         if missing:
             hint = f" {why}" if why else ""
             raise KeyError(f"{self.checkpoint} lacks module(s) {missing} (found: {sorted(modules)}).{hint}")
+
+    def check_module(self, name: str, state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+        """Module ``name``'s ``state`` against the model's ``expected`` state dict (meta tensors will do): the same
+        tensor names and shapes, floating point where the model's are; a ValueError naming the ``.pt`` otherwise."""
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"{self.checkpoint} module {name!r} does not match the model: missing {missing[:5] or 'none'}, "
+                f"unexpected {unexpected[:5] or 'none'}"
+            )
+        for key, want in expected.items():
+            got = state[key]
+            if got.shape != want.shape:
+                raise ValueError(f"{self.checkpoint} module {name!r}: `{key}` has shape {list(got.shape)}; expected {list(want.shape)}")
+            if want.is_floating_point() and not got.is_floating_point():
+                raise ValueError(f"{self.checkpoint} module {name!r}: `{key}` is {got.dtype}; expected a floating-point weight")
 
 
 def save_run(

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+FLOAT_DTYPES = ("F", "BF")  # prefixes of the header dtypes that are floating point (F64 .. F8_*, BF16)
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -70,14 +71,18 @@ def check_index(index: Path, weight_map: Mapping[str, str]) -> None:
 
 
 def read_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
-    """Tensor name -> (shape, file), from the headers. A name stored twice raises ``ValueError``."""
+    """Tensor name -> (shape, file), from the headers. A name stored twice, or a tensor of a dtype that is not
+    floating point (every weight of the models read this way is), raises ``ValueError``."""
     out: dict[str, tuple[tuple[int, ...], Path]] = {}
     for file in files:
         with open_safetensors(file) as f:
             for name in f.keys():
                 if name in out:
                     raise ValueError(f"tensor `{name}` is stored in both {out[name][1].name} and {file.name}")
-                out[name] = (tuple(f.get_slice(name).get_shape()), file)
+                tensor = f.get_slice(name)
+                if not tensor.get_dtype().startswith(FLOAT_DTYPES):
+                    raise ValueError(f"{file}: tensor `{name}` is stored as {tensor.get_dtype()}; expected a floating-point weight (F32, F16, BF16)")
+                out[name] = (tuple(tensor.get_shape()), file)
     return out
 
 

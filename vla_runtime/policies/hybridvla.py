@@ -288,6 +288,8 @@ def load_hybridvla_policy(
     future_window = int(run_config.get("future_action_window_size", 0))
     with torch.device("meta"):
         head = DiffusionHead(DiffusionHead.config_from_state_dicts(ckpt.modules, future_window=future_window))
+    for name, expected in head.module_state_dicts().items():
+        ckpt.run.check_module(name, ckpt.modules[name], expected)
     if dev.type != "meta":
         head.load_module_state_dicts(ckpt.modules, device=dev, dtype=dt)
     config = HybridVLAConfig(vlm=ckpt.config, head=head.cfg, sampling=sampling)
