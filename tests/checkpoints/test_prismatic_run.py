@@ -88,3 +88,36 @@ def test_pickles_and_wrong_layouts_are_refused(run):
     (path / "config.json").write_text(json.dumps([1, 2]))
     with pytest.raises(ValueError, match="must hold a JSON object"):
         PrismaticRun.open(path)
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda b: b[: len(b) // 2], "cannot read .* as a torch checkpoint \\(truncated or corrupt\\?\\)"),
+        (lambda b: b[:100], "cannot read .* as a torch checkpoint"),
+        (lambda b: b"hello world" * 10, "cannot read .* as a torch checkpoint"),
+        (lambda b: b"", "cannot read .* as a torch checkpoint"),
+    ],
+)
+def test_a_truncated_or_corrupt_pt_is_a_value_error_naming_it(run, damage, match):
+    path, ckpt, _ = run
+    ckpt.write_bytes(damage(ckpt.read_bytes()))
+    with pytest.raises(ValueError, match=match) as error:
+        PrismaticRun.open(path).modules()
+    assert str(ckpt) in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        (torch.zeros(3), r"`model` is a Tensor; expected \{module_name: state_dict\}"),
+        ({"projector": torch.zeros(3)}, r"module 'projector' is not a state dict of tensors \(got Tensor\)"),
+        ({"projector": {"0.weight": [1.0, 2.0]}}, r"module 'projector' is not a state dict of tensors \(got dict\)"),
+    ],
+)
+def test_modules_must_be_state_dicts_of_tensors(run, model, match):
+    path, ckpt, _ = run
+    torch.save({"model": model}, ckpt)
+    with pytest.raises(ValueError, match=match) as error:
+        PrismaticRun.open(path).modules()
+    assert str(ckpt) in str(error.value)

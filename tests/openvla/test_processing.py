@@ -95,6 +95,34 @@ def test_preprocessor_size_must_match_config(tiny_openvla):
         ImageProcessor.from_config(cfg.vision, pre)
 
 
+NAN = float("nan")
+
+
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (lambda p: p["tvf_normalize_params"][0].__setitem__("std", [0, 0, 0]), r"tvf_normalize_params\[0\]\.std` must be 3 finite numbers > 0"),
+        (lambda p: p["tvf_normalize_params"][1].__setitem__("std", [0.5, -0.5, 0.5]), r"tvf_normalize_params\[1\]\.std` must be 3 finite numbers > 0"),
+        (lambda p: p["tvf_normalize_params"][0].__setitem__("std", [NAN] * 3), r"tvf_normalize_params\[0\]\.std` must be 3 finite"),
+        (lambda p: p["tvf_normalize_params"][1].__setitem__("mean", [0.5, 0.5]), r"tvf_normalize_params\[1\]\.mean` must be 3 finite numbers \(one"),
+        (lambda p: p["tvf_normalize_params"][0].__setitem__("mean", ["0.5"] * 3), r"tvf_normalize_params\[0\]\.mean` must be 3 finite"),
+        (lambda p: p["tvf_normalize_params"][0].pop("std"), r"tvf_normalize_params\[0\]\.std` must be 3 finite numbers > 0 .*got None"),
+        (lambda p: p.__setitem__("tvf_normalize_params", p["tvf_normalize_params"][:1]), r"tvf_normalize_params` has 1 entries; the vision backbone has 2"),
+        (lambda p: p.__setitem__("tvf_normalize_params", {"mean": [0.5] * 3}), r"tvf_normalize_params` must be a list of \{mean, std\} mappings"),
+        (lambda p: [p.pop("tvf_normalize_params"), p["stds"].__setitem__(1, [0.5, 0.5, float("inf")])], r"stds\[1\]` must be 3 finite numbers > 0"),
+        (lambda p: p.__setitem__("tvf_resize_params", {"size": 56}), r"tvf_resize_params` must be a list"),
+    ],
+)
+def test_preprocessor_normalisation_is_checked_at_load(tiny_openvla, tmp_path, edit, key):
+    cfg = OpenVLAConfig.from_pretrained_dir(tiny_openvla)
+    pre = json.loads((tiny_openvla / "preprocessor_config.json").read_text())
+    edit(pre)
+    file = tmp_path / "preprocessor_config.json"
+    file.write_text(json.dumps(pre))
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/preprocessor_config\.json `{key}"):
+        ImageProcessor.from_pretrained_dir(tmp_path, cfg.vision)
+
+
 @pytest.mark.parametrize("bad", [np.zeros((8, 8), np.uint8), np.zeros((8, 8, 4), np.uint8), np.zeros((8, 8, 3), np.float32), "x.png"])
 def test_image_must_be_uint8_hw3(tiny_openvla, bad):
     cfg = OpenVLAConfig.from_pretrained_dir(tiny_openvla)

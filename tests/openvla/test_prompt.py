@@ -91,3 +91,16 @@ def test_a_small_vocabulary_without_the_empty_piece_is_refused():
     small = Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
     with pytest.raises(ValueError, match="no '▁' token and only 2 ids, so upstream's empty token id 29871"):
         PromptTokenizer(small, bos_id=1)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\", \"vocab\"", "[]", json.dumps({"version": "1.0", "model": {"type": "Nope"}})],
+)
+def test_a_corrupt_tokenizer_json_is_a_value_error_naming_the_file(tiny_openvla, tmp_path, text):
+    ckpt = shutil.copytree(tiny_openvla, tmp_path / "ckpt")
+    (ckpt / "tokenizer.json").write_text(text)
+    with pytest.raises(ValueError, match=rf"^{ckpt}/tokenizer\.json is not a tokenizers tokenizer\.json \(corrupt or truncated\?\): "):
+        PromptTokenizer.from_pretrained_dir(ckpt, bos_id=1)
+    with pytest.raises(ValueError, match="tokenizer.json is not a tokenizers tokenizer.json"):
+        load_policy(ckpt, device="meta")

@@ -30,10 +30,15 @@ class CausalLM:
 
 
 def load_state_dict(root: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors; a ValueError naming the tensor and file for one that is not
+    floating point (every weight of the decoder is)."""
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(root):
         with open_safetensors(f) as handle:
-            state.update({name: handle.get_tensor(name) for name in handle.keys()})
+            for name in handle.keys():
+                state[name] = handle.get_tensor(name)
+                if not state[name].is_floating_point():
+                    raise ValueError(f"{f}: tensor `{name}` is {state[name].dtype}; expected a floating-point weight")
     return state
 
 

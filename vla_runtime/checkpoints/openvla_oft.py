@@ -70,13 +70,15 @@ def find_component(path: Path, pattern: str, *, required: bool) -> Path | None:
 
 
 def load_component(file: Path) -> dict[str, torch.Tensor]:
-    """A component state dict (CPU, memory-mapped), ``module.`` prefixes stripped."""
+    """A component state dict (CPU, memory-mapped), ``module.`` prefixes stripped; its tensors floating point."""
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise ValueError(f"cannot read {file.name} as a torch state dict: {e}") from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{file.name} is not a state dict of tensors (got {type(state).__name__})")
+    if not_float := [k for k, v in state.items() if not v.is_floating_point()]:  # heads, projectors, FiLM: float weights only
+        raise ValueError(f"{file.name}: `{not_float[0]}` is {state[not_float[0]].dtype}; expected a floating-point weight")
     return {k.removeprefix(DDP_PREFIX): v for k, v in state.items()}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,8 @@ def is_run_dir(path: Path) -> bool:
 
 
 def load_checkpoint_modules(path: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """``{module_name: state_dict}`` of a ``.pt`` (memory-mapped, ``weights_only=True``)."""
+    """``{module_name: state_dict}`` of a ``.pt`` (memory-mapped, ``weights_only=True``); a ValueError naming the
+    file when it cannot be read (truncated, corrupt) or its modules are not state dicts of tensors."""
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
@@ -69,10 +71,19 @@ def load_checkpoint_modules(path: Path) -> dict[str, dict[str, torch.Tensor]]:
             f"{path} holds objects other than tensors and plain containers; it is not loaded "
             f"(weights_only=True refuses arbitrary pickles): {e}"
         ) from e
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        reason = str(e).splitlines()[0].split(". ")[0] if str(e) else type(e).__name__  # torch appends paragraphs of advice
+        raise ValueError(f"cannot read {path} as a torch checkpoint (truncated or corrupt?): {reason}") from e
     if not isinstance(blob, dict) or "model" not in blob:
         found = sorted(blob) if isinstance(blob, dict) else type(blob).__name__
         raise KeyError(f"{path} has no top-level 'model' entry (found: {found}); expected {{'model': {{module: state_dict}}}}")
-    return blob["model"]
+    modules = blob["model"]
+    if not isinstance(modules, dict):
+        raise ValueError(f"{path} `model` is a {type(modules).__name__}; expected {{module_name: state_dict}}")
+    for name, state in modules.items():
+        if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+            raise ValueError(f"{path} module {name!r} is not a state dict of tensors (got {type(state).__name__}); expected {{name: tensor}}")
+    return modules
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,22 @@ class PrismaticRun:
             hint = f" {why}" if why else ""
             raise KeyError(f"{self.checkpoint} lacks module(s) {missing} (found: {sorted(modules)}).{hint}")
 
+    def check_module(self, name: str, state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+        """Module ``name``'s ``state`` against the model's ``expected`` state dict (meta tensors will do): the same
+        tensor names and shapes, floating point where the model's are; a ValueError naming the ``.pt`` otherwise."""
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"{self.checkpoint} module {name!r} does not match the model: missing {missing[:5] or 'none'}, "
+                f"unexpected {unexpected[:5] or 'none'}"
+            )
+        for key, want in expected.items():
+            got = state[key]
+            if got.shape != want.shape:
+                raise ValueError(f"{self.checkpoint} module {name!r}: `{key}` has shape {list(got.shape)}; expected {list(want.shape)}")
+            if want.is_floating_point() and not got.is_floating_point():
+                raise ValueError(f"{self.checkpoint} module {name!r}: `{key}` is {got.dtype}; expected a floating-point weight")
+
 
 def save_run(
     out: str | Path,
@@ -147,7 +174,7 @@ def run_config_has(path: Path, keys: tuple[str, ...], module: str) -> bool:
         return True
     try:
         return module in load_checkpoint_modules(find_checkpoint(path))
-    except (ValueError, KeyError, FileNotFoundError, RuntimeError):
+    except (ValueError, KeyError, FileNotFoundError):
         return False
 
 

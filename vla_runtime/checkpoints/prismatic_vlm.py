@@ -154,6 +154,8 @@ def load_vlm(
     with torch.device("meta"):
         model = PrismaticVLM(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if not_float := [k for k, v in state.items() if not v.is_floating_point()]:
+        raise ValueError(f"{run.checkpoint}: VLM tensor `{not_float[0]}` is {state[not_float[0]].dtype}; expected a floating-point weight")
     unexpected = sorted(set(state) - set(expected))
     missing = sorted(k for k in set(expected) - set(state) if not UNUSED.match(k))
     if unexpected or missing:

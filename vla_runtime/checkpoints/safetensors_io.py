@@ -17,10 +17,12 @@ from safetensors.torch import save_file
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+FLOAT_DTYPES = ("F", "BF")  # prefixes of the header dtypes that are floating point (F64 .. F8_*, BF16)
 
 
 def weight_files(path: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory (the index's shards, or the single file)."""
+    """The safetensors files of a checkpoint directory (the index's shards, or the single file). An index is
+    checked against its shards' headers (``check_index``)."""
     path = Path(path)
     index = path / INDEX_NAME
     if index.is_file():
@@ -28,10 +30,13 @@ def weight_files(path: str | Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index} is not a safetensors index (needs a `weight_map` object): {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index} `weight_map` must map tensor names to shard file names")
         files = [path / name for name in sorted(set(weight_map.values()))]
         for file in files:
             if not file.is_file():
                 raise FileNotFoundError(f"shard {file.name} listed in {index} does not exist")
+        check_index(index, weight_map)
         return files
     single = path / WEIGHTS_NAME
     if single.is_file():
@@ -39,15 +44,45 @@ def weight_files(path: str | Path) -> list[Path]:
     raise FileNotFoundError(f"no weights file in {path}: expected {WEIGHTS_NAME} or {INDEX_NAME} with its shards")
 
 
+def check_index(index: Path, weight_map: Mapping[str, str]) -> None:
+    """Every ``weight_map`` entry names a tensor its shard holds, and every tensor of a listed shard is in the
+    map under that shard (headers only); a ValueError naming the index and the tensor otherwise."""
+    listed: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        listed.setdefault(shard, set()).add(name)
+    stored: dict[str, set[str]] = {}
+    for shard in sorted(listed):
+        with open_safetensors(index.parent / shard) as f:
+            stored[shard] = set(f.keys())
+    for shard, names in sorted(listed.items()):
+        if absent := sorted(names - stored[shard]):
+            holders = [s for s, held in sorted(stored.items()) if absent[0] in held]
+            where = f"it is stored in {holders[0]}" if holders else "no listed shard holds it"
+            raise ValueError(
+                f"{index} maps tensor `{absent[0]}` to {shard}, which does not hold it ({where}; {len(absent)} such entries); "
+                "expected every weight_map entry to name a tensor of its shard"
+            )
+    for shard, names in sorted(listed.items()):
+        if unlisted := sorted(stored[shard] - names):
+            raise ValueError(
+                f"{index} does not map tensor `{unlisted[0]}` of {shard} to it ({len(unlisted)} such tensors); "
+                "expected every shard tensor in weight_map"
+            )
+
+
 def read_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
-    """Tensor name -> (shape, file), from the headers. A name stored twice raises ``ValueError``."""
+    """Tensor name -> (shape, file), from the headers. A name stored twice, or a tensor of a dtype that is not
+    floating point (every weight of the models read this way is), raises ``ValueError``."""
     out: dict[str, tuple[tuple[int, ...], Path]] = {}
     for file in files:
         with open_safetensors(file) as f:
             for name in f.keys():
                 if name in out:
                     raise ValueError(f"tensor `{name}` is stored in both {out[name][1].name} and {file.name}")
-                out[name] = (tuple(f.get_slice(name).get_shape()), file)
+                tensor = f.get_slice(name)
+                if not tensor.get_dtype().startswith(FLOAT_DTYPES):
+                    raise ValueError(f"{file}: tensor `{name}` is stored as {tensor.get_dtype()}; expected a floating-point weight (F32, F16, BF16)")
+                out[name] = (tuple(tensor.get_shape()), file)
     return out
 
 

@@ -186,6 +186,7 @@ def load_cogact_policy(
     config = CogACTConfig(vlm=ckpt.config, action_model=dit_config_from_run(ckpt.run.config, state), sampling=sampling)
     with torch.device("meta"):
         action_model = ActionModel(config.action_model, sampling.diffusion)
+    ckpt.run.check_module(head, state, action_model.state_dict())
     if dev.type != "meta":
         action_model.load_state_dict({k: v.to(dev, torch.float32) for k, v in state.items()}, strict=True, assign=True)
     model = CogACT(ckpt.vlm, action_model.eval())

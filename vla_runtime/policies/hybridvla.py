@@ -44,6 +44,7 @@ from ..models.hybridvla.configuration_hybridvla import (
 from ..models.hybridvla.modeling_hybridvla import DiffusionHead, HybridVLA, decode_ar_actions, denoise_on_cache
 from ..models.hybridvla.processing_hybridvla import STATE_LAYOUTS, ar_action_tokenizer, collaborative_ensemble, to_proprio
 from ..models.prismatic.processing_prismatic import ActionStats
+from ..models.prismatic.statistics import dataset_stats
 from ..models.prismatic.prompt_prismatic import PromptIds
 from ..models.quantize import QuantMode
 from ..models.speed import speed_up
@@ -67,7 +68,7 @@ class HybridVLASession(ActionHeadSession):
         dim = policy.action_dim
         if self.action_stats.dim != dim:
             raise ValueError(f"statistics {self.unnorm_key!r} have {self.action_stats.dim} action dims; the model has {dim}")
-        proprio = policy.norm_stats[self.unnorm_key].get("proprio")
+        proprio = dataset_stats(policy.norm_stats, self.unnorm_key, "proprio")
         if proprio is None:
             raise KeyError(f"dataset statistics {self.unnorm_key!r} have no 'proprio' entry; HybridVLA normalises the robot state with it")
         self.proprio_stats = ActionStats.from_dict(proprio, what=f"{self.unnorm_key} proprio")
@@ -287,6 +288,8 @@ def load_hybridvla_policy(
     future_window = int(run_config.get("future_action_window_size", 0))
     with torch.device("meta"):
         head = DiffusionHead(DiffusionHead.config_from_state_dicts(ckpt.modules, future_window=future_window))
+    for name, expected in head.module_state_dicts().items():
+        ckpt.run.check_module(name, ckpt.modules[name], expected)
     if dev.type != "meta":
         head.load_module_state_dicts(ckpt.modules, device=dev, dtype=dt)
     config = HybridVLAConfig(vlm=ckpt.config, head=head.cfg, sampling=sampling)

@@ -36,6 +36,7 @@ from ..models.quantize import QuantMode
 from ..models.openvla.processing_openvla import ActionTokenizer, history_frame, single_layout
 from ..models.prismatic.configuration_prismatic import OpenVLAConfig, read_json
 from ..models.prismatic.processing_prismatic import ActionStats, Forward, resolve_unnorm_key
+from ..models.prismatic.statistics import action_stats_entry, dataset_stats
 from ..models.speed import speed_up
 from .base import Observation, Policy, StepResult
 from .loading import plan_load
@@ -57,8 +58,8 @@ class OpenVLASession(PrismaticSession):
         cfg = policy.config
         self.action_dim = stats.dim if stats is not None else cfg.action_dim
         self.actions = ActionTokenizer(cfg.n_bins, cfg.vocab_size_text, stats)
-        proprio = policy.norm_stats.get(self.unnorm_key, {}).get("proprio") if self.unnorm_key else None
-        self.proprio_stats = ActionStats.from_dict(proprio, what="proprio") if proprio and cfg.proprio_dim else None
+        proprio = dataset_stats(policy.norm_stats, self.unnorm_key, "proprio") if self.unnorm_key else None
+        self.proprio_stats = ActionStats.from_dict(proprio, what=f"{self.unnorm_key} proprio") if proprio and cfg.proprio_dim else None
         self._prev_token: int | None = None  # history mode: the last action token, fed at the next step's start
         self._keeps_actions = config.history is not HistoryMode.OBSERVATIONS  # observations: decodes rolled back
         self.last_tokens: np.ndarray | None = None  # [1, action_dim] ids of the last step
@@ -231,7 +232,7 @@ class OpenVLAPolicy(PrismaticPolicy, Policy):
         if not self.norm_stats:
             return None
         key = resolve_unnorm_key(self.norm_stats, unnorm_key)
-        return ActionStats.from_dict(self.norm_stats[key]["action"], what=f"{key} action")
+        return ActionStats.from_dict(action_stats_entry(self.norm_stats, key), what=f"{key} action")
 
     def step_batch(self, sessions: list[OpenVLASession], observations: list[Observation]) -> list[StepResult]:
         """One step of each session as one batch (see ``openvla_batching``)."""

@@ -35,6 +35,7 @@ from ..kv.base import KVStats
 from ..models.openvla_oft.configuration_oft import DIFFUSION_STEPS, OFTConfig, OFTPlatform
 from ..models.openvla_oft.normalization_oft import BoundsStats
 from ..models.prismatic.processing_prismatic import center_crop, resolve_unnorm_key
+from ..models.prismatic.statistics import action_stats_entry, dataset_stats
 from ..models.quantize import QuantMode
 from ..models.speed import speed_up
 from .base import (
@@ -59,15 +60,16 @@ class OpenVLAOFTSession(CompiledSession):
         if not policy.norm_stats:
             raise ValueError(f"{policy.checkpoint.path} has no dataset statistics (dataset_statistics.json): OFT actions cannot be un-normalised")
         self.unnorm_key = resolve_unnorm_key(policy.norm_stats, config.unnorm_key)
-        entry = policy.norm_stats[self.unnorm_key]
-        self.action_stats = BoundsStats.from_dict(entry["action"], cfg.normalization, what=f"{self.unnorm_key} action")
+        action = action_stats_entry(policy.norm_stats, self.unnorm_key)
+        self.action_stats = BoundsStats.from_dict(action, cfg.normalization, what=f"{self.unnorm_key} action")
         if self.action_stats.dim != cfg.action_dim:
             raise ValueError(f"statistics {self.unnorm_key!r} have {self.action_stats.dim} action dims; the head predicts {cfg.action_dim}")
         self.proprio_stats = None
         if cfg.proprio_dim is not None:
-            if "proprio" not in entry:
+            proprio = dataset_stats(policy.norm_stats, self.unnorm_key, "proprio")
+            if proprio is None:
                 raise ValueError(f"statistics {self.unnorm_key!r} have no `proprio` entry; the proprio projector needs one")
-            self.proprio_stats = BoundsStats.from_dict(entry["proprio"], cfg.normalization, what=f"{self.unnorm_key} proprio")
+            self.proprio_stats = BoundsStats.from_dict(proprio, cfg.normalization, what=f"{self.unnorm_key} proprio")
         self.generator = torch.Generator().manual_seed(config.seed)  # the diffusion variant's starting noise
         self.modules = policy.oft_modules(config.compile, config.kv.mode)
         self._build(validate_instruction(instruction))

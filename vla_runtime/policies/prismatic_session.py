@@ -42,6 +42,7 @@ from ..models.prismatic.processing_prismatic import (
     resolve_unnorm_key,
 )
 from ..models.prismatic.prompt_prismatic import PromptIds
+from ..models.prismatic.statistics import action_stats_entry
 from .base import PRIMARY_CAMERA, CompiledSession, EpisodeSession, Observation, StepResult, validate_instruction
 from .compiled import StepModules, step_modules
 
@@ -287,10 +288,8 @@ class ActionHeadSession(PrismaticSession):
 
     def __init__(self, policy: PrismaticPolicy, instruction: str, config: SessionConfig) -> None:
         self.unnorm_key = resolve_unnorm_key(policy.norm_stats, config.unnorm_key)
-        stats = policy.norm_stats[self.unnorm_key]
-        if "action" not in stats:
-            raise KeyError(f"dataset statistics {self.unnorm_key!r} have no 'action' entry (keys: {sorted(stats)})")
-        self.action_stats = ActionStats.from_dict(stats["action"], what=f"{self.unnorm_key} action")
+        stats = action_stats_entry(policy.norm_stats, self.unnorm_key)
+        self.action_stats = ActionStats.from_dict(stats, what=f"{self.unnorm_key} action")
         self.generator = torch.Generator().manual_seed(config.seed)
         super().__init__(policy, instruction, config)
 

@@ -13,6 +13,7 @@ from typing import Mapping
 
 import numpy as np
 
+from ..prismatic.statistics import read_bounds
 from .configuration_oft import NormalizationType
 
 EPS = 1e-8  # upstream adds it to (high - low) both ways
@@ -30,14 +31,9 @@ class BoundsStats:
     def from_dict(cls, stats: Mapping, kind: NormalizationType, *, what: str) -> "BoundsStats":
         """``stats``: a ``dataset_statistics.json`` entry (``{"q01": [...], "q99": [...], "mask": ...}``)."""
         lo_key, hi_key = ("min", "max") if kind is NormalizationType.BOUNDS else ("q01", "q99")
-        try:
-            low, high = np.asarray(stats[lo_key], dtype=np.float64), np.asarray(stats[hi_key], dtype=np.float64)
-        except KeyError as e:
-            raise ValueError(f"{what} statistics need `{lo_key}` and `{hi_key}` for {kind.name}; found {sorted(stats)}") from e
-        mask = np.asarray(stats.get("mask", np.ones_like(low, dtype=bool)), dtype=bool)
-        if not low.shape == high.shape == mask.shape or low.ndim != 1:
-            raise ValueError(f"{what} statistics have mismatched shapes {lo_key} {low.shape}, {hi_key} {high.shape}, mask {mask.shape}")
-        return cls(low, high, mask)
+        if isinstance(stats, Mapping) and not {lo_key, hi_key} <= stats.keys():
+            raise ValueError(f"{what} statistics need `{lo_key}` and `{hi_key}` for {kind.name}; found {sorted(stats)}")
+        return cls(*read_bounds(stats, lo_key, hi_key, what=what))
 
     @property
     def dim(self) -> int:

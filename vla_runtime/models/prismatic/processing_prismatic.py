@@ -28,6 +28,7 @@ from ...images import validate_image
 from .configuration_prismatic import read_json
 from .configuration_vision import VisionConfig
 from .prompt_prismatic import PromptIds
+from .statistics import read_bounds
 
 # ---- image -------------------------------------------------------------------------------------
 
@@ -57,6 +58,34 @@ def _letterbox(image: Image.Image, size: int, fill: tuple[int, ...]) -> Image.Im
     return _resize_crop(image, size, fill)
 
 
+def _tower_normalization(pre: Mapping, towers: int, source: str | Path) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+    """Per-tower (mean, std) of a preprocessor config: ``tvf_normalize_params`` (what upstream applies), else
+    ``means``/``stds``; [] when it has neither. Checked: one pair per tower, 3 finite numbers each, std > 0."""
+    if pre.get("tvf_normalize_params"):
+        params = pre["tvf_normalize_params"]
+        if not isinstance(params, list) or not all(isinstance(p, Mapping) for p in params):
+            raise ValueError(f"{source} `tvf_normalize_params` must be a list of {{mean, std}} mappings, one per tower, got {params!r:.80}")
+        pairs = [((f"tvf_normalize_params[{i}].mean", p.get("mean")), (f"tvf_normalize_params[{i}].std", p.get("std"))) for i, p in enumerate(params)]
+        key = "tvf_normalize_params"
+    else:
+        means, stds = pre.get("means") or [], pre.get("stds") or []
+        if not isinstance(means, list) or not isinstance(stds, list) or len(means) != len(stds):
+            raise ValueError(f"{source} `means` and `stds` must be lists of equal length, one entry per tower")
+        pairs = [((f"means[{i}]", m), (f"stds[{i}]", s)) for i, (m, s) in enumerate(zip(means, stds))]
+        key = "means`/`stds"
+    if pairs and len(pairs) != towers:
+        raise ValueError(f"{source} `{key}` has {len(pairs)} entries; the vision backbone has {towers} tower(s)")
+    return [(_rgb(mean, source, mean_key, positive=False), _rgb(std, source, std_key, positive=True)) for (mean_key, mean), (std_key, std) in pairs]
+
+
+def _rgb(values: object, source: str | Path, key: str, *, positive: bool) -> tuple[float, float, float]:
+    """A mean or std: 3 finite numbers (``positive``: each > 0); a ValueError naming ``source`` and ``key`` otherwise."""
+    numbers = isinstance(values, (list, tuple)) and len(values) == 3 and all(type(x) in (int, float) for x in values)
+    if not numbers or not all(math.isfinite(x) and (x > 0 or not positive) for x in values):
+        raise ValueError(f"{source} `{key}` must be 3 finite numbers{' > 0' if positive else ''} (one per RGB channel), got {values!r}")
+    return tuple(float(x) for x in values)
+
+
 RESIZERS = {"resize-naive": _resize_naive, "resize-crop": _resize_crop, "letterbox": _letterbox}
 
 
@@ -77,13 +106,16 @@ class ImageProcessor:
             raise KeyError(f"unknown image resize strategy {self.resize_strategy!r}; known: {', '.join(sorted(RESIZERS))}")
 
     @classmethod
-    def from_config(cls, vision: VisionConfig, preprocessor: Mapping | None = None) -> "ImageProcessor":
-        """From the vision config, overridden by a ``preprocessor_config.json`` dict when given."""
+    def from_config(
+        cls, vision: VisionConfig, preprocessor: Mapping | None = None, *, source: str | Path = "preprocessor_config.json"
+    ) -> "ImageProcessor":
+        """From the vision config, overridden by a ``preprocessor_config.json`` dict when given (``source`` names
+        it in errors). Its per-tower mean/std must be 3 finite numbers each, std > 0, one pair per tower."""
         pre = dict(preprocessor or {})
-        normalize = pre.get("tvf_normalize_params") or [
-            {"mean": m, "std": s} for m, s in zip(pre.get("means") or [], pre.get("stds") or [])
-        ]
+        normalize = _tower_normalization(pre, len(vision.towers), source)
         resize = pre.get("tvf_resize_params") or []
+        if not isinstance(resize, list) or not all(isinstance(r, Mapping) for r in resize):
+            raise ValueError(f"{source} `tvf_resize_params` must be a list of {{size, ...}} mappings, one per tower, got {resize!r:.80}")
         towers = []
         for i, tower in enumerate(vision.towers):
             size = tower.image_size
@@ -92,16 +124,16 @@ class ImageProcessor:
                 want = [want, want] if isinstance(want, int) else list(want)
                 if want != [size, size]:
                     raise ValueError(
-                        f"preprocessor_config.json resizes tower {i} to {want}, but config.json `image_sizes` says {size}"
+                        f"{source} resizes tower {i} to {want}, but config.json `image_sizes` says {size}"
                     )
-            mean, std = (normalize[i]["mean"], normalize[i]["std"]) if i < len(normalize) else (tower.mean, tower.std)
-            towers.append(TowerTransform(size, tuple(float(x) for x in mean), tuple(float(x) for x in std)))
+            mean, std = normalize[i] if normalize else (tower.mean, tower.std)
+            towers.append(TowerTransform(size, tuple(mean), tuple(std)))
         return cls(tuple(towers), pre.get("image_resize_strategy", vision.image_resize_strategy))
 
     @classmethod
     def from_pretrained_dir(cls, path: str | Path, vision: VisionConfig) -> "ImageProcessor":
         file = Path(path) / "preprocessor_config.json"
-        return cls.from_config(vision, read_json(file) if file.is_file() else None)
+        return cls.from_config(vision, read_json(file), source=file) if file.is_file() else cls.from_config(vision)
 
     def to_hf(self, vision: VisionConfig) -> dict:
         """``preprocessor_config.json`` as upstream writes it: ``means``/``stds`` are timm's values,
@@ -275,14 +307,8 @@ class ActionStats:
 
     @classmethod
     def from_dict(cls, stats: Mapping, *, what: str = "action") -> "ActionStats":
-        try:
-            q01, q99 = np.asarray(stats["q01"], dtype=np.float64), np.asarray(stats["q99"], dtype=np.float64)
-        except KeyError as e:
-            raise ValueError(f"{what} statistics need `q01` and `q99`; found keys {sorted(stats)}") from e
-        mask = np.asarray(stats.get("mask", [True] * len(q01)), dtype=bool)
-        if not q01.shape == q99.shape == mask.shape or q01.ndim != 1:
-            raise ValueError(f"{what} statistics have mismatched shapes q01 {q01.shape}, q99 {q99.shape}, mask {mask.shape}")
-        return cls(q01, q99, mask)
+        """A statistics entry ``{q01, q99, mask}`` (mask optional), checked by ``statistics.read_bounds``."""
+        return cls(*read_bounds(stats, "q01", "q99", what=what))
 
     @property
     def dim(self) -> int:

@@ -74,7 +74,11 @@ class PromptTokenizer:
         file = Path(path) / "tokenizer.json"
         if not file.is_file():
             raise FileNotFoundError(f"{file} does not exist (the checkpoint's tokenizer is needed for the prompt)")
-        return cls(Tokenizer.from_file(str(file)), bos_id=bos_id)
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises plain Exception for unreadable, invalid or inconsistent JSON
+            raise ValueError(f"{file} is not a tokenizers tokenizer.json (corrupt or truncated?): {e}") from e
+        return cls(tokenizer, bos_id=bos_id)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens."""
