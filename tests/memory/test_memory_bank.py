@@ -91,3 +91,11 @@ def test_retrieval_takes_static_groups_whole_and_keeps_a_stable_order(encoder):
     assert sum(len(u.segments) for u in units) <= 4
     # order: static groups first, then dynamic segments by creation order, whatever the scores
     assert [u.id for u in mem.retrieve("hold one thing", k=5)] == [u.id for u in mem.units()]
+
+
+def test_retrieval_ranks_an_updated_segment_by_its_new_text(encoder):
+    mem = make(encoder, top_k=1)
+    mem.upsert("mug", "Rule: the fridge door must be closed after use.")  # the mug's segment now says this
+    assert [u.id for u in mem.retrieve("Is the fridge door closed?", k=1)] == ["mug"]
+    with pytest.raises(ValueError, match="ids starting with '<' are the prefill's own"):
+        mem.add("<prefix>", "x")

@@ -211,3 +211,24 @@ def test_a_key_bias_must_cover_every_layer_and_only_held_tokens(tiny_lm):
     assert cache.key_bias is not None
     cache.reset()
     assert cache.key_bias is None
+
+
+def test_the_context_fillers_kv_stays_while_the_units_after_it_are_built(tiny_lm):
+    """A store with room for the prefix and the units but not the context filler too: the context's KV, stored
+    and then read while a new unit is built after it, is pinned for the prefill (it was the one unpinned unit, so
+    the put of a new unit evicted it in between: ``KeyError``)."""
+    from vla_runtime.memory import MemoryPrompt, PromptSegment, PromptUnit, StoreConfig, TierConfig
+
+    cfg = PrefillConfig(method="keep", load_schedule="serial")
+    base = make_prompt(joint=((0,), (1,), (2,), (3,), (4,), (5,)))
+    context = tuple(range(100, 140))
+    first = MemoryPrompt(base.prefix_ids, base.units, base.query_ids, context)
+    probe = KVStore()
+    MemoryPrefill(tiny_lm, probe, cfg).run(first)
+    context_bytes = max(probe.get(k).nbytes for k in probe.keys())
+    store = KVStore(StoreConfig([TierConfig("host", budget_bytes=probe.nbytes - context_bytes)]))
+    engine = MemoryPrefill(tiny_lm, store, cfg)
+    engine.run(first)
+    new = PromptUnit("n", (PromptSegment("s_new", make_prompt(lengths=(5,), joint=((0,),), seed=7).units[0].segments[0].token_ids),))
+    second = MemoryPrompt(base.prefix_ids, base.units[:5] + (new,), base.query_ids, context)
+    assert engine.run(second).stats.units_built >= 1

@@ -91,3 +91,12 @@ def test_bad_configs_name_the_problem():
         TierConfig("disk")
     with pytest.raises(ValueError, match="expected one of device, host, disk"):
         TierConfig("cloud")
+
+
+def test_a_unit_read_is_the_most_recently_used():
+    store = KVStore(StoreConfig([TierConfig("host", budget_bytes=3 * UNIT_BYTES)]))
+    for i, key in enumerate("ABC"):
+        store.put(key, unit(i))
+    store.read_layer("A", 0, 0, 4, torch.empty(2, 4, 8), torch.empty(2, 4, 8))  # a prefill loads A
+    store.put("D", unit(3))
+    assert sorted(store.keys()) == ["A", "C", "D"]  # B, the least recently used, went

@@ -135,6 +135,9 @@ def test_memory_update_messages_are_validated_whole_then_applied(memory):
         ('{"advance": true}', "advance"),
         ('{"updates": [{"id": "a", "text": "x"}], "deletes": ["a"]}', "more than once"),
         ('{"updates": [{"id": "a", "text": "' + "x" * 3000 + '"}]}', "limit is 2000"),
+        # a lone surrogate is valid JSON but no text: the encoder raised on it after the deletes had run
+        ('{"updates": [{"id": "a", "text": "mug \\ud800"}], "deletes": []}', r"updates\[0\].text: not valid text"),
+        ('{"updates": [{"id": "<prefix>", "text": "x"}]}', "ids starting with '<' are the prefill's own"),
     ],
 )
 def test_bad_memory_updates_are_rejected_with_a_diagnostic(raw, match):
@@ -156,6 +159,7 @@ def test_subtask_tracker_reports_only_changes():
     assert t.update("Pick up the apple") is True and t.current == "Pick up the apple"
     t.reset()
     assert t.update("Pick up the apple") is True
+    assert t.update("Pick up the apple .") is False and t.update("pick up the apple!") is False
 
 
 def test_planner_on_smollm2_keep_matches_text_memory(smollm2_dir, encoder):

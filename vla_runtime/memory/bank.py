@@ -41,7 +41,8 @@ class Segment:
     changed_step: int
     order: int  # creation order, for a stable prompt order
     group: int
-    embedding: torch.Tensor  # [d], unit norm
+    embedding: torch.Tensor  # [d], unit norm: of the current text (retrieval)
+    joined: torch.Tensor  # [d]: of the text it joined its group with (the group's centroid counts this one)
 
     def view(self) -> SegmentView:
         return SegmentView(self.id, self.text, self.version)
@@ -99,6 +100,8 @@ class EmbodiedMemory:
     def _check(segment_id: str, text: str) -> None:
         if not isinstance(segment_id, str) or not segment_id:
             raise ValueError(f"segment id must be a non-empty string, got {segment_id!r}")
+        if segment_id.startswith("<"):  # the prefill's modules ("<prefix>", "<block 0>") share the namespace
+            raise ValueError(f"segment id {segment_id!r}: ids starting with '<' are the prefill's own")
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"segment {segment_id!r}: text must be a non-empty string")
 
@@ -109,7 +112,7 @@ class EmbodiedMemory:
             raise ValueError(f"segment {segment_id!r} already exists; use update()")
         emb = self.encoder.encode([text])[0]
         group = self._assign_group(emb)
-        seg = Segment(segment_id, text, 0, self.step, self._next_order, group.id, emb)
+        seg = Segment(segment_id, text, 0, self.step, self._next_order, group.id, emb, emb)
         self._next_order += 1
         self._segments[segment_id] = seg
         group.members.append(segment_id)
@@ -123,6 +126,7 @@ class EmbodiedMemory:
         seg = self.get(segment_id)
         if seg.text == text:
             return False
+        seg.embedding = self.encoder.encode([text])[0]  # retrieval ranks the text it holds now
         seg.text = text
         seg.version += 1
         seg.changed_step = self.step
@@ -142,7 +146,7 @@ class EmbodiedMemory:
         group.members.remove(segment_id)
         group.changed_step = self.step
         if group.centroid_sum is not None:
-            group.centroid_sum = group.centroid_sum - seg.embedding
+            group.centroid_sum = group.centroid_sum - seg.joined
         if not group.members:
             del self._groups[group.id]
         del self._segments[segment_id]

@@ -77,6 +77,15 @@ def parse_memory_update(raw: str | bytes, limits: UpdateLimits = UpdateLimits())
             raise MemoryUpdateError(f"{where}: expected a non-empty string id")
         if len(value) > limits.max_id_chars:
             raise MemoryUpdateError(f"{where}: id is {len(value)} characters; the limit is {limits.max_id_chars}")
+        if value.startswith("<"):
+            raise MemoryUpdateError(f"{where}: ids starting with '<' are the prefill's own ({value!r})")
+        return utf8(value, where)
+
+    def utf8(value: str, where: str) -> str:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's "\ud800": a lone surrogate no encoder or tokenizer takes
+            raise MemoryUpdateError(f"{where}: not valid text ({e.reason} at character {e.start})") from e
         return value
 
     updates = msg.get("updates", [])
@@ -92,7 +101,7 @@ def parse_memory_update(raw: str | bytes, limits: UpdateLimits = UpdateLimits())
             raise MemoryUpdateError(f"{where}.text: expected a non-empty string")
         if len(text) > limits.max_text_chars:
             raise MemoryUpdateError(f"{where}.text: {len(text)} characters; the limit is {limits.max_text_chars}")
-        parsed.append((seg_id(item["id"], f"{where}.id"), text))
+        parsed.append((seg_id(item["id"], f"{where}.id"), utf8(text, f"{where}.text")))
     deletes = msg.get("deletes", [])
     if not isinstance(deletes, list):
         raise MemoryUpdateError("deletes: expected a list of segment ids")
@@ -121,7 +130,7 @@ def apply_memory_update(memory: EmbodiedMemory, update: MemoryUpdate) -> UpdateS
 
 
 def _normalise(instruction: str) -> str:
-    return re.sub(r"\s+", " ", instruction).strip().strip(".!").lower()
+    return re.sub(r"\s+", " ", instruction).strip().strip(".!").strip().lower()
 
 
 @dataclass

@@ -239,6 +239,8 @@ class MemoryPrefill:
         ctx = PlanContext(self.model_tag, prompt.prefix_ids, self.store, prompt.context_ids)
         plan = self.method.plan(prompt, ctx)
         keys = {m.unit for m in plan.modules if m.unit is not None} | {u.key for u in plan.units}
+        if prompt.context_ids:  # the context filler's KV is stored, then read while the units are built
+            keys.add(ctx.context_key())
         with self.store.pinned(keys):
             built, built_tokens = self._ensure_units(ctx, prompt, plan)
             t_built = time.perf_counter()

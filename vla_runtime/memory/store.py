@@ -283,6 +283,8 @@ class KVStore:
         t0 = time.perf_counter()
         with self._lock:  # one lookup pass: the copies run outside the lock
             tiers = [self._find(r.key) for r in reads]
+            for tier, r in zip(tiers, reads):  # read: the most recently used (the eviction order is LRU)
+                tier.entries.move_to_end(r.key)
             slices = [tier.layer(r.key, layer, r.start, r.end) for tier, r in zip(tiers, reads)]
         sizes = []
         for r, (k, v) in zip(reads, slices):

@@ -151,8 +151,13 @@ class PlannerNode(Node):
         if self._future is not None:
             if not self._future.done():
                 return
-            self._finish_plan(self._future)
-            self._future = None
+            future, self._future = self._future, None
+            with self._lock:  # a goal set (or reset) while it planned: the plan answers a goal no longer held
+                superseded = self._new_goal is not None and self._new_goal != self.goal
+            if superseded:
+                self.get_logger().info(f"a plan for the previous goal {self.goal!r} is dropped")
+            else:
+                self._finish_plan(future)
         with self._lock:
             updates, goal = list(self._pending), self._new_goal
             self._pending.clear()
@@ -166,6 +171,10 @@ class PlannerNode(Node):
                 summary = apply_memory_update(self.memory, update)
             except MemoryUpdateError as e:
                 self._reject(f"memory update rejected: {e}", update=True)
+                continue
+            except Exception as e:  # noqa: BLE001 - one update must not take the node down; it is reported
+                self._reject(f"memory update failed: {type(e).__name__}: {e}", update=True)
+                self._dirty = True  # it may have applied part of itself
                 continue
             with self._lock:
                 self.counts["updates_applied"] += 1
