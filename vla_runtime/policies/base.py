@@ -87,6 +87,15 @@ def validate_instruction(instruction: object) -> str:
     return instruction
 
 
+def finite_state(state: object) -> np.ndarray:
+    """``Observation.state`` as float64, flattened; ``ValueError`` naming the bad values unless all are finite (a
+    NaN would reach the actions and, in history mode, every later step's context)."""
+    values = np.asarray(state, dtype=np.float64).reshape(-1)
+    if not np.isfinite(values).all():
+        raise ValueError(f"observation `state` must be finite numbers, got {values.tolist()}")
+    return values
+
+
 class BatchInputError(ValueError):
     """``Policy.step_batch`` refused observation ``index`` (``error`` says why) before any session changed."""
 

@@ -48,7 +48,7 @@ from ..models.prismatic.statistics import dataset_stats
 from ..models.prismatic.prompt_prismatic import PromptIds
 from ..models.quantize import QuantMode
 from ..models.speed import speed_up
-from .base import Observation, Policy, StepResult
+from .base import Observation, Policy, StepResult, finite_state
 from .loading import plan_load
 from .prismatic_session import ActionHeadSession, PrismaticPolicy
 
@@ -102,9 +102,9 @@ class HybridVLASession(ActionHeadSession):
                 "upstream's cur_robot_state)"
             )
         if dim == 7:
-            state = to_proprio(obs.state, self.policy.state_layout)
+            state = to_proprio(finite_state(obs.state), self.policy.state_layout)
         else:
-            state = np.asarray(obs.state, dtype=np.float64).reshape(-1)
+            state = finite_state(obs.state)
             if state.shape != (dim,):
                 raise ValueError(f"observation `state` has shape {np.shape(obs.state)}; HybridVLA expects [{dim}]")
         normed = np.clip(self.proprio_stats.normalize(state), -1.0, 1.0)  # upstream clips every dim, masked or not

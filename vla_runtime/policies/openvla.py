@@ -38,7 +38,7 @@ from ..models.prismatic.configuration_prismatic import OpenVLAConfig, read_json
 from ..models.prismatic.processing_prismatic import ActionStats, Forward, resolve_unnorm_key
 from ..models.prismatic.statistics import action_stats_entry, dataset_stats
 from ..models.speed import speed_up
-from .base import Observation, Policy, StepResult
+from .base import Observation, Policy, StepResult, finite_state
 from .loading import plan_load
 from .prismatic_session import PrismaticPolicy, PrismaticSession, parameter_count
 
@@ -141,7 +141,7 @@ class OpenVLASession(PrismaticSession):
         if state is None:
             raise ValueError(f"this policy has a proprio projector: the observation needs `state` [{dim}]")
         raw = state
-        state = np.asarray(state, dtype=np.float64).reshape(-1)
+        state = finite_state(state)
         if state.shape != (dim,):
             raise ValueError(f"observation `state` has shape {np.shape(raw)}; this policy expects [{dim}]")
         if self.proprio_stats is not None:

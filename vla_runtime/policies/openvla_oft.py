@@ -39,7 +39,7 @@ from ..models.prismatic.statistics import action_stats_entry, dataset_stats
 from ..models.quantize import QuantMode
 from ..models.speed import speed_up
 from .base import (
-    PRIMARY_CAMERA, CompiledSession, Observation, Policy, StepResult, validate_image, validate_instruction,
+    PRIMARY_CAMERA, CompiledSession, Observation, Policy, StepResult, finite_state, validate_image, validate_instruction,
 )  # fmt: skip
 from .compiled import compile_options, static_call
 from .loading import plan_load
@@ -104,10 +104,12 @@ class OpenVLAOFTSession(CompiledSession):
 
     @torch.inference_mode()  # the cache holds inference tensors from the steps; clear them in the same mode
     def reset(self, instruction: str | None = None) -> None:
+        if instruction is not None:
+            validate_instruction(instruction)  # before anything of the episode changes (the noise seed too)
         self.generator.manual_seed(self.config.seed)
         if instruction is not None and instruction != self.instruction:
             with torch.inference_mode(False):  # a new cache of normal tensors, like the first one (``__init__``):
-                self._build(validate_instruction(instruction))  # compiled graphs guard on the kind
+                self._build(instruction)  # compiled graphs guard on the kind
         elif self.cache is not None:
             self.cache.reset()
             self._pinned = False
@@ -130,7 +132,7 @@ class OpenVLAOFTSession(CompiledSession):
         dim = policy.config.proprio_dim
         if obs.state is None or np.shape(obs.state) != (dim,):
             raise ValueError(f"this policy has a proprio projector: the observation needs `state` [{dim}], got {None if obs.state is None else np.shape(obs.state)}")
-        state = self.proprio_stats.normalize(np.asarray(obs.state, dtype=np.float64))
+        state = self.proprio_stats.normalize(finite_state(obs.state))
         return pixels, torch.as_tensor(state, dtype=policy.dtype, device=policy.device)[None]  # [1, P]
 
     @torch.inference_mode()

@@ -208,6 +208,8 @@ class PrismaticSession(CompiledSession):
 
     @torch.inference_mode()  # the cache holds inference tensors from the steps; clear them in the same mode
     def reset(self, instruction: str | None = None) -> None:
+        if instruction is not None:
+            validate_instruction(instruction)  # before anything of the episode changes
         if instruction is not None and instruction != self.instruction:
             with torch.inference_mode(False):  # a new cache of normal tensors, like the first one (``__init__``):
                 self._build(instruction)  # compiled graphs guard on the kind, so an inference-mode cache recompiles

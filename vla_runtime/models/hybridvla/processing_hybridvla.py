@@ -47,7 +47,10 @@ def collaborative_ensemble(
 def quat_xyzw_to_euler_xyz(q: np.ndarray) -> np.ndarray:
     """Unit quaternion [qx, qy, qz, qw] -> extrinsic x-y-z Euler angles [roll, pitch, yaw] (radians), the
     convention HybridVLA's actions and states use (``Rotation.from_euler("xyz", ...)`` upstream)."""
-    x, y, z, w = np.asarray(q, dtype=np.float64) / np.linalg.norm(q)
+    norm = np.linalg.norm(q)
+    if not norm > 1e-9:  # zero (or NaN): no rotation to read
+        raise ValueError(f"the state's quaternion {np.asarray(q).tolist()} has no direction (norm {norm:g})")
+    x, y, z, w = np.asarray(q, dtype=np.float64) / norm
     roll = np.arctan2(2 * (w * x + y * z), 1 - 2 * (x * x + y * y))
     pitch = np.arcsin(np.clip(2 * (w * y - z * x), -1.0, 1.0))
     yaw = np.arctan2(2 * (w * z + x * y), 1 - 2 * (y * y + z * z))
