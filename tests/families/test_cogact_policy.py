@@ -194,3 +194,22 @@ def test_step_batch_samples_a_row_with_an_rtc_prefix_on_its_own_as_alone(policy,
     for result, want in zip(results, expected):
         np.testing.assert_allclose(result.actions, want.actions, atol=1e-5)
     np.testing.assert_allclose(results[0].actions[:2], queued[:2], atol=1e-4)
+
+
+def test_a_prefix_the_head_cannot_take_is_refused_before_the_episode_changes(policy, frame):
+    config = SessionConfig(history="history", seed=0)
+    session, clean = policy.new_session(INSTRUCTION, config), policy.new_session(INSTRUCTION, config)
+    session.step(obs(frame(0)))
+    clean.step(obs(frame(0)))
+    held = session.cache.stats().tokens_seen
+    wide = Observation(images={"primary": frame(1)}, prefix=ActionPrefix(np.zeros((4, 6)), frozen=1))
+    with pytest.raises(ValueError, match="`prefix` rows have 6 values; this policy's actions have 7"):
+        session.step(wide)
+    assert session.cache.stats().tokens_seen == held
+    with pytest.raises(BatchInputError, match="observation 1 of the batch: .*`prefix` rows have 6 values"):
+        policy.step_batch([clean, session], [obs(frame(1)), wide])
+    np.testing.assert_array_equal(session.step(obs(frame(1))).actions, clean.step(obs(frame(1))).actions)
+    for bad, match in (((np.full((2, 7), np.nan), 1), "finite numbers"), ((np.zeros(7), 1), r"\[n, action_dim\]"),
+                       ((np.zeros((2, 7)), -1), "frozen must be an integer >= 0")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            ActionPrefix(*bad)

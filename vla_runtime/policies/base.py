@@ -64,6 +64,15 @@ class ActionPrefix:
     frozen: int
     start: int = 0
 
+    def __post_init__(self) -> None:
+        self.actions = np.asarray(self.actions, dtype=np.float64)
+        if self.actions.ndim != 2 or not np.isfinite(self.actions).all():
+            raise ValueError(f"ActionPrefix.actions must be finite numbers [n, action_dim], got shape {self.actions.shape}")
+        for name in ("frozen", "start"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"ActionPrefix.{name} must be an integer >= 0, got {value!r}")
+
 
 @dataclass
 class StepResult:

@@ -82,6 +82,12 @@ class CogACTSession(ActionHeadSession):
         return self.ensembler(chunk)[None]
 
 
+    def check_prefix(self, prefix: ActionPrefix | None) -> None:
+        """The queued actions must be rows of this policy's actions."""
+        if prefix is not None and prefix.actions.shape[1] != self.policy.action_dim:
+            raise ValueError(f"observation `prefix` rows have {prefix.actions.shape[1]} values; this policy's actions "
+                             f"have {self.policy.action_dim}")  # fmt: skip
+
     def _inpaint(self, prefix: ActionPrefix) -> Inpaint | None:
         """The queued actions as the chunk's known rows (normalised; weights ``rtc_weights``), ``None`` if none fit."""
         chunk = self.policy.chunk_size

@@ -97,7 +97,11 @@ def prefill_batch(policy: "PrismaticPolicy", sessions: Sequence["PrismaticSessio
     row at once and prefill the step prefixes, rows of one prefix length in one forward."""
     check_batch(policy, sessions, observations)
     start = time.perf_counter()
-    inputs = row_inputs(sessions, observations, lambda s, o: (s.pixels(o), s._proprio_tokens(o)))
+    def read(session, obs: Observation) -> tuple:
+        session.check_prefix(obs.prefix)
+        return session.pixels(obs), session._proprio_tokens(obs)
+
+    inputs = row_inputs(sessions, observations, read)
     image_tokens = policy.vlm.embed_image(torch.cat([pixels for pixels, _ in inputs]))  # [B, N, dim]
     synchronize(policy.device)
     vision_ms = (time.perf_counter() - start) * 1e3

@@ -43,7 +43,9 @@ from ..models.prismatic.processing_prismatic import (
 )
 from ..models.prismatic.prompt_prismatic import PromptIds
 from ..models.prismatic.statistics import action_stats_entry
-from .base import PRIMARY_CAMERA, CompiledSession, EpisodeSession, Observation, StepResult, validate_instruction
+from .base import (
+    PRIMARY_CAMERA, ActionPrefix, CompiledSession, EpisodeSession, Observation, StepResult, validate_instruction,
+)  # fmt: skip
 from .compiled import StepModules, step_modules
 
 STATIC_SHAPE_CACHES = (KVMode.FULL, KVMode.CHUNKED)  # the caches a CUDA-graph session builds with static shapes
@@ -226,6 +228,11 @@ class PrismaticSession(CompiledSession):
         checks every row first."""
         self.pixels(obs)
         self._proprio_tokens(obs)
+        self.check_prefix(obs.prefix)
+
+    def check_prefix(self, prefix: ActionPrefix | None) -> None:
+        """``ValueError`` for an ``Observation.prefix`` this session's head would refuse (checked before the step
+        changes anything); a head that conditions on none ignores it."""
 
     def check_room(self) -> None:
         """``CacheFullError`` when the episode's cache (a bounded full cache, history mode) cannot take this step
@@ -328,6 +335,7 @@ class ActionHeadSession(PrismaticSession):
     def _step(self, obs: Observation) -> StepResult:
         policy = self.policy
         start = time.perf_counter()
+        self.check_prefix(obs.prefix)
         image_tokens = self.modules.embed_image(self.pixels(obs))  # [1, N, dim]
         proprio = self._proprio_tokens(obs)
         synchronize(policy.device)
