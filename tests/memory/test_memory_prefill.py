@@ -232,3 +232,16 @@ def test_the_context_fillers_kv_stays_while_the_units_after_it_are_built(tiny_lm
     new = PromptUnit("n", (PromptSegment("s_new", make_prompt(lengths=(5,), joint=((0,),), seed=7).units[0].segments[0].token_ids),))
     second = MemoryPrompt(base.prefix_ids, base.units[:5] + (new,), base.query_ids, context)
     assert engine.run(second).stats.units_built >= 1
+
+
+def test_models_that_differ_in_any_weight_store_their_kv_apart(tiny_lm):
+    import copy
+
+    other = copy.deepcopy(tiny_lm)
+    with torch.no_grad():
+        other.model.layers[1].self_attn.q_proj.weight[0, 0] += 1.0  # one attention weight of one layer
+    store = KVStore()
+    prompt = make_prompt()
+    first = MemoryPrefill(tiny_lm, store, PrefillConfig(method="reuse")).run(prompt)
+    second = MemoryPrefill(other, store, PrefillConfig(method="reuse")).run(prompt)
+    assert first.stats.units_built > 0 and second.stats.units_built == first.stats.units_built  # none reused

@@ -100,3 +100,20 @@ def test_a_unit_read_is_the_most_recently_used():
     store.read_layer("A", 0, 0, 4, torch.empty(2, 4, 8), torch.empty(2, 4, 8))  # a prefill loads A
     store.put("D", unit(3))
     assert sorted(store.keys()) == ["A", "C", "D"]  # B, the least recently used, went
+
+
+def test_a_disk_unit_is_written_beside_its_name_and_renamed_into_place(tmp_path, monkeypatch):
+    import vla_runtime.memory.store as store_module
+
+    store = KVStore(StoreConfig([TierConfig("disk", path=str(tmp_path))]))
+    store.put("A", unit(0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["A.safetensors"]
+
+    def killed(tensors, path):  # a kill while the file is written: a partial file under the temporary name
+        open(path, "wb").write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_module, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        store.put("B", unit(1))
+    assert not (tmp_path / "B.safetensors").exists()  # never under the name a reader opens

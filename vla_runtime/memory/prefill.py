@@ -21,6 +21,7 @@ That cost is part of the time to first token.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -130,9 +131,13 @@ class MemoryPrefill:
 
     @staticmethod
     def _fingerprint(model: LlamaForCausalLM) -> str:
-        w = model.model.embed_tokens.weight.detach()
-        probe = (float(w[:4].double().sum()), float(model.model.layers[-1].mlp.down_proj.weight.detach()[:2].double().sum()))
-        return content_key(repr(model.cfg), str(w.dtype), probe)
+        """The model's config, dtype and every weight: stored KV is tied to all of them (two models that differ in
+        one attention layer must not share units). Hashes each parameter's bytes once, at construction."""
+        digest = hashlib.sha1()
+        for name, p in model.named_parameters():
+            digest.update(name.encode())
+            digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return content_key(repr(model.cfg), str(model.model.embed_tokens.weight.dtype), digest.hexdigest())
 
     # ---- the paper's interfaces -----------------------------------------------------------------
     def load_memory(self, memory_id: str, layer_id: int) -> int:

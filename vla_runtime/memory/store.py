@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -148,8 +149,12 @@ class _DiskTier(_Tier):
         return self.root / f"{key}.safetensors"
 
     def _encode(self, key, kv):
-        save_file({"k": kv.k.detach().cpu().contiguous(), "v": kv.v.detach().cpu().contiguous()}, str(self._file(key)))
-        return self._file(key)
+        """Written beside its final name and renamed into place: a unit file is complete or absent."""
+        path = self._file(key)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({"k": kv.k.detach().cpu().contiguous(), "v": kv.v.detach().cpu().contiguous()}, str(tmp))
+        os.replace(tmp, path)
+        return path
 
     def _decode(self, key, payload, *, drop):
         with safe_open(str(payload), framework="pt") as f:
