@@ -93,3 +93,47 @@ def test_converted_tokenizer_matches_transformers_gguf_tokenizer(smollm2_dir):
     assert ids[0] == ours.convert_tokens_to_ids("<|im_start|>")  # control tokens stay whole
     assert ours.decode(ids) == text
     assert ours("room 12")["input_ids"][-2:] == [ours.convert_tokens_to_ids("1"), ours.convert_tokens_to_ids("2")]
+
+
+def write_gguf(path, *, merges: bool) -> None:
+    """A small LLaMA GGUF (2 layers of 64) whose byte-level BPE has, or lacks, its merges."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    d, ff, layers, vocab = 64, 128, 2, 260
+    writer.add_embedding_length(d)
+    writer.add_feed_forward_length(ff)
+    writer.add_block_count(layers)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_context_length(256)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([bytes([i]).decode("latin-1") if i < 256 else f"tok{i}" for i in range(vocab)])
+    writer.add_token_types([1] * vocab)
+    writer.add_token_merges(["a b"] if merges else [])
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,), "output.weight": (vocab, d)}
+    for i in range(layers):
+        shapes |= {f"blk.{i}.attn_norm.weight": (d,), f"blk.{i}.ffn_norm.weight": (d,), f"blk.{i}.attn_q.weight": (d, d),
+                   f"blk.{i}.attn_k.weight": (32, d), f"blk.{i}.attn_v.weight": (32, d), f"blk.{i}.attn_output.weight": (d, d),
+                   f"blk.{i}.ffn_gate.weight": (ff, d), f"blk.{i}.ffn_up.weight": (ff, d), f"blk.{i}.ffn_down.weight": (d, ff)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_the_converter_cannot_read_is_refused_before_anything_is_written(tmp_path, capsys):
+    from vla_runtime.cli import main
+
+    write_gguf(tmp_path / "nomerge.gguf", merges=False)
+    (tmp_path / "half.gguf").write_bytes((tmp_path / "nomerge.gguf").read_bytes()[:2000])
+    for name, message in (("nomerge", "has no tokenizer.ggml.merges"), ("half", "half.gguf: ")):
+        assert main(["convert-gguf", str(tmp_path / f"out-{name}"), "--gguf", str(tmp_path / f"{name}.gguf")]) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / f"out-{name}").exists()  # no config.json or weights without their tokenizer

@@ -182,10 +182,16 @@ def build_tokenizer(reader):
         raise ValueError(
             f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_DIGIT_SPLIT_PRE | _PLAIN_GPT2_PRE))}"
         )
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        if not _field(reader, key):
+            raise ValueError(f"the GGUF has no {key}: a byte-level BPE tokenizer needs it")
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    try:
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+        raise ValueError(f"the GGUF's tokenizer cannot be built: {e}") from e
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if pre in _DIGIT_SPLIT_PRE:
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -198,8 +204,9 @@ def build_tokenizer(reader):
     return tok, tokens
 
 
-def write_tokenizer(reader, out: Path, config: dict) -> None:
-    tok, tokens = build_tokenizer(reader)
+def write_tokenizer(reader, out: Path, config: dict, built: tuple) -> None:
+    """The tokenizer files of ``out``; ``built``: what ``build_tokenizer(reader)`` returned."""
+    tok, tokens = built
     tok.save(str(out / "tokenizer.json"))
 
     def token(key: str) -> str | None:
@@ -242,17 +249,21 @@ def convert_gguf(gguf_path: str | Path | None, out_dir: str | Path, *, progress:
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     out = Path(out_dir)
+    try:  # everything is read and checked before anything is written: a bad file leaves no partial output
+        reader = GGUFReader(str(path))
+        config, arch = read_hf_config(reader)
+        tokenizer = build_tokenizer(reader)
+        state = read_state_dict(reader, config, arch, progress=progress)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{path}: {e}") from e
     out.mkdir(parents=True, exist_ok=True)
-    reader = GGUFReader(str(path))
-    config, arch = read_hf_config(reader)
-    state = read_state_dict(reader, config, arch, progress=progress)
     if config["tie_word_embeddings"]:
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "source": path.name})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    write_tokenizer(reader, out, config)
+    write_tokenizer(reader, out, config, tokenizer)
     log.info("converted %s -> %s (%d tensors)", path.name, out, len(state))
     return out
 
