@@ -30,11 +30,12 @@ from vla_runtime.kv.gate import check_gate
 from vla_runtime.models.openvla.processing_openvla import history_frame
 
 from . import outputs
-from .schedule import TimeBudget, lr_factor
 from .config import FinetuneConfig
 from .data import MicroBatches, TrainingData
 from .lora import apply_lora, is_unused, unused_by_forward
 from .model import LossSettings, PolicyTrainModule
+from .resume import prepare_out_dir
+from .schedule import TimeBudget, lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,8 @@ class Trainer:
         self.autocast = self._autocast()
         self.out = cfg.out
         self.step_cap = cfg.max_steps  # a time budget's refits never pass the configured steps
-        self.budget_minutes = cfg.time_budget  # left of it (a resumed run: what the checkpoint had left)
-        self._check_out_dir()
+        # minutes left of the budget (a resumed run: what its checkpoint had left)
+        self.budget_minutes = prepare_out_dir(cfg, is_main=env.is_main, barrier=self._barrier)
         torch.manual_seed(cfg.seed)  # LoRA and gate initialisation: identical on every rank
         self.policy = load_policy(cfg.checkpoint, device=self.device, dtype="float32")
         if self.policy.name != "openvla":
@@ -135,37 +136,6 @@ class Trainer:
     def _barrier(self) -> None:
         if self.env.world > 1:
             dist.barrier()
-
-    def _check_out_dir(self) -> None:
-        out, cfg = self.out, self.cfg
-        ours = [outputs.RUN_CONFIG, outputs.LOG, str(outputs.LAST)]
-        if not cfg.resume:
-            if any((out / name).exists() for name in ours):
-                raise ValueError(f"{out} already holds a fine-tuning run; pass --resume to continue it or choose a new --out")
-            return
-        if not (out / outputs.RUN_CONFIG).is_file():
-            raise FileNotFoundError(f"--resume: {out} holds no fine-tuning run ({outputs.RUN_CONFIG} is missing)")
-        changes = outputs.config_changes(out, cfg)
-        if changes:
-            raise ValueError(f"--resume: the config differs from the run in {out}: {'; '.join(changes)}")
-        if self.env.is_main:  # finishes a checkpoint save a kill interrupted
-            outputs.recover_training_state(out)
-        self._barrier()
-        state = outputs.training_state(out)
-        if state is None:  # killed before its first checkpoint: nothing to continue, the same run from the start
-            log.warning("--resume: %s has no checkpoint yet; starting the run from step 0", out)
-            cfg.resume = False
-            return
-        recorded = int(outputs.recorded_config(out)["max_steps"])
-        if cfg.time_budget is not None:  # the run's fitted length and what was left of its budget at the checkpoint
-            cfg.max_steps = int(state.get("max_steps", recorded))
-            left = state.get("budget_left_s")
-            self.budget_minutes = left / 60 if left is not None and left > 0 else None
-            if left is not None and left <= 0:
-                cfg.max_steps = int(state["step"])  # the budget was spent
-        elif recorded != cfg.max_steps and (cfg.lr_schedule != "constant" or cfg.gate.temperature_final is not None):
-            log.warning("--resume: max_steps %d -> %d stretches the lr / gate-temperature schedules from here on",
-                        recorded, cfg.max_steps)  # fmt: skip
 
     def _gate(self) -> ChunkGate:
         """The policy's trained gate when it fits this cache, else a fresh one (mean pooling, keeps all)."""
