@@ -174,9 +174,9 @@ def check_statistics(out: Path, statistics: dict) -> None:
 def load_training_state(out: Path, *, device: torch.device) -> tuple[dict, dict[str, torch.Tensor], dict]:
     """(``state.json``, trainable weights, optimizer state) from ``checkpoints/last``."""
     last = out / LAST
-    if not (last / "state.json").is_file():
+    state = training_state(out)
+    if state is None:
         raise FileNotFoundError(f"nothing to resume: {last} has no training checkpoint")
-    state = json.loads((last / "state.json").read_text())
     params = load_file(str(last / "trainable.safetensors"), device=str(device))
     optimizer = torch.load(last / "optimizer.pt", map_location=device, weights_only=True)
     return state, params, optimizer

@@ -109,15 +109,20 @@ def test_a_data_file_without_its_footer_is_a_clear_error(tmp_path):
         LeRobotDataset(root).episode(0)
 
 
+def write_first_two(root) -> None:
+    """EPISODES[0] and [1] (seeds 0 and 1), closed: what an uninterrupted two-episode run leaves."""
+    with LeRobotWriter(root, FEATURES, WriterConfig(fps=10)) as writer:
+        for i in (0, 1):
+            writer.add_episode(EPISODES[i], per_episode={"episode_seeds": i})
+
+
 def test_a_failed_write_leaves_the_writer_as_it_was(tmp_path, monkeypatch):
     """An episode whose data file could not be written counts nowhere: not in the tasks, not in the statistics,
     and a later resume keeps every stored frame's task."""
     import vla_runtime.data.writer as writer_module
 
     whole, broken = tmp_path / "whole", tmp_path / "broken"
-    with LeRobotWriter(whole, FEATURES, WriterConfig(fps=10)) as writer:
-        for i in (0, 1):
-            writer.add_episode(EPISODES[i], per_episode={"episode_seeds": i})
+    write_first_two(whole)
     real = writer_module._write_parquet
 
     def disk_full(table, path):
@@ -146,9 +151,7 @@ def test_resume_rewrites_metadata_a_kill_left_ahead_of_the_commit(tmp_path, monk
     from vla_runtime.data import durable
 
     root, two = tmp_path / "ds", tmp_path / "two"
-    with LeRobotWriter(two, FEATURES, WriterConfig(fps=10)) as writer:
-        for i in (0, 1):
-            writer.add_episode(EPISODES[i], per_episode={"episode_seeds": i})
+    write_first_two(two)
     real = durable.write_text_atomic
 
     def killed_at_info(path, text):
