@@ -114,6 +114,20 @@ def test_eval_cli_end_to_end(demos, tmp_path, monkeypatch, capsys):
                  "--seed", "5", "--resolution", "40x48", "--kv", "full", "--history", "single", "--out", str(out), "--resume"]) == 0
     assert json.loads((out / "report.json").read_text())["summary"] == summary
 
+    # a resume with another session, or of another checkpoint, would mix two runs' episodes: refused, naming what changed
+    capsys.readouterr()
+    resume = ["eval", "--checkpoint", str(root), "--sim", "metaworld", "--tasks", ",".join(TASKS), "--episodes", "2",
+              "--seed", "5", "--resolution", "40x48", "--kv", "full", "--out", str(out), "--resume"]
+    assert main([*resume, "--history", "history"]) == 2
+    err = capsys.readouterr().err
+    assert "other settings than the interrupted run (session:" in err and "history=<HistoryMode.HISTORY" in err
+    (root / "README.md").write_text("retrained")  # the checkpoint directory holds something else now
+    try:
+        assert main([*resume, "--history", "single"]) == 2
+        assert "(checkpoint: " in capsys.readouterr().err
+    finally:
+        (root / "README.md").unlink()
+
 
 def test_eval_parallel_workers_with_action_chunks(demos, capfd):
     root, _ = demos
@@ -139,6 +153,22 @@ def test_a_worker_episode_that_raises_keeps_the_results_of_the_others_and_is_rai
     assert sorted(recorded) == [0, 1, 2]  # every "good" episode (queued before any "bad" one) was recorded
     with pytest.raises(ValueError, match="`tasks` names good more than once"):
         EvalConfig(tasks=["good", "bad", "good"], episodes=1)
+
+
+def test_each_episode_of_a_task_draws_its_own_noise_seed():
+    """Sampling heads (CogACT's diffusion) get ``session.seed + i`` for episode i, not one seed for every episode."""
+    from eval_fakes import StillPolicy, make_world
+
+    seeds = []
+
+    class RecordingPolicy(StillPolicy):
+        def new_session(self, instruction, config):
+            seeds.append(config.seed)
+            return super().new_session(instruction, config)
+
+    config = EvalConfig(tasks=["a", "b"], episodes=3, seed=10, session=SessionConfig(seed=7))
+    evaluate(RecordingPolicy, make_world, config, progress=False)
+    assert seeds == [7, 8, 9, 7, 8, 9]
 
 
 def test_eval_rejects_a_policy_it_cannot_map(demos, monkeypatch):

@@ -29,7 +29,7 @@ from ..sim.actions import POLICY_ACTION_DIM
 from ..sim.base import check_task
 from ..sim.evaluate import EvalConfig, evaluate
 from ..sim.report import format_table, plot_summary, summarize, write_report
-from ..sim.results import RESULTS_FILE, append_result, load_results, read_results
+from ..sim.results import RESULTS_FILE, append_result, check_run, checkpoint_fingerprint, load_results, read_results
 from ..sim.retention import plot_episodes
 from ..sim.rlbench_env import import_rlbench
 from .policy_args import add_policy_arguments, kv_from_args, load_options, session_from_args
@@ -97,11 +97,16 @@ def run(args: argparse.Namespace) -> int:
                         out=None if args.no_video else out, trace_retention=args.retention_plots,
                         control=control_config(args), time_scale=args.time_scale)
     env_config = sim_config(args, tasks)
-    policy_factory = partial(load_policy, args.checkpoint, device=args.device, dtype=args.dtype, **load_options(args))
+    options = load_options(args)
+    policy_factory = partial(load_policy, args.checkpoint, device=args.device, dtype=args.dtype, **options)
     results_path = out / RESULTS_FILE
     if results_path.exists() and not args.resume:
         raise FileExistsError(f"{results_path} exists: pass --resume to continue that run, or choose a new --out directory")
     out.mkdir(parents=True, exist_ok=True)
+    identity = {"checkpoint": checkpoint_fingerprint(Path(args.checkpoint)), "load": repr({"dtype": args.dtype, **options}),
+                "sim": args.sim, "sim_config": repr(env_config), "session": repr(session),
+                "control": repr(config.control), "time_scale": repr(args.time_scale)}  # fmt: skip
+    check_run(out, identity, resume=args.resume)
     finished = read_results(results_path) if args.resume else {}
 
     def finished_episode(job: int, result) -> None:

@@ -16,7 +16,7 @@ import atexit
 import logging
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable
@@ -45,7 +45,7 @@ class EvalConfig:
     Args:
         tasks: task names of the simulator.
         episodes: episodes per task; episode i of a task uses seed ``seed + i``.
-        seed: first seed.
+        seed: first seed. Episode i's session draws its noise (sampling heads) from seed ``session.seed + i``.
         session: the runtime session config (KV mode, history mode, execution horizon).
         workers: parallel processes (1 = in this process).
         out: directory for videos (first episode of each task); ``None`` = no videos.
@@ -221,7 +221,8 @@ def _worker_episode(task: str, seed: int, config: EvalConfig, video_path: Path |
 
 
 def _run_job(env: SimEnv, policy: Policy, task: str, seed: int, config: EvalConfig, video: Path | None) -> EpisodeResult:
-    return run_episode(env, policy, task, seed, config.session, video_path=video, trace_retention=config.trace_retention,
+    session = replace(config.session, seed=config.session.seed + seed - config.seed)  # each episode its own noise
+    return run_episode(env, policy, task, seed, session, video_path=video, trace_retention=config.trace_retention,
                        control=config.control, time_scale=config.time_scale)  # fmt: skip
 
 

@@ -8,13 +8,14 @@ read back. The report is rebuilt from this file alone (``load_results``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from ..data.durable import fsync_dir
+from ..data.durable import fsync_dir, write_text_atomic
 from .evaluate import EpisodeResult
 
 log = logging.getLogger(__name__)
@@ -62,3 +63,44 @@ def read_results(path: Path) -> dict[int, EpisodeResult]:
 def load_results(path: Path) -> list[EpisodeResult]:
     """Every result in ``path`` in job order (task-major, then seed): what the report is built from."""
     return [r for _, r in sorted(read_results(path).items())]
+
+
+RUN_FILE = "run.json"
+
+
+def checkpoint_fingerprint(checkpoint: Path, sample_bytes: int = 1 << 16) -> str:
+    """A cheap digest of what a checkpoint directory (or file) holds: every file's relative name and size, and
+    its first and last ``sample_bytes`` (a retrained or re-quantised checkpoint of the same geometry differs there;
+    moving or copying it does not change the digest)."""
+    checkpoint = Path(checkpoint)
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file()) if checkpoint.is_dir() else [checkpoint]
+    h = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.relative_to(checkpoint) if checkpoint.is_dir() else path.name}:{size}\n".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(sample_bytes))
+            if size > 2 * sample_bytes:
+                f.seek(-sample_bytes, os.SEEK_END)
+                h.update(f.read(sample_bytes))
+    return h.hexdigest()[:16]
+
+
+def check_run(out: Path, identity: dict[str, str], *, resume: bool) -> None:
+    """Tie ``out``'s results to the settings that produced them. A new run writes ``identity`` to ``out/run.json``;
+    a resume refuses (``ValueError`` naming each setting) to add episodes run with other settings (another
+    checkpoint, cache, session, simulator or control loop) to the interrupted run's. A run from before this
+    file existed gets one and is not checked."""
+    path = out / RUN_FILE
+    if resume and path.is_file():
+        try:
+            recorded = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not JSON ({e}); it records the settings of the run in {out}") from e
+        changed = sorted(k for k in identity.keys() | recorded.keys() if recorded.get(k) != identity.get(k))
+        if changed:
+            lines = "; ".join(f"{k}: {recorded.get(k)!r} then, {identity.get(k)!r} now" for k in changed)
+            raise ValueError(f"--resume of {out} with other settings than the interrupted run ({lines}); resume with the "
+                             "interrupted run's flags, or choose a new --out directory")
+        return
+    write_text_atomic(path, json.dumps(identity, indent=1, sort_keys=True) + "\n")
