@@ -147,6 +147,24 @@ def test_rows_for_ticks_already_past_are_skipped(sim):
     assert loop.stats.actions_skipped > 0  # the first rows of every reply were for ticks gone by its arrival
 
 
+def test_a_tick_called_late_with_its_due_time_gets_its_own_row(sim):
+    """A robot loop that overran calls tick 30 at 30.6 periods; told when it was due, that call gets tick 30's row,
+    and the call at 31 periods gets tick 31's (named by the call time, the late call took tick 31's row)."""
+    clock, server, loop = sim
+    run(clock, loop, 30)
+    clock.advance(30.6 * PERIOD)
+    late = loop.tick({"tick": 30}, due=30 * PERIOD)
+    clock.advance(31 * PERIOD)
+    on_time = loop.tick({"tick": 31})
+    clock.settle()
+    for k, action in ((30, late), (31, on_time)):
+        assert action is not None, k
+        _, seen = server.asked[int(action[0])]
+        assert int(action[1]) == k - seen, (k, action, seen)
+    with pytest.raises(ValueError, match="more than a period after now"):
+        loop.tick({"tick": 32}, due=clock.t + 2 * PERIOD)
+
+
 def test_each_request_takes_the_newest_observation_of_its_start(sim):
     clock, server, loop = sim
     run(clock, loop, 30)

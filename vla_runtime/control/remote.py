@@ -69,10 +69,17 @@ class RemotePolicyLoop:
         """Ticks, fallbacks, requests, late requests, skipped and blended rows since the first tick."""
         return self._loop.stats if self._loop is not None else ControlStats()
 
-    def tick(self, observation: Any) -> np.ndarray | None:
+    def tick(self, observation: Any, *, due: float | None = None) -> np.ndarray | None:
         """This tick's action [action_dim] (queued, else the fallback; ``None`` = do nothing). ``observation``
-        becomes the newest one a request may take. An exception a request raised is raised here, once."""
+        becomes the newest one a request may take. An exception a request raised is raised here, once.
+
+        ``due``: when the robot's loop scheduled this tick, on ``clock`` (e.g. its rate's deadline). Without it a
+        tick is named by when it is called, so a call more than half a period late takes the next tick's row and
+        the next call finds that tick served (nothing to publish); with it the late call gets its own row."""
         now = self.clock()
+        if due is not None and not due <= now + self.cfg.period:
+            raise ValueError(f"tick due at {due} is more than a period after now ({now}): expected the time the robot's "
+                             "loop scheduled this tick, on the loop's clock")
         with self._lock:
             if self._error is not None:
                 error, self._error = self._error, None
@@ -80,7 +87,7 @@ class RemotePolicyLoop:
             self._newest = (observation, now)
             if self._loop is None:
                 self._loop = ControlLoop(self.cfg, t0=now, chunked=self.chunked)
-            out = self._loop.on_tick(now)
+            out = self._loop.on_tick(now, due=due)
             self._plan_request(now)
         return out.action
 
