@@ -68,6 +68,12 @@ def test_ddp_prefix_is_optional(copy, oft_libero, frame):
     np.testing.assert_array_equal(a, b)
 
 
+def test_a_weight_both_with_and_without_the_ddp_prefix_is_refused(copy):
+    _edit_head(copy, lambda s: s.__setitem__("model.fc2.bias", torch.zeros_like(s["module.model.fc2.bias"])))
+    with pytest.raises(ValueError, match=r"holds `model.fc2.bias` twice \(with and without the DDP prefix"):
+        load_openvla_oft(copy)
+
+
 def test_not_a_state_dict_and_unpicklable(copy):
     torch.save([torch.zeros(1)], copy / HEAD)
     with pytest.raises(ValueError, match="is not a state dict of tensors"):
@@ -93,6 +99,12 @@ def test_platform_choice(oft_libero, oft_no_proprio, caplog):
         ambiguous = load_policy(oft_no_proprio, device="meta")  # 7-D actions, no proprio: LIBERO or Bridge
     assert ambiguous.chunk_size == 8 and ambiguous.checkpoint.platform.value == "libero"
     assert "fit libero, bridge; using libero" in caplog.text
+    # without a proprio projector the weights cannot tell "trained without proprio" from "file left behind": said
+    assert "no proprio_projector--*checkpoint.pt: the policy runs without proprioception" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_policy(oft_libero, device="meta")
+    assert "without proprioception" not in caplog.text
     assert load_policy(oft_no_proprio, device="meta", platform="bridge").chunk_size == 5
 
 

@@ -79,7 +79,14 @@ def load_component(file: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{file.name} is not a state dict of tensors (got {type(state).__name__})")
     if not_float := [k for k, v in state.items() if not v.is_floating_point()]:  # heads, projectors, FiLM: float weights only
         raise ValueError(f"{file.name}: `{not_float[0]}` is {state[not_float[0]].dtype}; expected a floating-point weight")
-    return {k.removeprefix(DDP_PREFIX): v for k, v in state.items()}
+    stripped = {}
+    for key, value in state.items():
+        name = key.removeprefix(DDP_PREFIX)
+        if name in stripped:  # `module.x` and `x` both: which one was trained is unknowable
+            raise ValueError(f"{file.name} holds `{name}` twice (with and without the DDP prefix `{DDP_PREFIX}`); "
+                             "expected each weight once")
+        stripped[name] = value
+    return stripped
 
 
 def _shape(state: dict, key: str, file: Path, ndim: int) -> tuple[int, ...]:
@@ -168,6 +175,9 @@ def load_openvla_oft(
         files[PROPRIO_PROJECTOR] = proprio_file
         proprio = load_component(proprio_file)
         proprio_dim = _shape(proprio, "fc1.weight", proprio_file, 2)[1]
+    else:  # legitimate (trained without proprio), or a file left behind: the weights cannot tell
+        log.warning("%s has no %s--*checkpoint.pt: the policy runs without proprioception and ignores observations' "
+                    "`state`; a checkpoint fine-tuned with proprio needs that file beside it", path, PROPRIO_PROJECTOR)
     chosen = resolve_platform(platform, action_dim, proprio_dim)
     constants = PLATFORMS[chosen]
     film_file = find_component(path, VISION_BACKBONE, required=False)
