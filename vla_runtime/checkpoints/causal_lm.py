@@ -6,13 +6,13 @@ and the tokenizer files with transformers' ``AutoTokenizer`` (local files only).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..models.llama import LlamaConfig, LlamaForCausalLM
+from ..models.prismatic.configuration_prismatic import read_json
 from .safetensors_io import open_safetensors, weight_files
 
 
@@ -27,6 +27,9 @@ class CausalLM:
     @property
     def cfg(self) -> LlamaConfig:
         return self.model.cfg
+
+
+ROTARY_BUFFER = ".rotary_emb.inv_freq"
 
 
 def load_state_dict(root: str | Path) -> dict[str, torch.Tensor]:
@@ -52,9 +55,11 @@ def load_causal_lm(
     cfg_file = root / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{root}: config.json is missing")
-    cfg = LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
+    cfg = LlamaConfig.from_hf(read_json(cfg_file), where=str(cfg_file))
     state = load_state_dict(root)
-    if cfg.tie_embeddings:
+    for name in [n for n in state if n.endswith(ROTARY_BUFFER)]:  # older HF conversions saved the derived table
+        del state[name]
+    if cfg.tie_embeddings and "model.embed_tokens.weight" in state:
         state.pop("lm_head.weight", None)
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     with torch.device("meta"):
@@ -66,6 +71,10 @@ def load_causal_lm(
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(f"{root}: weights missing from the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise ValueError(f"{root}: tensors a {cfg.n_layers}-layer LLaMA-family decoder does not have: {unexpected[:5]}"
+                         f"{' ...' if len(unexpected) > 5 else ''} (is config.json from another model?)")
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

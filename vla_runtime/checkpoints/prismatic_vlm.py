@@ -122,7 +122,8 @@ def vlm_config(config: dict, norm_stats: dict, shapes: Mapping[str, tuple[int, .
     embed = shapes.get("language_model.model.embed_tokens.weight")
     if embed is None:
         raise ValueError("the checkpoint has no `llm.model.embed_tokens.weight` in `llm_backbone`")
-    llm = LlamaConfig.from_hf({**(config.get("llm_config") or PRISMATIC_LLMS[entry["llm_backbone_id"]]), "vocab_size": embed[0]})
+    llm = LlamaConfig.from_hf({**(config.get("llm_config") or PRISMATIC_LLMS[entry["llm_backbone_id"]]), "vocab_size": embed[0]},
+                              where="config.json llm_config")
     if llm.dim != embed[1]:
         raise ValueError(f"LLM width {embed[1]} in the checkpoint, but the configuration says {llm.dim}")
     return OpenVLAConfig(

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..json_fields import ConfigFields
+
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -44,21 +46,20 @@ class RopeConfig:
             raise ValueError(f"`head_dim` must be even for RoPE, got {self.head_dim}")
 
     @classmethod
-    def from_hf(cls, hf: dict, *, head_dim: int, max_position: int) -> "RopeConfig":
+    def from_hf(cls, hf: dict, *, head_dim: int, max_position: int, where: str = "config.json") -> "RopeConfig":
         """Read ``rope_theta``/``rope_scaling`` (transformers 4.x) or ``rope_parameters`` (5.x)."""
-        params = dict(hf.get("rope_parameters") or {})
-        legacy = hf.get("rope_scaling") or {}
-        params = {**legacy, **params}
-        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = params.get("rope_type", params.get("type", "default"))
+        top = ConfigFields(hf, where)
+        scaling = {**top.dict("rope_scaling", {}), **top.dict("rope_parameters", {})}
+        f = ConfigFields(scaling, f"{where} rope_scaling")
+        theta = f.float("rope_theta", top.float("rope_theta", 10000.0))
         return cls(
             head_dim=head_dim,
             theta=theta,
-            rope_type=rope_type,
-            factor=float(params.get("factor", 1.0)),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position=int(params.get("original_max_position_embeddings", max_position)),
+            rope_type=f.str("rope_type", f.str("type", "default")),
+            factor=f.float("factor", 1.0),
+            low_freq_factor=f.float("low_freq_factor", 1.0),
+            high_freq_factor=f.float("high_freq_factor", 4.0),
+            original_max_position=f.int("original_max_position_embeddings", max_position),
         )
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..json_fields import ConfigFields
 from ..kv.base import AttendSeam
 from ..kv.geometry import CacheGeometry
 from ..kv.rope import RopeConfig
@@ -64,30 +65,34 @@ class LlamaConfig:
         )
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "LlamaConfig":
+    def from_hf(cls, hf: dict, *, where: str = "config.json") -> "LlamaConfig":
         """From a transformers ``config.json`` dict (``llama``/``qwen2``); missing keys default as
-        transformers' ``LlamaConfig`` does (so OpenVLA's tiny ``text_config`` works)."""
-        model_type = hf.get("model_type", "llama")
+        transformers' ``LlamaConfig`` does (so OpenVLA's tiny ``text_config`` works). A field of the wrong type
+        is a ``ValueError`` naming ``where`` and the key."""
+        f = ConfigFields(hf, where)
+        model_type = f.str("model_type", "llama")
         if model_type not in ("llama", "qwen2", "mistral"):
             raise ValueError(f"text model_type {model_type!r} is not a LLaMA-family decoder (llama, qwen2, mistral)")
-        dim = int(hf.get("hidden_size", 4096))
-        n_heads = int(hf.get("num_attention_heads", 32))
-        head_dim = int(hf.get("head_dim") or dim // n_heads)
-        max_position = int(hf.get("max_position_embeddings", 2048))
+        dim = f.int("hidden_size", 4096)
+        n_heads = f.int("num_attention_heads", 32)
+        if dim < 1 or n_heads < 1:
+            raise ValueError(f"{where}: `hidden_size` {dim} and `num_attention_heads` {n_heads} must be >= 1")
+        head_dim = f.int("head_dim", 0) or dim // n_heads
+        max_position = f.int("max_position_embeddings", 2048)
         default_ffn = 11008 if model_type == "llama" else 22016
         return cls(
             dim=dim,
-            n_layers=int(hf.get("num_hidden_layers", 32)),
+            n_layers=f.int("num_hidden_layers", 32),
             n_heads=n_heads,
-            n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+            n_kv_heads=f.int("num_key_value_heads", 0) or n_heads,
             head_dim=head_dim,
-            ffn_dim=int(hf.get("intermediate_size", default_ffn)),
-            vocab_size=int(hf.get("vocab_size", 32000)),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            ffn_dim=f.int("intermediate_size", default_ffn),
+            vocab_size=f.int("vocab_size", 32000),
+            norm_eps=f.float("rms_norm_eps", 1e-6),
+            qkv_bias=f.bool("attention_bias", model_type == "qwen2"),
             max_position=max_position,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope=RopeConfig.from_hf(hf, head_dim=head_dim, max_position=max_position),
+            tie_embeddings=f.bool("tie_word_embeddings", False),
+            rope=RopeConfig.from_hf(hf, head_dim=head_dim, max_position=max_position, where=where),
         )
 
     def to_hf(self) -> dict:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ...json_fields import ConfigFields
 from ..llama import LlamaConfig
 from .configuration_vision import LLM_BACKBONES, TIMM_VITS, TOWER_PREFIXES, ProjectorConfig, VisionConfig, backbone_spec
 
@@ -101,56 +102,60 @@ class OpenVLAConfig:
     # ---- config.json ----------------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, hf: dict, *, weight_shapes: Mapping[str, tuple[int, ...]] | None = None) -> "OpenVLAConfig":
-        """Parse an upstream ``config.json`` dict.
+    def from_hf(cls, hf: dict, *, weight_shapes: Mapping[str, tuple[int, ...]] | None = None,
+                where: str = "config.json") -> "OpenVLAConfig":
+        """Parse an upstream ``config.json`` dict (``where``: the file, named by errors).
 
         ``weight_shapes`` (HF names -> shapes, e.g. read from safetensors headers) sets the ViT geometry;
         without it the timm-id table's sizes are used.
         """
-        model_type = hf.get("model_type", "openvla")
+        f = ConfigFields(hf, where)
+        model_type = f.str("model_type", "openvla")
         if model_type not in ("openvla", "prismatic"):
             raise ValueError(f"config.json `model_type` is {model_type!r}; expected 'openvla' (or 'prismatic')")
-        backbone_id = hf.get("vision_backbone_id", "siglip-vit-so400m")  # PrismaticConfig's default
+        backbone_id = f.str("vision_backbone_id", "siglip-vit-so400m")  # PrismaticConfig's default
         spec = backbone_spec(backbone_id)
         n = len(spec.timm_ids)
-        image_sizes = list(hf.get("image_sizes") or [spec.image_size] * n)
-        act_overrides = list(hf.get("timm_override_act_layers") or spec.act_overrides)
-        heads = hf.get("vision_num_heads") or [None] * n
+        image_sizes = f.ints("image_sizes", [spec.image_size] * n)
+        act_overrides = f.strs("timm_override_act_layers", list(spec.act_overrides))
+        heads = f.ints("vision_num_heads", [None] * n)
         for key, value in (("image_sizes", image_sizes), ("timm_override_act_layers", act_overrides), ("vision_num_heads", heads)):
             if len(value) != n:
                 raise ValueError(f"config.json `{key}` has {len(value)} entries; {backbone_id!r} has {n} vision towers")
-        fused = hf.get("use_fused_vision_backbone")
+        if None in image_sizes:
+            raise ValueError(f"{where} `image_sizes` is {image_sizes}; expected an integer per vision tower")
+        fused = f.bool("use_fused_vision_backbone", None)
         if fused is None:
             fused = backbone_id.startswith(("dinoclip", "dinosiglip"))
-        if bool(fused) != (n == 2):
+        if fused != (n == 2):
             raise ValueError(f"`use_fused_vision_backbone` is {fused} but {backbone_id!r} has {n} vision tower(s)")
         towers = []
         for i, timm_id in enumerate(spec.timm_ids):
-            tower = replace(TIMM_VITS[timm_id], image_size=int(image_sizes[i]), act=act_overrides[i] or "gelu")
+            tower = replace(TIMM_VITS[timm_id], image_size=image_sizes[i], act=act_overrides[i] or "gelu")
             if weight_shapes is not None:
                 prefix = TOWER_PREFIXES[i]
                 sub = {k[len(prefix):]: v for k, v in weight_shapes.items() if k.startswith(prefix)}
                 tower = tower.with_weights(sub, num_heads=heads[i])
             elif heads[i]:
-                tower = replace(tower, num_heads=int(heads[i]))
+                tower = replace(tower, num_heads=heads[i])
             towers.append(tower)
-        vision = VisionConfig(backbone_id, tuple(towers), hf.get("image_resize_strategy", "letterbox"))
-        text = dict(hf.get("text_config") or {})
-        llm = LlamaConfig.from_hf(text)
+        vision = VisionConfig(backbone_id, tuple(towers), f.str("image_resize_strategy", "letterbox"))
+        text = f.sub("text_config")
+        llm = LlamaConfig.from_hf(text.data, where=text.where)
         return cls(
             vision=vision,
             projector=ProjectorConfig(vision.embed_dim, llm.dim, vision.fused),
             llm=llm,
-            n_bins=int(hf.get("n_action_bins", 256)),
-            pad_to_multiple_of=int(hf.get("pad_to_multiple_of", 64)),
-            bos_token_id=int(text.get("bos_token_id", 1)),
-            eos_token_id=int(text.get("eos_token_id", 2)),
-            pad_token_id=int(hf.get("pad_token_id", 32000)),
-            llm_max_length=int(hf.get("llm_max_length", 2048)),
-            proprio_dim=hf.get("proprio_dim"),
-            norm_stats=dict(hf.get("norm_stats") or {}),
-            llm_backbone_id=hf.get("llm_backbone_id", "vicuna-v15-7b"),
-            arch_specifier=hf.get("arch_specifier", "no-align+gelu-mlp"),
+            n_bins=f.int("n_action_bins", 256),
+            pad_to_multiple_of=f.int("pad_to_multiple_of", 64),
+            bos_token_id=text.int("bos_token_id", 1),
+            eos_token_id=text.int("eos_token_id", 2),
+            pad_token_id=f.int("pad_token_id", 32000),
+            llm_max_length=f.int("llm_max_length", 2048),
+            proprio_dim=f.int("proprio_dim", None),
+            norm_stats=f.dict("norm_stats", {}),
+            llm_backbone_id=f.str("llm_backbone_id", "vicuna-v15-7b"),
+            arch_specifier=f.str("arch_specifier", "no-align+gelu-mlp"),
         )
 
     @classmethod
@@ -160,7 +165,7 @@ class OpenVLAConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file} does not exist (an OpenVLA checkpoint directory needs config.json)")
-        cfg = cls.from_hf(read_json(config_file), weight_shapes=weight_shapes)
+        cfg = cls.from_hf(read_json(config_file), weight_shapes=weight_shapes, where=str(config_file))
         stats_file = path / "dataset_statistics.json"
         if stats_file.is_file():
             cfg = replace(cfg, norm_stats=read_json(stats_file))
