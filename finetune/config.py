@@ -8,6 +8,7 @@ learnable threshold and a retention term pulling the mean keep probability towar
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from vla_runtime.config import HistoryMode, history_mode
 from vla_runtime.device import DTYPES
 from vla_runtime.kv import KVConfig, KVMode
 from vla_runtime.kv.budget import BudgetMode
+
+log = logging.getLogger(__name__)
 
 # what trains: LoRA + gates (the seed's recipe), the gates alone, or every weight (training from scratch)
 TRAINABLE = ("lora", "gates", "all")
@@ -315,6 +318,10 @@ class FinetuneConfig:
             _check_positive(self, "max_grad_norm")
         if self.save_dtype is not None and self.save_dtype not in DTYPES:
             raise ValueError(f"`save_dtype` is {self.save_dtype!r}; expected one of {', '.join(sorted(DTYPES))}")
+        if self.save_dtype is not None and not (self.merge or self.trainable == "all"):  # kept in shared recipes' flags
+            log.warning("`save_dtype` %s sets the dtype of full checkpoints (`merge`, or `trainable: all`); this "
+                        "trainable=%r run without `merge` writes only its adapter and gates, in float32",
+                        self.save_dtype, self.trainable)  # fmt: skip
         if self.threads is not None:
             _check_positive(self, "threads")
 

@@ -12,12 +12,14 @@ from .config import FinetuneConfig
 log = logging.getLogger(__name__)
 
 
-def prepare_out_dir(cfg: FinetuneConfig, *, is_main: bool, barrier: Callable[[], None]) -> float | None:
+def prepare_out_dir(cfg: FinetuneConfig, *, world: int, is_main: bool, barrier: Callable[[], None]) -> float | None:
     """Check ``cfg.out`` for ``cfg`` (``ValueError`` / ``FileNotFoundError`` naming what is wrong) and return the
     minutes left of the time budget (``cfg.time_budget`` for a fresh run, ``None`` without one).
 
     Resuming: the config must equal the run's (but for ``outputs.RESUMABLE_CHANGES``); rank 0 finishes a checkpoint
-    save a kill interrupted (``barrier`` then lets the other ranks read it). A run killed before its first checkpoint
+    save a kill interrupted (``barrier`` then lets the other ranks read it), and it must run on the ``world``
+    processes its checkpoint was trained on (their number sets the data order and the batch per optimizer step;
+    checkpoints from before ``world`` was recorded are not checked). A run killed before its first checkpoint
     starts again from step 0 (``cfg.resume`` is cleared). A budgeted run goes on with the length it was fitted to
     and what its checkpoint had left of the budget (``cfg.max_steps`` is set)."""
     out = cfg.out
@@ -38,6 +40,11 @@ def prepare_out_dir(cfg: FinetuneConfig, *, is_main: bool, barrier: Callable[[],
         log.warning("--resume: %s has no checkpoint yet; starting the run from step 0", out)
         cfg.resume = False
         return cfg.time_budget
+    trained_on = state.get("world")
+    if trained_on is not None and trained_on != world:
+        raise ValueError(f"--resume: the checkpoint in {out} (step {state['step']}) was trained on {trained_on} "
+                         f"process(es), this run has {world}: the data order and the batch of each step would change; "
+                         f"resume with torchrun --nproc-per-node {trained_on}, or start a new --out")
     recorded = int(outputs.recorded_config(out)["max_steps"])
     if cfg.time_budget is None:
         if recorded != cfg.max_steps and (cfg.lr_schedule != "constant" or cfg.gate.temperature_final is not None):

@@ -75,7 +75,7 @@ class Trainer:
         self.out = cfg.out
         self.step_cap = cfg.max_steps  # a time budget's refits never pass the configured steps
         # minutes left of the budget (a resumed run: what its checkpoint had left)
-        self.budget_minutes = prepare_out_dir(cfg, is_main=env.is_main, barrier=self._barrier)
+        self.budget_minutes = prepare_out_dir(cfg, world=env.world, is_main=env.is_main, barrier=self._barrier)
         torch.manual_seed(cfg.seed)  # LoRA and gate initialisation: identical on every rank
         self.policy = load_policy(cfg.checkpoint, device=self.device, dtype="float32")
         if self.policy.name != "openvla":
@@ -319,7 +319,7 @@ class Trainer:
                 interval_steps, interval_start, interval_cpu = 0, time.perf_counter(), time.process_time()
             if done % cfg.save_every == 0 or done == cfg.max_steps:
                 if env.is_main:
-                    state = {"step": done, "max_steps": cfg.max_steps,
+                    state = {"step": done, "max_steps": cfg.max_steps, "world": env.world,
                              "budget_left_s": budget.seconds_left() if budget is not None else None}  # fmt: skip
                     outputs.save_training_state(self.out, params=self.trainable_state(), optimizer=self.optimizer,
                                                 state=state)  # fmt: skip

@@ -130,3 +130,16 @@ def test_resume_refuses_a_dataset_that_changed(tiny_ckpt, tmp_path, monkeypatch)
     (tmp_path / "other").rename(tmp_path / "data")  # new content at the run's path
     with pytest.raises(ValueError, match="the dataset's statistics differ from .*dataset_statistics.json"):
         Trainer(make_config(tiny_ckpt, data, out, **{**run, "max_steps": 6}, resume=True))
+
+
+def test_resume_refuses_another_number_of_processes(tiny_ckpt, tiny_dataset, tmp_path):
+    """The processes set the data order and the batch of each step: a checkpoint trained on 2 does not resume on 1."""
+    run = {"max_steps": 2, "save_every": 2, "lora": {"rank": 4}}
+    out = tmp_path / "run"
+    Trainer(make_config(tiny_ckpt, tiny_dataset, out, **run)).train()
+    state_file = out / outputs.LAST / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["world"] == 1
+    state_file.write_text(json.dumps({**state, "world": 2}))
+    with pytest.raises(ValueError, match=r"step 2\) was trained on 2 process\(es\), this run has 1.*--nproc-per-node 2"):
+        Trainer(make_config(tiny_ckpt, tiny_dataset, out, **{**run, "max_steps": 4}, resume=True))

@@ -83,3 +83,14 @@ def test_config_validation_names_the_field():
         from_dict(FinetuneConfig, {**base, "gate": {"temp": 1}})
     # a nested mapping overrides the default instance: kv stays chunked when only the chunk is set
     assert from_dict(FinetuneConfig, {**base, "kv": {"chunk": 8}}).kv.mode is KVMode.CHUNKED
+
+
+def test_a_save_dtype_that_applies_to_nothing_is_said(caplog):
+    base = {"checkpoint": "c", "dataset": "d", "out": "o", "save_dtype": "bfloat16"}
+    with caplog.at_level("WARNING"):
+        from_dict(FinetuneConfig, {**base, "merge": True})
+        from_dict(FinetuneConfig, {**base, "trainable": "all"})
+    assert not caplog.records
+    with caplog.at_level("WARNING"):
+        from_dict(FinetuneConfig, base)  # a LoRA run without merge writes no full checkpoint
+    assert "`save_dtype` bfloat16 sets the dtype of full checkpoints" in caplog.text
