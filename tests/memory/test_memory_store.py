@@ -107,7 +107,7 @@ def test_a_disk_unit_is_written_beside_its_name_and_renamed_into_place(tmp_path,
 
     store = KVStore(StoreConfig([TierConfig("disk", path=str(tmp_path))]))
     store.put("A", unit(0))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["A.safetensors"]
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors*")) == ["A.safetensors"]
 
     def killed(tensors, path):  # a kill while the file is written: a partial file under the temporary name
         open(path, "wb").write(b"partial")
@@ -117,3 +117,23 @@ def test_a_disk_unit_is_written_beside_its_name_and_renamed_into_place(tmp_path,
     with pytest.raises(KeyboardInterrupt):
         store.put("B", unit(1))
     assert not (tmp_path / "B.safetensors").exists()  # never under the name a reader opens
+
+
+def test_the_disk_tier_outlives_its_store_and_belongs_to_one_store_at_a_time(tmp_path, caplog):
+    config = StoreConfig([TierConfig("host", UNIT_BYTES), TierConfig("disk", 3 * UNIT_BYTES, path=tmp_path)])
+    with KVStore(config) as store:
+        for name in "abc":
+            store.put(name, unit(ord(name)))  # a, b move to disk
+        with pytest.raises(ValueError, match=f"disk tier {tmp_path} is in use by another KV store"):
+            KVStore(config)  # it would delete the files the first one reads
+    (tmp_path / "x.safetensors.tmp").write_bytes(b"half a unit a kill left")
+    (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
+    with caplog.at_level("WARNING"), KVStore(config) as restarted:  # a restart keeps what was on disk
+        assert sorted(restarted.keys()) == ["a", "b"] and restarted.stats()["disk"].bytes == 2 * UNIT_BYTES
+        torch.testing.assert_close(restarted.get("b").v, unit(ord("b")).v, rtol=0, atol=0)
+    assert "deleting junk.safetensors, which is not a unit's KV" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "a.safetensors", "b.safetensors"]
+    # a smaller budget next time: the least recently written units go
+    smaller = StoreConfig([TierConfig("host", UNIT_BYTES), TierConfig("disk", UNIT_BYTES, path=tmp_path)])
+    with KVStore(smaller) as store:
+        assert store.keys() == ["b"] and not (tmp_path / "a.safetensors").exists()

@@ -3,7 +3,8 @@
 A unit's KV is ``k, v: [L, Hkv, n, D]`` for its ``n`` tokens. Tiers go from fastest to slowest
 (device memory, CPU RAM, disk as safetensors files). A new unit enters the fastest tier; when a tier
 is over its byte budget its least recently used units move one tier down, and the last tier drops
-them. Units in use by a running prefill are pinned (never moved or dropped while pinned).
+them. Units in use by a running prefill are pinned (never moved or dropped while pinned). The disk tier's
+directory belongs to one store at a time and outlives it: the next store on it starts with its units.
 
 ``read_layer`` copies one layer of a unit's token range into caller buffers -- the load the KEEP
 prefill needs per (segment, layer); ``read_layers`` moves one layer of several units as one transfer.
@@ -13,8 +14,10 @@ without one.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import StoreConfig, TierConfig
@@ -138,15 +141,47 @@ class _HostTier(_Tier):
 
 
 class _DiskTier(_Tier):
-    """One safetensors file per unit; a layer is read with a slice (memory-mapped, never unpickled)."""
+    """One safetensors file per unit; a layer is read with a slice (memory-mapped, never unpickled).
+
+    The directory belongs to one store at a time (an exclusive lock on its ``.lock`` file, released by ``close``
+    or at exit): two stores sharing it would delete each other's files. The units an earlier store left there are
+    taken back at start, least recently written first (a restart keeps the tier); a file that cannot be read as a
+    unit is deleted with a warning, and so are the ``*.tmp`` files a kill left."""
 
     def __init__(self, cfg: TierConfig, device: torch.device) -> None:
         super().__init__(cfg, device)
         self.root = Path(cfg.path)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.root / ".lock", "a")  # noqa: SIM115 - held for the store's lifetime
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise ValueError(f"disk tier {self.root} is in use by another KV store (its .lock is held); give each store "
+                             "its own `path`") from None
+        self._reload()
+
+    def close(self) -> None:
+        self._lock_file.close()
+
+    def _reload(self) -> None:
+        for tmp in self.root.glob(f"*{UNIT_SUFFIX}.tmp"):
+            tmp.unlink(missing_ok=True)
+        for path in sorted(self.root.glob(f"*{UNIT_SUFFIX}"), key=lambda p: p.stat().st_mtime_ns):
+            try:
+                nbytes = _unit_file_bytes(path)
+            except (OSError, ValueError, SafetensorError) as e:
+                log.warning("disk tier %s: deleting %s, which is not a unit's KV (%s)", self.root, path.name, e)
+                path.unlink(missing_ok=True)
+                continue
+            self.entries[path.name.removesuffix(UNIT_SUFFIX)] = (path, nbytes)
+            self.stats.units += 1
+            self.stats.bytes += nbytes
+        if self.entries:
+            log.info("disk tier %s: %d units (%d bytes) kept from an earlier store", self.root, self.stats.units, self.stats.bytes)
 
     def _file(self, key: str) -> Path:
-        return self.root / f"{key}.safetensors"
+        return self.root / f"{key}{UNIT_SUFFIX}"
 
     def _encode(self, key, kv):
         """Written beside its final name and renamed into place: a unit file is complete or absent."""
@@ -168,6 +203,21 @@ class _DiskTier(_Tier):
             return f.get_slice("k")[layer, :, start:end], f.get_slice("v")[layer, :, start:end]
 
 
+UNIT_SUFFIX = ".safetensors"
+_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _unit_file_bytes(path: Path) -> int:
+    """The bytes of the unit a disk-tier file holds, from its header (``ValueError`` if it holds no unit)."""
+    with safe_open(str(path), framework="pt") as f:
+        if set(f.keys()) != {"k", "v"}:
+            raise ValueError(f"tensors {sorted(f.keys())}; expected k and v")
+        k, v = f.get_slice("k"), f.get_slice("v")
+        if k.get_shape() != v.get_shape() or len(k.get_shape()) != 4 or k.get_dtype() not in _ITEM_BYTES:
+            raise ValueError(f"k {k.get_shape()} {k.get_dtype()}, v {v.get_shape()}; expected equal float [L, Hkv, n, D]")
+        return 2 * math.prod(k.get_shape()) * _ITEM_BYTES[k.get_dtype()]
+
+
 TIERS: dict[str, type[_Tier]] = {"device": _DeviceTier, "host": _HostTier, "disk": _DiskTier}
 
 
@@ -177,9 +227,28 @@ class KVStore:
     def __init__(self, config: StoreConfig | None = None, *, device: torch.device | str = "cpu") -> None:
         self.config = config or StoreConfig()
         self.device = torch.device(device)
-        self.tiers = [TIERS[t.kind](t, self.device) for t in self.config.tiers]
+        self.tiers = []
+        try:
+            for t in self.config.tiers:
+                self.tiers.append(TIERS[t.kind](t, self.device))
+        except BaseException:
+            self.close()
+            raise
         self._lock = threading.RLock()
         self._pins: dict[str, int] = {}
+        self._rebalance()  # a disk tier that kept an earlier store's units may be over its budget
+
+    def close(self) -> None:
+        """Release the disk tier's directory (its files stay for the next store on it)."""
+        for tier in self.tiers:
+            if isinstance(tier, _DiskTier):
+                tier.close()
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- queries --------------------------------------------------------------------------------
     def __contains__(self, key: str) -> bool:
