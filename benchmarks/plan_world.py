@@ -41,18 +41,17 @@ class PlanWorld(KitchenWorld):
     log_len: int = 24
     t: int = field(init=False, default=0)
     events: list[tuple[int, int, str]] = field(init=False, default_factory=list)  # (step, index, text)
-    picks: dict[int, str] = field(init=False, default_factory=dict)  # step -> object picked up then
+    picks: dict[int, str] = field(init=False, default_factory=dict)  # step -> object picked up then (event in the log)
 
     def step(self) -> list[str]:
         self.t += 1
         done = super().step()
         for i, what in enumerate(done):
             self.events.append((self.t, i, f"Step {self.t}: I {_past(what)}."))
-            if what.startswith("pick up the "):
-                self.picks[self.t] = what[len("pick up the ") :]
         self.events = self.events[-self.log_len :]
-        kept = {t for t, _, _ in self.events}
-        self.picks = {t: o for t, o in self.picks.items() if t in kept}
+        # a recall question's answer must be in the log: a step whose pick event fell off (the log cut the step
+        # in two) is not asked about, though its later events are still there
+        self.picks = {t: text.split("picked up the ", 1)[1].rstrip(".") for t, _, text in self.events if " I picked up the " in text}
         return done
 
     def segment_texts(self) -> dict[str, str]:
