@@ -50,9 +50,11 @@ def test_int4_weight_is_within_half_a_step_per_group(linear):
     assert (coarse.dequantized_weight() - linear.weight).abs().mean() > err.mean()
 
 
-def test_int4_refuses_groups_that_do_not_split_the_inputs():
-    with pytest.raises(ValueError, match=r"inputs \(100\) to split into even groups of 64"):
-        Int4Linear.from_linear(torch.nn.Linear(100, 8), group_size=64)
+def test_int4_halves_its_group_until_it_splits_the_inputs():
+    assert Int4Linear.from_linear(torch.nn.Linear(576, 8)).group_size == 64  # SmolLM2's width: 128 does not split it
+    assert Int4Linear.from_linear(torch.nn.Linear(100, 8), group_size=64).group_size == 4
+    with pytest.raises(ValueError, match=r"inputs \(99\) to split into even groups of at most 64"):
+        Int4Linear.from_linear(torch.nn.Linear(99, 8), group_size=64)
 
 
 @pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4])

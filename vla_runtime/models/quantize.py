@@ -30,7 +30,7 @@ class QuantMode(str, Enum):
 
 
 QUANT_MODES = tuple(m.value for m in QuantMode)  # the spellings the CLI accepts
-INT4_GROUP = 128  # inputs per int4 group (smaller when a layer has fewer inputs)
+INT4_GROUP = 128  # inputs per int4 group at most (halved until it splits a layer's inputs: 64 for SmolLM2's 576)
 
 
 class Int8Linear(nn.Module):
@@ -89,10 +89,14 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP) -> "Int4Linear":
+        """Groups of ``group_size`` inputs, or of the first halving of it that splits the layer's inputs into even
+        groups (a smaller group only makes the weights more exact)."""
         out_f, in_f = linear.weight.shape
         group = min(group_size, in_f)
+        while group > 2 and (in_f % group or group % 2):
+            group //= 2
         if in_f % group or group % 2:
-            raise ValueError(f"int4 needs a layer's inputs ({in_f}) to split into even groups of {group}")
+            raise ValueError(f"int4 needs a layer's inputs ({in_f}) to split into even groups of at most {group_size}")
         w = linear.weight.detach().float().view(out_f, in_f // group, group)  # [out, G, group]
         low, high = w.amin(-1), w.amax(-1)  # [out, G]
         scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
