@@ -31,3 +31,23 @@ def test_a_foreign_line_is_a_clear_error(tmp_path):
     path.write_text('{"job": 0, "task": "a"}\n')
     with pytest.raises(ValueError, match="episodes.jsonl line 1 is not an episode result"):
         read_results(path)
+
+
+def test_the_checkpoint_digest_follows_its_files_but_not_an_output_inside_it(tmp_path):
+    from vla_runtime.sim.results import checkpoint_fingerprint
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "sub").mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(b"w" * 300_000)
+    (ckpt / "sub" / "config.json").write_text("{}")
+    digest = checkpoint_fingerprint(ckpt)
+    moved = ckpt.rename(tmp_path / "moved")
+    assert checkpoint_fingerprint(moved) == digest  # where it lives does not matter
+    (moved / "eval").mkdir()
+    (moved / "eval" / "episodes.jsonl").write_text("{}\n")  # `--out` inside the checkpoint: its results grow
+    assert checkpoint_fingerprint(moved, exclude=moved / "eval") == digest
+    assert checkpoint_fingerprint(moved) != digest
+    with open(moved / "model.safetensors", "r+b") as f:  # retrained: the tail of the weights differs
+        f.seek(-10, 2)
+        f.write(b"x" * 10)
+    assert checkpoint_fingerprint(moved, exclude=moved / "eval") != digest

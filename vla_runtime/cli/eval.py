@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if results_path.exists() and not args.resume:
         raise FileExistsError(f"{results_path} exists: pass --resume to continue that run, or choose a new --out directory")
     out.mkdir(parents=True, exist_ok=True)
-    identity = {"checkpoint": checkpoint_fingerprint(Path(args.checkpoint)), "load": repr({"dtype": args.dtype, **options}),
+    identity = {"checkpoint": checkpoint_fingerprint(Path(args.checkpoint), exclude=out), "load": repr({"dtype": args.dtype, **options}),
                 "sim": args.sim, "sim_config": repr(env_config), "session": repr(session),
                 "control": repr(config.control), "time_scale": repr(args.time_scale)}  # fmt: skip
     check_run(out, identity, resume=args.resume)

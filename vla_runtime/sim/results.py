@@ -68,12 +68,16 @@ def load_results(path: Path) -> list[EpisodeResult]:
 RUN_FILE = "run.json"
 
 
-def checkpoint_fingerprint(checkpoint: Path, sample_bytes: int = 1 << 16) -> str:
+def checkpoint_fingerprint(checkpoint: Path, *, exclude: Path | None = None, sample_bytes: int = 1 << 16) -> str:
     """A cheap digest of what a checkpoint directory (or file) holds: every file's relative name and size, and
     its first and last ``sample_bytes`` (a retrained or re-quantised checkpoint of the same geometry differs there;
-    moving or copying it does not change the digest)."""
+    moving or copying it does not change the digest). Files under ``exclude`` (an output directory placed inside
+    the checkpoint) are left out."""
     checkpoint = Path(checkpoint)
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file()) if checkpoint.is_dir() else [checkpoint]
+    if exclude is not None:
+        skip = Path(exclude).resolve()
+        files = [p for p in files if not p.resolve().is_relative_to(skip)]
     h = hashlib.sha256()
     for path in files:
         size = path.stat().st_size
