@@ -76,3 +76,65 @@ def test_one_picture_per_traced_episode_with_the_cues_marked(traced, tmp_path):
     assert paths == [tmp_path / "reach-v3-seed1000.png"]
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths[0].stat().st_size > 5000
     assert "retention" not in episode_record(result) and episode_record(result)["cue_steps"] == [1]
+
+
+def test_steps_are_counted_in_control_steps_when_a_policy_step_spans_several():
+    """``eval --control-rate`` with steps slower than a tick: each policy step sees one tick's frame and the next
+    steps later. The trace names chunks by that tick, the unit the task's cue steps come in."""
+    import time
+
+    from vla_runtime.api import EpisodeSession, StepResult
+    from vla_runtime.control import ControlConfig
+    from vla_runtime.kv.base import KVStats
+    from vla_runtime.sim.base import SimObservation, StepInfo
+    from vla_runtime.sim.evaluate import run_episode
+
+    tokens = 10  # per policy step
+
+    class OneChunkSession(EpisodeSession):  # holds one chunk: the one policy step 3 appended
+        def reset(self, instruction=None):
+            self.seen = []
+
+        def step(self, obs):
+            self.seen.append(int(obs.images["primary"][0, 0, 0]))  # the tick whose frame it saw
+            time.sleep(0.02)  # x time_scale 3: a step takes 3 ticks of 20 ms or more
+            return StepResult(actions=np.zeros((1, 7)), timings={}, kv=KVStats(tokens_seen=tokens * len(self.seen)))
+
+        def retained_chunks(self):
+            return ((3 * tokens,),) if len(self.seen) > 3 else ()
+
+    class Policy:
+        action_dim, chunk_size = 7, 1
+
+        def new_session(self, instruction, config):
+            self.session = OneChunkSession(instruction, config)
+            self.session.reset()
+            return self.session
+
+    class TickWorld:
+        name, fps = "ticks", 50
+
+        def reset(self, task, seed):
+            self.k = 0
+            return self.obs()
+
+        def step(self, action):
+            self.k += 1
+            return self.obs(), self.k >= 30, False, StepInfo(self.k, self.k >= 30, np.asarray(action), {"cue_steps": [3]})
+
+        def obs(self):
+            return SimObservation(images={"primary": np.full((2, 2, 3), self.k, np.uint8)}, state=np.zeros(4), instruction="go")
+
+    policy = Policy()
+    r = run_episode(TickWorld(), policy, "t", 0, SessionConfig(), trace_retention=True,
+                    control=ControlConfig(rate_hz=50), time_scale=3.0)  # fmt: skip
+    seen, trace = policy.session.seen, r.retention
+    assert trace.ticks == seen and trace.policy_steps < r.steps  # a policy step spans several ticks
+    source = seen[3]  # the control step whose frame policy step 3 saw
+    assert source != 3 and trace.held_sources() == {source: 1.0}
+    assert trace.cue_held(source) == 1.0 and trace.cue_held(3) == 0.0  # the task's cue tick 3 was never seen
+    grid = trace.held_by_step()
+    assert grid.shape == (trace.steps, trace.steps) and grid.sum(axis=0).tolist() == [0.0] * source + [1.0] * (trace.steps - source)
+    assert grid[source, source:].tolist() == [1.0] * (trace.steps - source)  # held from policy step 3 on, every tick
+    with pytest.raises(ValueError, match="with its `tick`, or none"):
+        trace.record((), 0)

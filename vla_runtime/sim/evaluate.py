@@ -122,12 +122,12 @@ def run_episode(
     step_ms, inference_ms = [], []
     kv = {"max": 0, "final": {}}
 
-    def on_step(result, ms: float) -> None:
+    def on_step(result, ms: float, tick: int) -> None:
         inference_ms.append(ms)
         kv["max"] = max(kv["max"], int(result.kv.bytes))
         kv["final"] = result.kv.as_dict()
         if trace is not None:
-            trace.record(session.retained_chunks(), result.kv.tokens_seen)
+            trace.record(session.retained_chunks(), result.kv.tokens_seen, tick=tick)
 
     def on_frame(new_obs) -> None:
         if frames is not None:
@@ -169,7 +169,7 @@ def _run_in_turn(env: SimEnv, session, session_config: SessionConfig, obs, step_
         t1 = time.perf_counter()
         step_ms.append((t1 - t0) * 1e3)
         if result is not None:
-            on_step(result, (t1 - t0) * 1e3)
+            on_step(result, (t1 - t0) * 1e3, steps)  # the policy saw the world after `steps` ticks
         try:
             obs, done, success, info = env.step(action)
         except ValueError as e:  # an action the simulator cannot take (wrong shape, NaN): a failed episode, not a crash

@@ -62,8 +62,9 @@ class RealtimeEpisode:
     """One episode of ``env`` driven by ``session`` through ``ControlLoop`` on a simulated clock.
 
     ``chunked``: the loop places chunks (``control_chunked``); ``horizon``: rows kept of each predicted chunk
-    (``None``: all). ``on_step(result, step_ms)`` is called for every policy step (timings, KV, retention
-    traces), ``on_frame(obs)`` for every observation after a tick; ``timer`` measures step times.
+    (``None``: all). ``on_step(result, step_ms, tick)`` is called for every policy step with the tick whose
+    frame it saw (timings, KV, retention traces), ``on_frame(obs)`` for every observation after a tick;
+    ``timer`` measures step times.
     """
 
     def __init__(self, env: SimEnv, session, cfg: ControlConfig, *, chunked: bool, action_dim: int,
@@ -74,7 +75,7 @@ class RealtimeEpisode:
         self.env, self.session, self.cfg = env, session, cfg
         self.action_dim, self.horizon, self.time_scale = action_dim, horizon, time_scale
         self.loop = ControlLoop(cfg, t0=0.0, chunked=chunked)
-        self.on_step = on_step or (lambda result, ms: None)
+        self.on_step = on_step or (lambda result, ms, tick: None)
         self.on_frame = on_frame or (lambda obs: None)
         self.timer = timer  # measures step times (tests pass a fake one)
         self.env_s = 0.0
@@ -132,7 +133,7 @@ class RealtimeEpisode:
         t0 = self.timer()
         result = self.session.step(policy_obs)
         seconds = self.timer() - t0
-        self.on_step(result, seconds * 1e3)
+        self.on_step(result, seconds * 1e3, round(frame_time / self.cfg.period))
         actions = np.atleast_2d(np.asarray(result.actions, dtype=np.float64))[: self.horizon]
         return _Step(actions, frame_time, planned_at, start, start + seconds * self.time_scale, result)
 

@@ -28,39 +28,62 @@ RetainedStarts = tuple[tuple[int, ...], ...]  # per layer, first token of each r
 
 @dataclass
 class RetentionTrace:
-    """Per control step: tokens seen after it and the chunks held (per layer, by first token).
+    """Per policy step: the control step (simulator tick) whose frame it saw, tokens seen after it and the
+    chunks held (per layer, by first token). Steps are counted in control steps throughout, so a policy that
+    steps once per chunk (``execution_horizon``, ``eval --control-rate``) lines up with the cue steps a task
+    reports in ticks.
 
     Args:
-        step_ends: [steps] tokens seen after each step (``KVStats.tokens_seen``).
-        retained: [steps] per layer, the first token of each chunk held after the step.
+        step_ends: [policy steps] tokens seen after each step (``KVStats.tokens_seen``).
+        retained: [policy steps] per layer, the first token of each chunk held after the step.
+        ticks: [policy steps] the control step each one saw (recorded with ``record(..., tick=)``; empty: one
+            policy step per control step).
     """
 
     step_ends: list[int] = field(default_factory=list)
     retained: list[RetainedStarts] = field(default_factory=list)
+    ticks: list[int] = field(default_factory=list)
 
-    def record(self, retained: RetainedStarts, tokens_seen: int) -> None:
+    def record(self, retained: RetainedStarts, tokens_seen: int, *, tick: int | None = None) -> None:
+        if (tick is None) != (not self.ticks) and self.step_ends:
+            raise ValueError("record every step of a trace with its `tick`, or none")
+        if tick is not None and self.ticks and tick < self.ticks[-1]:
+            raise ValueError(f"tick {tick} comes before the last step's ({self.ticks[-1]}); steps are recorded in order")
         self.retained.append(tuple(tuple(layer) for layer in retained))
         self.step_ends.append(int(tokens_seen))
+        if tick is not None:
+            self.ticks.append(int(tick))
+
+    @property
+    def policy_steps(self) -> int:
+        return len(self.step_ends)
 
     @property
     def steps(self) -> int:
-        return len(self.step_ends)
+        """Control steps the trace spans (the last step's tick + 1)."""
+        return self.ticks[-1] + 1 if self.ticks else self.policy_steps
+
+    def _tick(self, index: int) -> int:
+        return self.ticks[index] if self.ticks else index
 
     def source_step(self, token: int) -> int:
-        """The control step whose tokens include ``token`` (the prompt counts as step 0)."""
-        return bisect.bisect_right(self.step_ends, token)
+        """The control step whose policy step appended ``token`` (the prompt counts as the first one's)."""
+        return self._tick(min(bisect.bisect_right(self.step_ends, token), self.policy_steps - 1))
 
     def held_by_step(self) -> np.ndarray:
-        """[steps (source, y), steps (control step, x)] chunks from step y held after step x, mean over layers."""
+        """[steps (source, y), steps (control step, x)] chunks from step y held after step x, mean over layers
+        (between two policy steps the cache holds what the earlier one left)."""
         grid = np.zeros((self.steps, self.steps))
-        for x, layers in enumerate(self.retained):
+        for i, layers in enumerate(self.retained):
+            x, until = self._tick(i), self._tick(i + 1) if i + 1 < self.policy_steps else self.steps
             for starts in layers:
                 for start in starts:
-                    grid[self.source_step(start), x] += 1.0 / len(layers)
+                    grid[self.source_step(start), x:max(until, x + 1)] += 1.0 / len(layers)
         return grid
 
     def held_sources(self, *, at: int = -1) -> dict[int, float]:
-        """Source step -> chunks from it held after step ``at`` (default: the last), mean over layers."""
+        """Source control step -> chunks from it held after policy step ``at`` (default: the last), mean over
+        layers."""
         layers = self.retained[at] if self.retained else ()
         held: dict[int, float] = {}
         for starts in layers:
@@ -70,7 +93,8 @@ class RetentionTrace:
         return dict(sorted(held.items()))
 
     def cue_held(self, cue_step: int, *, at: int = -1) -> float:
-        """Fraction of layers holding at least one chunk from ``cue_step`` after step ``at`` (default: the last)."""
+        """Fraction of layers holding at least one chunk from control step ``cue_step`` after policy step ``at``
+        (default: the last). A cue step no policy step saw (it stepped before and after) is held by none."""
         layers = self.retained[at] if self.retained else ()
         if not layers:
             return 0.0
