@@ -236,3 +236,30 @@ def test_errors_name_the_problem(tmp_path, episodes):
         WriterConfig(fps=12.5)
     with pytest.raises(KeyError, match="unknown video codec 'mjpeg'; available: av1, h264, hevc_lossless"):
         WriterConfig(fps=10, video_codec="mjpeg")
+
+
+def test_a_one_dimensional_feature_stored_as_lerobot_stores_it_reads_as_one_column(tmp_path):
+    """LeRobot writes a feature of shape (1,) as a plain number column, not a list of one."""
+    root, n = tmp_path / "scalar", 5
+    features = DatasetFeatures(cameras={}, state_names=["gripper"], action_names=["a0", "a1"])
+    with LeRobotWriter(root, features, WriterConfig(fps=10)) as writer:
+        writer.add_episode(Episode(images={}, state=np.arange(n, dtype=np.float32)[:, None],
+                                   action=np.zeros((n, 2), np.float32), task="t"))  # fmt: skip
+    data = root / "data/chunk-000/file-000.parquet"
+    table = pq.read_table(data)
+    i = table.schema.get_field_index("observation.state")
+    pq.write_table(table.set_column(i, pa.field("observation.state", pa.float32()), pa.array(np.arange(n, dtype=np.float32))), data)
+    np.testing.assert_array_equal(LeRobotDataset(root).episode(0).state, np.arange(n, dtype=np.float32)[:, None])
+    table = pq.read_table(data)
+    pq.write_table(table.set_column(i, pa.field("observation.state", pa.string()), pa.array(["x"] * n)), data)
+    with pytest.raises(ValueError, match="feature 'observation.state' is stored as string; expected a list of numbers"):
+        LeRobotDataset(root).episode(0)
+
+
+@pytest.mark.parametrize("codec", ["h264", "av1"])
+def test_a_yuv420p_codec_refuses_an_odd_frame_size_before_anything_is_written(tmp_path, codec):
+    features = DatasetFeatures(cameras={"corner": (85, 64)}, state_names=None, action_names=["a0"])
+    with pytest.raises(ValueError, match=f"video codec {codec} stores yuv420p, which needs an even height and width; camera"):
+        LeRobotWriter(tmp_path / "odd", features, WriterConfig(fps=10, video_codec=codec))
+    assert not (tmp_path / "odd").exists()
+    assert LeRobotWriter(tmp_path / "lossless", features, WriterConfig(fps=10, video_codec="hevc_lossless")).num_episodes == 0

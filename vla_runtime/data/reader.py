@@ -151,8 +151,16 @@ class LeRobotDataset:
 
     @staticmethod
     def _vector(table, key: str) -> np.ndarray:
+        """[T, D] float32 of a list column; LeRobot stores a feature of shape (1,) as a plain number column."""
+        import pyarrow as pa
+
         column = table.column(key).combine_chunks()
-        width = column.type.list_size if hasattr(column.type, "list_size") else len(column[0])
+        kind = column.type
+        if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+            return np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float32).reshape(len(table), 1)
+        if not (pa.types.is_list(kind) or pa.types.is_fixed_size_list(kind) or pa.types.is_large_list(kind)):
+            raise ValueError(f"feature {key!r} is stored as {kind}; expected a list of numbers per frame (or one number)")
+        width = kind.list_size if pa.types.is_fixed_size_list(kind) else (len(column[0]) if len(column) else 0)
         return np.asarray(column.flatten().to_numpy(zero_copy_only=False), dtype=np.float32).reshape(len(table), width)
 
     def _episode_table(self, row: dict):

@@ -85,6 +85,12 @@ class LeRobotWriter:
 
     def __init__(self, root: str | Path, features: DatasetFeatures, config: WriterConfig, *, resume: bool = False) -> None:
         self.root = Path(root)
+        codec = get_codec(config.video_codec) if config.video_codec else None
+        odd = {cam: hw for cam, hw in features.cameras.items() if codec is not None and codec.pix_fmt == "yuv420p" and (hw[0] % 2 or hw[1] % 2)}
+        if odd:
+            raise ValueError(f"video codec {config.video_codec} stores yuv420p, which needs an even height and width; camera(s) "
+                             + ", ".join(f"{cam} are {h}x{w}" for cam, (h, w) in odd.items())
+                             + " (use an even resolution, hevc_lossless, or no video codec: PNG frames)")
         started = self.root.exists() and any(self.root.iterdir())
         if started and not resume:
             raise FileExistsError(
@@ -93,7 +99,7 @@ class LeRobotWriter:
         self.root.mkdir(parents=True, exist_ok=True)
         self.features = features
         self.config = config
-        self._codec = get_codec(config.video_codec) if config.video_codec else None
+        self._codec = codec
         self._info_features = info_features(features, self._codec, config.fps)
         self._schema = arrow_schema(self._info_features)
         self._tasks: dict[str, int] = {}
