@@ -48,6 +48,9 @@ def chunked_attention(
         result = torch.zeros_like(q)
     else:
         idx = kv_slots.long()
+        low, high = int(idx.min()), int(idx.max())  # the reference may sync; the Triton kernel trusts its caller's slots
+        if low < 0 or high >= dims.slots:
+            raise ValueError(f"`kv_slots` holds {low if low < 0 else high}; expected slot indices in [0, {dims.slots}) of the store")
         k = k_store.index_select(2, idx)  # [B, Hkv, N, D]
         v = v_store.index_select(2, idx)  # [B, Hkv, N, D]
         q_rot = rotate(q, *rope_angles(q_pos, inv_freq))  # [B, Hq, T, D]

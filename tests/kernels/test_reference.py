@@ -87,6 +87,8 @@ def test_rope_reference_equals_runtime_apply_rope(schedule: str, dtype: torch.dt
         (dict(inv_freq=torch.zeros(64)), r"`inv_freq` must be \[head_dim/2\]"),
         (dict(v_store=torch.zeros(2, 1, 9, 64)), "`v_store` shape"),
         (dict(q=torch.zeros(2, 3, 2, 64)), "multiple of key/value heads"),
+        (dict(kv_slots=torch.tensor([0, 9, 1], dtype=torch.int32)), r"`kv_slots` holds 9; expected slot indices in \[0, 9\)"),
+        (dict(kv_slots=torch.tensor([0, -1, 1], dtype=torch.int32)), r"`kv_slots` holds -1; expected slot indices"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(kwargs, match):

@@ -72,7 +72,7 @@ class Observation:
             cc = getattr(config, f"{cam}_camera")
             image = None
             if cc.rgb:
-                h, w = cc.image_size
+                w, h = cc.image_size  # PyRep: set_resolution([x, y]), images [y, x, 3]
                 image = np.full((h, w, 3), (step * 10 + CAMERAS.index(cam)) % 256, dtype=np.uint8)
             setattr(self, f"{cam}_rgb", image)
             setattr(self, f"{cam}_depth", None)

@@ -35,7 +35,7 @@ def test_observation_config_and_action_mode(env):
     for cam in fake_rlbench.CAMERAS:
         cc = getattr(oc, f"{cam}_camera")
         assert cc.rgb == (cam in ("front", "wrist")) and not (cc.depth or cc.mask or cc.point_cloud)
-        assert tuple(cc.image_size) == (20, 30)
+        assert tuple(cc.image_size) == (30, 20)  # RLBench/PyRep: (width, height) for our (height, width) = (20, 30)
     assert oc.gripper_pose and oc.gripper_open and not (oc.joint_positions or oc.joint_velocities or oc.task_low_dim_state)
 
 

@@ -172,7 +172,8 @@ class RLBenchEnv(SimEnv):
         """RLBench ``ObservationConfig``: RGB of the configured cameras, gripper pose and open state, nothing else."""
         cameras = {}
         for camera in RLBENCH_CAMERAS:
-            cam = self._rl.CameraConfig(image_size=self.config.resolution)
+            height, width = self.config.resolution
+            cam = self._rl.CameraConfig(image_size=(width, height))  # PyRep's set_resolution takes [x, y]
             cam.set_all(False)
             cam.rgb = camera in self.config.cameras
             cameras[f"{camera}_camera"] = cam
