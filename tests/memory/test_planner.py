@@ -138,6 +138,9 @@ def test_memory_update_messages_are_validated_whole_then_applied(memory):
         # a lone surrogate is valid JSON but no text: the encoder raised on it after the deletes had run
         ('{"updates": [{"id": "a", "text": "mug \\ud800"}], "deletes": []}', r"updates\[0\].text: not valid text"),
         ('{"updates": [{"id": "<prefix>", "text": "x"}]}', "ids starting with '<' are the prefill's own"),
+        # under the size limit, yet each ended the ROS planner node: a RecursionError and a ValueError
+        ('{"advance": ' + "[" * 20000 + "]" * 20000 + "}", "JSON nested too deeply"),
+        ('{"advance": ' + "9" * 5000 + "}", "JSON value out of range"),
     ],
 )
 def test_bad_memory_updates_are_rejected_with_a_diagnostic(raw, match):

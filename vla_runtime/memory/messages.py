@@ -64,6 +64,10 @@ def parse_memory_update(raw: str | bytes, limits: UpdateLimits = UpdateLimits())
         msg = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MemoryUpdateError(f"not valid JSON: {e}") from e
+    except RecursionError as e:  # nesting deeper than the parser's stack
+        raise MemoryUpdateError("JSON nested too deeply; expected {\"updates\": {id: text}, ...}") from e
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise MemoryUpdateError(f"JSON value out of range: {e}") from e
     if not isinstance(msg, dict):
         raise MemoryUpdateError(f"expected a JSON object with keys {', '.join(_KEYS)}, got {type(msg).__name__}")
     unknown = sorted(set(msg) - set(_KEYS))

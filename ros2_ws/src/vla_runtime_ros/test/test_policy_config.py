@@ -56,7 +56,14 @@ def running(harness, ckpt, **overrides):
     [
         ({"checkpoint": ""}, "parameter `checkpoint` is empty"),
         ({"history": "everything"}, "`history` is 'everything'; expected one of single, history"),
-        ({"control_rate_hz": 0.0}, "parameter `control_rate_hz` must be > 0, got 0.0"),
+        ({"control_rate_hz": 0.0}, "parameter `control_rate_hz` must be a finite number > 0 (Hz), got 0.0"),
+        ({"control_rate_hz": float("inf")}, "parameter `control_rate_hz` must be a finite number > 0 (Hz), got inf"),
+        ({"diagnostics_rate_hz": float("inf")}, "parameter `diagnostics_rate_hz` must be a finite number > 0 (Hz), got inf"),
+        ({"schedule_margin_ms": -1.0}, "parameter `schedule_margin_ms` must be a finite number >= 0, got -1.0"),
+        ({"action_low": [float("nan")] * 7, "action_high": [1.0] * 7}, "`action_low` / `action_high` hold NaN"),
+        ({"joint_state_max_skew_s": float("nan")}, "parameter `joint_state_max_skew_s` is NaN"),
+        ({"fallback_keep_dims": [7]}, "parameter `fallback_keep_dims` names dimension(s) [7]; the policy's actions have 7"),
+        ({"policy_modules": ["ros_test_broken_module"]}, "configure failed: AttributeError: a plug-in's bug"),
         ({"control_rate_hz": "fast"}, "parameter `control_rate_hz` is 'fast' (str); expected float"),
         ({"image_transport": "h264"}, "`image_transport` is 'h264'; expected one of raw, compressed"),
         ({"image_reliability": "sometimes"}, "`image_reliability` is 'sometimes'; expected one of best_effort, reliable"),
@@ -80,6 +87,11 @@ def test_bad_parameters_fail_configure_naming_the_parameter(harness, policy_chec
     finally:
         node.destroy_node()
     assert message in capfd.readouterr().err
+
+
+def test_a_parameter_of_the_wrong_type_is_refused_by_name(harness, policy_checkpoints):
+    with pytest.raises(ValueError, match="parameter `torch_threads` has the wrong type .*; expected an integer"):
+        make_node(harness, policy_checkpoints["single"], torch_threads="abc")
 
 
 def test_the_speed_parameters_become_load_options(openvla_checkpoint):
@@ -208,3 +220,23 @@ def test_an_instruction_older_than_its_max_age_withholds_actions(harness, policy
         assert len(actions) == count
         act_while_fresh(3, count)  # refreshed: acting again, same episode
         assert np.all(np.isfinite(conversions.msg_to_actions(actions.since(count)[0])))
+
+
+def test_an_episode_that_failed_to_start_is_said_and_the_same_instruction_starts_it_again(harness, tmp_path):
+    from ros_test_policy import write_checkpoint
+
+    with running(harness, write_checkpoint(tmp_path / "flaky", fault="start_once")) as (node, diag):
+        actions = harness.subscribe(Float32MultiArray, "/cfg/vla_policy_config_test/action")
+        camera = harness.publisher(Image, "/cfg/image_raw", qos_profile_sensor_data)
+        instructions = harness.publisher(String, "/cfg/instruction", INSTRUCTION_QOS)
+        instructions.publish(String(data="stack the blocks"))
+        status, _ = diag.wait(lambda s, v: s.message.startswith("no episode: could not start episode 1"),
+                              what="the failed start on /diagnostics")  # fmt: skip
+        assert status.level == DiagnosticStatus.WARN and "out of memory at the episode start" in status.message
+
+        def send() -> None:  # the same text again (a new message) and frames: the start is tried again
+            instructions.publish(String(data="stack the blocks"))
+            camera.publish(conversions.array_to_image_msg(solid_image(2)))
+
+        resend_until(send, lambda: len(actions) > 0, "an action after the second start")
+        diag.wait(lambda s, v: s.level == DiagnosticStatus.OK, after=len(diag.statuses), what="an OK status again")

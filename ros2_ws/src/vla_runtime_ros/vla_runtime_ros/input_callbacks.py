@@ -98,7 +98,9 @@ class InputCallbacks:
                 self._control_thread.wake()
 
     def _watchdog(self, now: float) -> str:
-        """Why no action may go out now ('' when inputs are fresh; caller holds ``_lock``); shown on /diagnostics."""
-        reason = self._inputs.hold_reason(now)
+        """Why no action may go out now ('' when inputs are fresh and the last episode started; caller holds
+        ``_lock``); shown on /diagnostics."""
+        inputs = self._inputs.hold_reason(now)
+        reason = self._episode_failure or inputs  # no session at all comes first
         self._telemetry.warning, self._telemetry.frames_stale = reason, self._inputs.frames_stale
         return reason

@@ -143,17 +143,21 @@ def declare_config(node: Any, cls: type) -> None:
     converts them and rejects anything else with a message naming the parameter. Lists with an
     empty default are declared by type (rclpy cannot infer one from ``[]``) and read back as unset.
     """
+    from rclpy.exceptions import InvalidParameterTypeException
     from rclpy.parameter import Parameter
 
     for spec in param_specs(cls):
         descriptor = ParameterDescriptor(description=spec.description)
-        if spec.kind is float:
-            descriptor.dynamic_typing = True
-            node.declare_parameter(spec.name, spec.default, descriptor)
-        elif spec.default == []:
-            node.declare_parameter(spec.name, Parameter.Type(_PARAMETER_TYPES[spec.kind]), descriptor)
-        else:
-            node.declare_parameter(spec.name, spec.default, descriptor)
+        try:
+            if spec.kind is float:
+                descriptor.dynamic_typing = True
+                node.declare_parameter(spec.name, spec.default, descriptor)
+            elif spec.default == []:
+                node.declare_parameter(spec.name, Parameter.Type(_PARAMETER_TYPES[spec.kind]), descriptor)
+            else:
+                node.declare_parameter(spec.name, spec.default, descriptor)
+        except InvalidParameterTypeException as e:  # a value of another type from the command line or a params file
+            raise ValueError(f"parameter `{spec.name}` has the wrong type ({e}); expected {_expected(spec)}") from e
 
 
 def read_config(node: Any, cls: type[T]) -> T:
@@ -167,3 +171,9 @@ def read_config(node: Any, cls: type[T]) -> T:
         except ParameterUninitializedException:  # an empty list nobody set: keep the default
             continue
     return config_from_params(cls, values)
+
+
+def _expected(spec: ParamSpec) -> str:
+    """How a parameter of ``spec.kind`` is written, for errors."""
+    kind = getattr(spec.kind, "__name__", str(spec.kind))
+    return {"int": "an integer", "bool": "true or false", "str": "a string", "float": "a number"}.get(kind, f"a {kind}")

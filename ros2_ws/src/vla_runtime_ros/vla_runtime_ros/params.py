@@ -132,11 +132,18 @@ class PolicyNodeConfig:
             )
         if self.image_transport not in IMAGE_TRANSPORTS:
             raise ValueError(f"parameter `image_transport` is {self.image_transport!r}; expected one of {', '.join(IMAGE_TRANSPORTS)}")
-        for name in ("control_rate_hz", "diagnostics_rate_hz", "max_image_age_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"parameter `{name}` must be > 0, got {getattr(self, name)}")
-        if self.max_instruction_age_s < 0:
+        _check_rates(self, "control_rate_hz", "diagnostics_rate_hz")
+        if not self.max_image_age_s > 0:
+            raise ValueError(f"parameter `max_image_age_s` must be > 0, got {self.max_image_age_s}")
+        if not self.max_instruction_age_s >= 0:
             raise ValueError(f"parameter `max_instruction_age_s` must be >= 0, got {self.max_instruction_age_s}")
+        if math.isnan(self.joint_state_max_skew_s):
+            raise ValueError("parameter `joint_state_max_skew_s` is NaN; expected seconds (negative = the newest state)")
+        if any(math.isnan(v) for v in (*self.action_low, *self.action_high)):
+            raise ValueError("`action_low` / `action_high` hold NaN (every clipped action would be NaN); expected numbers "
+                             "(.inf where a dimension is unbounded)")
+        if any(d < 0 for d in self.fallback_keep_dims):
+            raise ValueError(f"parameter `fallback_keep_dims` must hold action dimensions >= 0, got {self.fallback_keep_dims}")
         if self.max_image_pixels < 1:
             raise ValueError(f"parameter `max_image_pixels` must be >= 1, got {self.max_image_pixels}")
         if self.torch_threads < 0:
@@ -151,7 +158,20 @@ class PolicyNodeConfig:
         crossed = [i for i, (lo, hi) in enumerate(zip(self.action_low, self.action_high)) if lo > hi]
         if crossed:
             raise ValueError(f"`action_low` > `action_high` at dimensions {crossed}")
-        self.control_config()
+        try:
+            self.control_config()
+        except ValueError as e:  # ControlConfig's field names -> this node's parameter names
+            text = str(e)
+            for field_name, parameter in CONTROL_PARAMETERS.items():
+                text = text.replace(f"`{field_name}`", f"parameter `{parameter}`")
+            raise ValueError(text) from None
+
+    def check_action_dim(self, action_dim: int) -> None:
+        """At configure, once the policy is loaded: ``fallback_keep_dims`` fit its ``action_dim`` (the bounds are
+        checked where they are made, ``outputs.action_bounds``)."""
+        beyond = [d for d in self.fallback_keep_dims if d >= action_dim]
+        if beyond:
+            raise ValueError(f"parameter `fallback_keep_dims` names dimension(s) {beyond}; the policy's actions have {action_dim}")
 
     def load_options(self, device: str) -> dict:
         """``load_policy``'s keyword arguments besides the checkpoint; ``ValueError`` naming the parameter when a
@@ -210,8 +230,7 @@ class SimNodeConfig:
             raise ValueError(f"`episodes` ({self.episodes}) and `max_steps` ({self.max_steps}) must be >= 0")
         if self.result_subscribers < 0:
             raise ValueError(f"parameter `result_subscribers` must be >= 0, got {self.result_subscribers}")
-        if not self.camera_rate_hz > 0:
-            raise ValueError(f"parameter `camera_rate_hz` must be > 0, got {self.camera_rate_hz}")
+        _check_rates(self, "camera_rate_hz")
         if self.resolution and (len(self.resolution) != 2 or min(self.resolution) < 1):
             raise ValueError(f"parameter `resolution` must be [height, width] >= 1, got {self.resolution}")
 
@@ -246,6 +265,16 @@ class PlannerNodeConfig:
                 raise ValueError(f"parameter `{name}` must be >= 1, got {getattr(self, name)}")
         if self.torch_threads < 0:
             raise ValueError(f"parameter `torch_threads` must be >= 0, got {self.torch_threads}")
-        for name in ("tick_hz", "diagnostics_rate_hz"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"parameter `{name}` must be > 0, got {getattr(self, name)}")
+        _check_rates(self, "tick_hz", "diagnostics_rate_hz")
+
+
+# ControlConfig's fields named otherwise among the policy node's parameters
+CONTROL_PARAMETERS = {"rate_hz": "control_rate_hz", "margin_ms": "schedule_margin_ms"}
+
+
+def _check_rates(config, *names: str) -> None:
+    """Timer rates: finite and > 0 (1 / inf is a 0 s timer that spins the executor)."""
+    for name in names:
+        value = getattr(config, name)
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"parameter `{name}` must be a finite number > 0 (Hz), got {value}")

@@ -130,6 +130,9 @@ class PlannerNode(Node):
         except MemoryUpdateError as e:
             self._reject(f"memory update rejected: {e}", update=True)
             return
+        except Exception as e:  # noqa: BLE001 - one bad message never ends the node; said, with its type
+            self._reject(f"memory update rejected: {type(e).__name__}: {e}", update=True)
+            return
         with self._lock:
             self._pending.append(update)
 

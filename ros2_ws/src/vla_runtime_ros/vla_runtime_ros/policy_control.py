@@ -264,9 +264,14 @@ class PolicyControl:
         if isinstance(outcome, EpisodeRequest):
             if outcome.error:
                 self._report_error(outcome.error, kind="inference")
+                with self._lock:  # no session now: said on /diagnostics until one starts; the same text retries
+                    self._episode_failure = f"no episode: {outcome.error}"
+                    if self._episode_request is None and self._episode_instruction == outcome.instruction:
+                        self._episode_instruction = None
                 return
             self._ready = True
             with self._lock:
+                self._episode_failure = ""
                 self._inputs.skip_frames_until(outcome.frames_before)  # a frame of the old episode is not acted on
                 self._telemetry.episode = outcome.episode
                 self._telemetry.kv = KVStats()

@@ -115,6 +115,7 @@ class PolicyNode(InputCallbacks, PolicyControl, LifecycleNode):
         self._reset_srv = None
         self._input_subs: list = []
         self.configure_error = ""  # why the last configure failed
+        self._active = False  # before the node exists: a parameter refused at declaration still runs destroy_node
         super().__init__(node_name, **kwargs)
         declare_config(self, PolicyNodeConfig)
         self.add_on_set_parameters_callback(self._on_set_parameters)
@@ -122,8 +123,8 @@ class PolicyNode(InputCallbacks, PolicyControl, LifecycleNode):
         self._frame_arrived = threading.Condition(self._lock)  # a step waiting for a frame due (``frame_wait_ms``)
         self._inputs = Inputs(InputLimits())
         self._episode_instruction: str | None = None
+        self._episode_failure = ""  # why the last episode did not start ('' once one did)
         self._episode = 0
-        self._active = False
         self._telemetry = PolicyTelemetry()
 
     # ------------------------------------------------------------------ lifecycle
@@ -140,10 +141,15 @@ class PolicyNode(InputCallbacks, PolicyControl, LifecycleNode):
             speed = "".join(f", {k} {getattr(v, 'value', v)}" for k, v in options.items() if k in SPEED_OPTIONS)
             self.get_logger().info(f"loading {cfg.checkpoint} on {device}{speed}")
             policy = load_policy(cfg.checkpoint, **options)
+            cfg.check_action_dim(policy.action_dim)
             self._outputs = ActionOutputs(self, cfg, action_dim=policy.action_dim, chunk_size=policy.chunk_size)
         except (ValueError, KeyError, OSError, ImportError, RuntimeError) as e:
             self.configure_error = str(e)
             self.get_logger().error(f"configure failed: {e}")
+            return TransitionCallbackReturn.FAILURE
+        except Exception as e:  # noqa: BLE001 - e.g. a policy_modules plug-in's bug: said (rclpy's lifecycle would swallow it)
+            self.configure_error = f"{type(e).__name__}: {e}"
+            self.get_logger().error(f"configure failed: {self.configure_error}\n{traceback.format_exc()}")
             return TransitionCallbackReturn.FAILURE
         self._cfg, self._device = cfg, device
         self._runner = PolicyRunner(policy, cfg.session, max_image_pixels=cfg.max_image_pixels)
@@ -263,7 +269,7 @@ class PolicyNode(InputCallbacks, PolicyControl, LifecycleNode):
             self._runner.release()
         self._runner = self._cfg = None
         with self._lock:
-            self._episode_instruction = None
+            self._episode_instruction, self._episode_failure = None, ""
         release_cached_memory()
 
     def destroy_node(self) -> None:
