@@ -13,18 +13,14 @@ Without a launch system: python -m vla_runtime_ros.policy_node --ros-args --para
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, OpaqueFunction
 from launch.substitutions import LaunchConfiguration
-from launch_ros.parameter_descriptions import ParameterValue
-from vla_runtime_ros.launch_nodes import policy_arguments, policy_node
+from vla_runtime_ros.launch_nodes import given, optional_argument, policy_arguments, policy_node
 from vla_runtime_ros.launch_support import supervision_arguments
 
 
 def nodes(context):
     return policy_node(
         context,
-        parameters={
-            "autostart": ParameterValue(LaunchConfiguration("autostart"), value_type=bool),
-            "dry_run": ParameterValue(LaunchConfiguration("dry_run"), value_type=bool),
-        },
+        parameters=given(context, {"autostart": bool, "dry_run": bool}),
         remappings=(("image_raw", LaunchConfiguration("image_topic")),),
     )
 
@@ -33,8 +29,8 @@ def generate_launch_description():
     return LaunchDescription([
         *policy_arguments(),
         DeclareLaunchArgument("namespace", default_value="", description="namespace of the node and its topics"),
-        DeclareLaunchArgument("autostart", default_value="true", description="configure and activate at start-up"),
-        DeclareLaunchArgument("dry_run", default_value="false", description="compute actions, publish none"),
+        optional_argument("autostart", "configure and activate at start-up (the node's default: true)"),
+        optional_argument("dry_run", "compute actions, publish none (the node's default: false)"),
         DeclareLaunchArgument("image_topic", default_value="image_raw", description="camera topic (sensor_msgs/Image)"),
         *supervision_arguments(),
         OpaqueFunction(function=nodes),

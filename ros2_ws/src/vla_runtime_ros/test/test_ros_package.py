@@ -228,6 +228,21 @@ def test_with_the_simulator_as_the_arm_the_policy_reads_its_state(path, argument
     assert "use_joint_state" not in policy_parameters(evaluate(REPO / "launch" / "vla_bringup.launch.py", monkeypatch))
 
 
+def test_launch_arguments_left_empty_leave_the_parameter_files_values(monkeypatch):
+    """Later entries of a node's ``parameters`` win: a launch argument with a default of its own overrode the file
+    (a params file's ``dry_run: true`` became false). Not given, they set nothing; given, they set their parameter."""
+    run = evaluate(REPO / "launch" / "vla_policy.launch.py", monkeypatch)
+    assert set(policy_parameters(run)) == {"checkpoint"}
+    run = evaluate(REPO / "launch" / "vla_policy.launch.py", monkeypatch, dry_run="true", autostart="false", device="cpu")
+    given = policy_parameters(run)
+    assert set(given) == {"checkpoint", "dry_run", "autostart", "device"} and run.value(given["device"]) == "cpu"
+    assert given["dry_run"].kwargs["value_type"] is bool and run.value(given["dry_run"].args[0]) == "true"
+    sim = {n.kwargs["executable"]: n for n in evaluate(REPO / "launch" / "vla_sim.launch.py", monkeypatch).nodes}["sim_node"]
+    assert [entry for entry in sim.kwargs["parameters"] if isinstance(entry, dict)] == [{}]  # sim_memory.yaml's task stands
+    (planner,) = [n for n in evaluate(REPO / "launch" / "vla_bringup.launch.py", monkeypatch).nodes if n.kwargs["executable"] == "planner_node"]
+    assert [set(e) for e in planner.kwargs["parameters"] if isinstance(e, dict)] == [{"model"}]
+
+
 # ---------------------------------------------------------------------------------------- params YAML
 def flatten(tree: dict, prefix: str = "") -> dict:
     out = {}

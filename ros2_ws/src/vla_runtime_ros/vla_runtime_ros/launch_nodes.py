@@ -38,13 +38,31 @@ def policy_arguments() -> list[DeclareLaunchArgument]:
     return [
         DeclareLaunchArgument("checkpoint", description="checkpoint directory (OpenVLA HF dir, CogACT/HybridVLA run dir)"),
         config_argument("params_file", "openvla.yaml", "policy node parameters (config/openvla.yaml, cogact.yaml, hybridvla.yaml)"),
-        DeclareLaunchArgument("device", default_value="auto", description="auto, cpu or cuda[:N]"),
+        optional_argument("device", "auto, cpu or cuda[:N]"),
     ]
 
 
+def optional_argument(name: str, description: str) -> DeclareLaunchArgument:
+    """A launch argument that sets a parameter only when given: left empty, the parameter file's value (or the
+    node's default) stands. (With a default of its own, the argument would override the file: a file's
+    ``dry_run: true`` silently became false.)"""
+    return DeclareLaunchArgument(name, default_value="", description=f"{description} (empty: the parameter file's, or the node's default)")
+
+
+def given(context: LaunchContext, arguments: dict[str, type | None]) -> dict:
+    """Parameters for the optional launch arguments that were given: name -> its value (typed with
+    ``ParameterValue`` when a type is named)."""
+    out = {}
+    for name, value_type in arguments.items():
+        if context.launch_configurations[name] != "":
+            value = LaunchConfiguration(name)
+            out[name] = value if value_type is None else ParameterValue(value, value_type=value_type)
+    return out
+
+
 def policy_node(context: LaunchContext, *, parameters: dict | None = None, remappings: tuple = ()) -> list:
-    """``vla_policy``: checkpoint and device from the launch arguments, plus ``parameters``."""
-    values = {"checkpoint": LaunchConfiguration("checkpoint"), "device": LaunchConfiguration("device"), **(parameters or {})}
+    """``vla_policy``: the checkpoint (and the device, when given) from the launch arguments, plus ``parameters``."""
+    values = {"checkpoint": LaunchConfiguration("checkpoint"), **given(context, {"device": None}), **(parameters or {})}
     return _node(context, "policy_node", "vla_policy", "params_file", values, remappings=remappings)
 
 
@@ -52,14 +70,14 @@ def sim_arguments() -> list[DeclareLaunchArgument]:
     """What ``sim_node`` reads (besides ``namespace``)."""
     return [
         config_argument("sim_params_file", "sim.yaml", "simulator node parameters"),
-        DeclareLaunchArgument("task", default_value="reach-v3", description="Meta-World task"),
-        DeclareLaunchArgument("episodes", default_value="1", description="episodes to run, then exit (0 = until stopped)"),
+        optional_argument("task", "Meta-World task (the node's default: reach-v3)"),
+        optional_argument("episodes", "episodes to run, then exit; 0 = until stopped (the node's default: 1)"),
     ]
 
 
 def sim_node(context: LaunchContext, *, remappings: tuple) -> list:
     """``vla_sim``, whose exit ends the launch even with ``respawn:=true`` (its run is over)."""
-    values = {"task": LaunchConfiguration("task"), "episodes": ParameterValue(LaunchConfiguration("episodes"), value_type=int)}
+    values = given(context, {"task": None, "episodes": int})
     return _node(context, "sim_node", "vla_sim", "sim_params_file", values, remappings=remappings, respawnable=False)
 
 
@@ -73,7 +91,7 @@ def planner_arguments() -> list[DeclareLaunchArgument]:
 
 def planner_node(context: LaunchContext) -> list:
     """``vla_planner``, publishing its subtasks on ``instruction`` in the namespace."""
-    values = {"model": LaunchConfiguration("planner_model"), "device": LaunchConfiguration("device")}
+    values = {"model": LaunchConfiguration("planner_model"), **given(context, {"device": None})}
     return _node(context, "planner_node", "vla_planner", "planner_params_file", values)
 
 
