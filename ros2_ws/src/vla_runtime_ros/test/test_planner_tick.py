@@ -76,3 +76,20 @@ def test_an_update_that_fails_while_it_applies_is_reported_and_the_node_goes_on(
     node._pending.append(update)
     node._on_tick()  # no exception leaves the timer callback (the runner would end the node)
     assert node.rejected == ["memory update failed: RuntimeError: encoder failed"]
+
+
+def test_a_goal_published_again_starts_its_plan_over(node):
+    """The simulator in a bringup publishes its task as the goal at every episode; a repeat of the same goal (the
+    next episode of one task) must not inherit the last episode's finished subtasks."""
+    node._on_goal(SimpleNamespace(data="make coffee"))
+    node._on_tick()
+    node.planner.release.set()
+    node._future.result(timeout=120)
+    node._on_tick()
+    assert node._instruction_pub.sent == ["step for make coffee"] and node.issued == ["step for make coffee"]
+    node._on_goal(SimpleNamespace(data="make coffee"))  # the next episode
+    node._on_tick()
+    assert node.issued == [] and node.tracker.current is None  # forgotten before the new plan
+    node._future.result(timeout=120)
+    node._on_tick()
+    assert node._instruction_pub.sent == ["step for make coffee"] * 2  # published again for the new episode

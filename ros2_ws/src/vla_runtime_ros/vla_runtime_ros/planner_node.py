@@ -6,8 +6,9 @@ policy node's ``instruction`` input):
 ====  ===============  ==============================  ================================================
 dir   name             type                            notes
 ====  ===============  ==============================  ================================================
-in    goal             std_msgs/String                 reliable + transient local; a new goal starts a
-                                                       new plan (the subtasks issued so far are forgotten)
+in    goal             std_msgs/String                 reliable + transient local; a goal (new, or the
+                                                       same again) starts a new plan (the subtasks issued
+                                                       so far are forgotten)
 in    memory_update    std_msgs/String                 reliable, depth 100; JSON (schema below); a bad
                                                        one is rejected whole with an ERROR diagnostic
 out   instruction      std_msgs/String                 reliable + transient local; the next subtask,
@@ -155,8 +156,8 @@ class PlannerNode(Node):
             if not self._future.done():
                 return
             future, self._future = self._future, None
-            with self._lock:  # a goal set (or reset) while it planned: the plan answers a goal no longer held
-                superseded = self._new_goal is not None and self._new_goal != self.goal
+            with self._lock:  # a goal set (or reset, or the same one again) while it planned: that plan is stale
+                superseded = self._new_goal is not None
             if superseded:
                 self.get_logger().info(f"a plan for the previous goal {self.goal!r} is dropped")
             else:
@@ -165,7 +166,7 @@ class PlannerNode(Node):
             updates, goal = list(self._pending), self._new_goal
             self._pending.clear()
             self._new_goal = None
-        if goal is not None and goal != self.goal:
+        if goal is not None:  # a goal published again starts its plan over (a simulator's next episode of one task)
             self.goal, self.issued = goal, []
             self.tracker.reset()
             self._dirty = bool(goal)
