@@ -240,6 +240,13 @@ def test_collect_tries_each_tasks_own_seeds_in_order_and_resumes_after_the_last_
     resumed = collect(config(episodes=2, seeds=seeds, resume=True), progress=False)
     assert (resumed["reach-v3"].kept, resumed["reach-v3"].failed) == (2, 1)  # seed 1 failed, seed 2 kept
     assert LeRobotDataset(tmp_path / "ds").extra["per_episode"]["episode_seeds"] == [3, 2]
+    # failures before the interruption count in the resumed run's tally, as in an uninterrupted one
+    failing_first = {"reach-v3": [1, 3, 2, 0]}
+    config = partial(CollectConfig, tasks=["reach-v3"], out=tmp_path / "ds2", env=env)
+    assert (collect(config(episodes=1, seeds=failing_first), progress=False)["reach-v3"].failed) == 1
+    resumed = collect(config(episodes=2, seeds=failing_first, resume=True), progress=False)
+    assert (resumed["reach-v3"].kept, resumed["reach-v3"].failed) == (2, 1)
+    config = partial(CollectConfig, tasks=["reach-v3"], out=tmp_path / "ds", env=env)
     with pytest.raises(ValueError, match="seed 3, which this run would not try"):
         collect(config(episodes=3, seeds={"reach-v3": [2, 0]}, resume=True), progress=False)
     with pytest.raises(ValueError, match="holds more than --episodes 1 episodes of reach-v3"):

@@ -296,6 +296,8 @@ def _restore_progress(writer: LeRobotWriter, config: CollectConfig, results: dic
         if seed not in tried:
             raise ValueError(f"cannot resume {config.out}: it holds {task} seed {seed}, which this run would not try")
         first[task] = tried.index(seed) + 1
+    for task, attempts in first.items():  # every attempt before a task's last kept seed that was not kept failed
+        results[task].failed = attempts - results[task].kept
     return first
 
 
