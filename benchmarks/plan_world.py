@@ -41,17 +41,21 @@ class PlanWorld(KitchenWorld):
     log_len: int = 24
     t: int = field(init=False, default=0)
     events: list[tuple[int, int, str]] = field(init=False, default_factory=list)  # (step, index, text)
-    picks: dict[int, str] = field(init=False, default_factory=dict)  # step -> object picked up then (event in the log)
+    picks: dict[int, str] = field(init=False, default_factory=dict)  # step -> the one object picked up then
+    _picked: dict[int, list[str]] = field(init=False, default_factory=dict)  # step -> every object picked up then
 
     def step(self) -> list[str]:
         self.t += 1
         done = super().step()
         for i, what in enumerate(done):
             self.events.append((self.t, i, f"Step {self.t}: I {_past(what)}."))
+        self._picked[self.t] = [what[len("pick up the ") :] for what in done if what.startswith("pick up the ")]
         self.events = self.events[-self.log_len :]
-        # a recall question's answer must be in the log: a step whose pick event fell off (the log cut the step
-        # in two) is not asked about, though its later events are still there
-        self.picks = {t: text.split("picked up the ", 1)[1].rstrip(".") for t, _, text in self.events if " I picked up the " in text}
+        # a recall question has one answer, in the log: a step that picked up two things (the second pick puts the
+        # first down) is not asked about, nor one whose pick event fell off (the log cut the step in two)
+        logged = {t for t, _, text in self.events if " I picked up the " in text}
+        self._picked = {t: objs for t, objs in self._picked.items() if t in {t for t, _, _ in self.events}}
+        self.picks = {t: objs[0] for t, objs in self._picked.items() if len(objs) == 1 and t in logged}
         return done
 
     def segment_texts(self) -> dict[str, str]:

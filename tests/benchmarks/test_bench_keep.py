@@ -70,8 +70,10 @@ def test_summary_has_intervals_and_paired_tests():
 def test_every_plan_question_is_answered_by_its_memory(seed):
     world = PlanWorld(seed=seed)
     kinds = set()
+    world.step_log = {}  # step -> what it did (every pick, logged or not)
     for step in range(120):
-        world.step()
+        done = world.step()
+        world.step_log[world.t] = done
         texts = world.segment_texts()
         events = [t for sid, t in texts.items() if sid.startswith("event:")]
         assert len(events) <= world.log_len
@@ -84,9 +86,11 @@ def test_every_plan_question_is_answered_by_its_memory(seed):
         elif q.kind == "open":  # open the receptacle iff its segment says closed
             where = world.objects[q.subject][1]
             assert texts[f"obj:{where}"].endswith(", closed.") == (gold == f"open the {where.lower()}")
-        else:  # the event segment of that step names the object
+        else:  # the event segment of that step names the object, and no other pick of that step
             step_no = q.answer_prefix.split()[2].rstrip(",")
             assert any(t == f"Step {step_no}: I picked up the {gold}." for t in events)
+            assert sum(t.startswith(f"Step {step_no}: I picked up the ") for t in events) == 1
+            assert sum(what.startswith("pick up the ") for what in world.step_log[int(step_no)]) == 1
     assert {k for k, _ in kinds} == set(PLAN_KINDS) and ("open", 0) in kinds and ("open", 1) in kinds
 
 
