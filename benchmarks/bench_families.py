@@ -31,7 +31,7 @@ import torch
 
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.bench.harness import (
-    environment, plot_medians, print_ratio_table, ratio_table, seeded_main, time_interleaved, write_json,
+    environment, plot_medians, positive_int, print_ratio_table, ratio_table, seeded_main, time_interleaved, write_json,
 )  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.checkpoints.tiny_prismatic import make_tiny_cogact, make_tiny_hybridvla
@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (pinned)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/bench_families"), help="writes <out>.json and <out>.png")
     return p.parse_args(argv)
@@ -135,7 +135,7 @@ class UpstreamHybrid:
     def __init__(self, policy, session) -> None:
         self.policy, self.session = policy, session
         capacity = session.kv_config.params.capacity  # single mode: one step's tokens
-        self.cache = FullCache(policy.vlm.cfg.llm.geometry, FullParams(capacity=capacity))
+        self.cache = FullCache(policy.vlm.cfg.llm.geometry, FullParams(capacity=capacity), device=policy.device, dtype=policy.dtype)
         self.generator = torch.Generator()
 
     def prefix(self, image: np.ndarray) -> torch.Tensor:

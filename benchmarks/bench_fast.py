@@ -57,7 +57,7 @@ import torch
 from vla_runtime.api import Observation, load_policy
 from vla_runtime.bench.decode_limits import Group, bandwidth_limits, copy_bandwidth, profile_decode_rows
 from vla_runtime.bench.harness import (
-    environment, plot_medians, print_ratio_table, ratio_table, seeded_main, time_interleaved, write_json,
+    environment, plot_medians, positive_int, print_ratio_table, ratio_table, seeded_main, time_interleaved, write_json,
 )  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla import make_tiny_openvla
 from vla_runtime.checkpoints.tiny_openvla_oft import make_tiny_openvla_oft
@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth-mib", type=int, default=512, help="buffer copied to measure the copy bandwidth (MiB)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (pinned)")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--repeats", type=positive_int, default=30)
     p.add_argument("--block", type=int, default=1,
                    help="calls of one variant in a row per round (default: %(default)s = interleaved call by call; "
                         "e.g. 40 times consecutive steps, as a control loop runs them)")
@@ -373,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
     profiled = {}
     if args.profile:
         profiled, tables = profile_decode_rows(groups, args)
+        args.out.parent.mkdir(parents=True, exist_ok=True)  # write_json below makes it too; this file comes first
         args.out.with_suffix(".profile.txt").write_text(tables)
         for row, p in profiled.items():
             gemm = ""

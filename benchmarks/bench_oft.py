@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from vla_runtime.api import Observation
-from vla_runtime.bench.harness import environment, pinned_threads, print_ratio_table, ratio_table, time_interleaved, write_json
+from vla_runtime.bench.harness import (
+    environment, pinned_threads, positive_int, print_ratio_table, ratio_table, time_interleaved, write_json,
+)  # fmt: skip
 from vla_runtime.checkpoints.tiny_openvla_oft import make_tiny_openvla_oft
 from vla_runtime.device import resolve_device, resolve_dtype
 from vla_runtime.kv.rope import RopeConfig
@@ -52,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (pinned)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/bench_oft"), help="writes <out>.json")
     return p.parse_args(argv)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vla_runtime.bench.harness import environment, pinned_threads, write_json
+from vla_runtime.bench.harness import environment, pinned_threads, positive_int, write_json
 
 COMPILED = "one at a time, compiled"  # the third server of --compile
 PROMPTS = ["pick up the red cube", "open the top drawer", "put the blue block on the green plate near the bowl",
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="lockstep: every client's first timed step at once (the worst case); spread: client i starts "
                         "i/N of a period later, as robots whose controllers are not synchronised")  # fmt: skip
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per client per round (the episode's start)")
-    p.add_argument("--repeats", type=int, default=3, help="rounds; each variant's figures are medians over rounds")
+    p.add_argument("--repeats", type=positive_int, default=3, help="rounds; each variant's figures are medians over rounds")
     p.add_argument("--history", choices=["single", "history"], default="history")
     p.add_argument("--kv", choices=["full", "sink_window", "chunked"], default="chunked")
     p.add_argument("--max-batch", type=int, default=8)

@@ -22,3 +22,12 @@ def test_bench_families_checks_agreement_and_writes_results(tmp_path, load_bench
     for r in results.values():  # each row against its own group's baseline
         assert r["ratio"] == pytest.approx(results[r["baseline"]]["median_ms"] / r["median_ms"])
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_bench_families_runs_in_bfloat16(tmp_path, load_benchmark):
+    """What ``--device cuda`` defaults to: the re-prefill baseline's cache follows the policy's dtype (it was
+    float32 on the CPU and the first HybridVLA step failed, after every history session was filled)."""
+    args = ["--llm", "tiny", "--dtype", "bfloat16", "--history-steps", "2", "--repeats", "1", "--warmup", "0",
+            "--out", str(tmp_path / "fresh" / "bench")]  # fmt: skip
+    assert load_benchmark("bench_families").main(args) == 0
+    assert json.loads((tmp_path / "fresh" / "bench.json").read_text())["env"]["dtype"] == "bfloat16"

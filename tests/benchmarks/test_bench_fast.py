@@ -17,10 +17,11 @@ from vla_runtime.bench.registry import get_benchmark
 def test_bench_fast_small_geometry_writes_every_variant(tmp_path):
     threads = torch.get_num_threads()
     argv = ["--geometry", "small", "--repeats", "2", "--warmup", "1", "--agreement-steps", "2", "--bandwidth-mib", "8",
-            "--profile", "2", "--out", str(tmp_path / "b")]
+            "--profile", "2", "--out", str(tmp_path / "new" / "b")]  # a folder that does not exist yet
     assert get_benchmark("fast").run(argv) == 0  # what `vla-runtime bench fast` runs
     bench = sys.modules["bench_fast"]
     assert torch.get_num_threads() == threads
+    tmp_path = tmp_path / "new"
     record = json.loads((tmp_path / "b.json").read_text())
     results = record["results"]
     quantized = ["weight-only int8", "weight-only int4"]  # the default --quantized rows

@@ -127,3 +127,10 @@ def test_plot_medians_writes_a_png(tmp_path):
     results = harness.ratio_table({"base": [2.0, 4.0], "ours": [1.0, 2.0]}, "base")
     harness.plot_medians(results, tmp_path / "p.png", title="t", xlabel="ms")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", ["bench_oft", "bench_fast", "bench_families", "bench_serve"])
+def test_zero_repeats_is_refused_before_any_setup(name, load_benchmark, capsys):
+    with pytest.raises(SystemExit):
+        load_benchmark(name).parse_args(["--repeats", "0"])
+    assert "argument --repeats: expected an integer >= 1, got 0" in capsys.readouterr().err

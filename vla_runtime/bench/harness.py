@@ -33,6 +33,15 @@ Clock = Callable[[], float]
 REPO = Path(__file__).resolve().parents[2]  # a source checkout's root (the git commit is read from here)
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type`` of counts such as ``--repeats``: an integer >= 1 (0 repeats ran the whole setup, then
+    failed on a median of nothing)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 # ---- timing ---------------------------------------------------------------------------------------------
 def _synchronize(device) -> None:
     """Wait for queued CUDA work before reading the clock; nothing to wait for on CPU (or ``device=None``)."""

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from ..device import synchronize
 from ..kv import ChunkGate, FullCache, KVConfig, KVMode, make_cache
 from ..kv.gate import ChunkGateConfig
 from ..models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
@@ -130,8 +131,9 @@ def benchmark_gate(kv_cfg: KVConfig, cfg: LlamaConfig, seed: int, *, calibration
     return gate
 
 
-def fill_history(cache, cfg: LlamaConfig, length: int, *, prompt: int, frame: int, gen: torch.Generator, dtype) -> None:
-    """Bring ``cache`` to the state after ``length`` history tokens (random q/k/v, the prompt pinned)."""
+def fill_history(cache, cfg: LlamaConfig, length: int, *, prompt: int, frame: int, gen: torch.Generator, dtype,
+                 device: torch.device | str = "cpu") -> None:
+    """Bring ``cache`` to the state after ``length`` history tokens (random q/k/v on ``device``, the prompt pinned)."""
     if isinstance(cache, FullCache):  # holds everything: write it directly (rotated keys are just numbers)
         for buf in cache.buffers(length):
             buf.normal_(generator=gen)
@@ -141,8 +143,8 @@ def fill_history(cache, cfg: LlamaConfig, length: int, *, prompt: int, frame: in
     while done < length:
         n = prompt if done == 0 else min(frame, length - done)
         for layer in range(cfg.n_layers):
-            q = torch.randn(1, cfg.n_heads, n, cfg.head_dim, generator=gen).to(dtype)
-            k, v = (torch.randn(1, cfg.n_kv_heads, n, cfg.head_dim, generator=gen).to(dtype) for _ in range(2))
+            q = torch.randn(1, cfg.n_heads, n, cfg.head_dim, generator=gen).to(device, dtype)
+            k, v = (torch.randn(1, cfg.n_kv_heads, n, cfg.head_dim, generator=gen).to(device, dtype) for _ in range(2))
             cache.attend(layer, q, k, v)
         cache.end_forward(pin=done == 0)
         done += n
@@ -161,11 +163,15 @@ def run_step(forward, cache, frame_x: torch.Tensor, decode_x: torch.Tensor) -> t
     CPU time is reported beside wall time because this machine is shared: other processes stretch wall
     time but not the CPU time this process spends (with ``--threads 1`` it is the step's own work).
     """
+    device = frame_x.device
+    synchronize(device)
     c0, t0 = time.process_time(), time.perf_counter()
     forward(frame_x, cache)
+    synchronize(device)  # on CUDA the clock would read launch time only
     t1 = time.perf_counter()
     for i in range(decode_x.shape[1]):
         forward(decode_x[:, i : i + 1], cache)
+    synchronize(device)
     t2, c2 = time.perf_counter(), time.process_time()
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (c2 - c0) * 1e3
 
@@ -215,7 +221,7 @@ def bench_part(part: str, args: argparse.Namespace, dtype: torch.dtype) -> dict:
             gates[method] = benchmark_gate(kv_cfg, cfg, args.seed) if needs_gate else None
             extra = {"gate": gates[method]} if gates[method] is not None else {}
             cache = make_cache(kv_cfg, cfg.geometry, device=args.device, dtype=dtype, **extra)
-            fill_history(cache, cfg, length, prompt=args.prompt, frame=args.frame, gen=gen, dtype=dtype)
+            fill_history(cache, cfg, length, prompt=args.prompt, frame=args.frame, gen=gen, dtype=dtype, device=args.device)
             snapshots[method] = cache
         times, last = time_interleaved(forward, snapshots, frame_x, decode_x, warmup=args.warmup, repeats=args.repeats)
         base = None
