@@ -135,7 +135,8 @@ class UpstreamHybrid:
     def __init__(self, policy, session) -> None:
         self.policy, self.session = policy, session
         capacity = session.kv_config.params.capacity  # single mode: one step's tokens
-        self.cache = FullCache(policy.vlm.cfg.llm.geometry, FullParams(capacity=capacity), device=policy.device, dtype=policy.dtype)
+        self.cache = FullCache(policy.vlm.cfg.llm.geometry, FullParams(capacity=capacity), device=policy.device,
+                               dtype=policy.dtype)  # fmt: skip
         self.generator = torch.Generator()
 
     def prefix(self, image: np.ndarray) -> torch.Tensor:
