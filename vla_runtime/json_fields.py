@@ -4,17 +4,18 @@ parser. A missing key or a JSON ``null`` gives the default."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 _REQUIRED = object()
 
 
-def _is_int(v: Any) -> bool:  # 3 or 3.0; not true, "3" or 2.5
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == int(v)
+def _is_int(v: Any) -> bool:  # 3 or 3.0; not true, "3", 2.5 or Infinity
+    return not isinstance(v, bool) and (isinstance(v, int) or (isinstance(v, float) and v.is_integer()))
 
 
-def _is_number(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float))
+def _is_number(v: Any) -> bool:  # finite (Python's json reads NaN and Infinity)
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 class ConfigFields:
@@ -29,7 +30,7 @@ class ConfigFields:
         return self._read(key, default, _is_int, "an integer", int)
 
     def float(self, key: str, default: Any = _REQUIRED) -> Any:
-        return self._read(key, default, _is_number, "a number", float)
+        return self._read(key, default, _is_number, "a finite number", float)
 
     def bool(self, key: str, default: Any = _REQUIRED) -> Any:
         return self._read(key, default, lambda v: isinstance(v, bool), "true or false", bool)

@@ -29,7 +29,8 @@ def _text(c, key, value):
     [
         (lambda c: _text(c, "hidden_size", "64"), "config.json text_config `hidden_size` is str '64'; expected an integer"),
         (lambda c: _text(c, "num_hidden_layers", 2.5), "text_config `num_hidden_layers` is float 2.5; expected an integer"),
-        (lambda c: _text(c, "rope_theta", "big"), "text_config `rope_theta` is str 'big'; expected a number"),
+        (lambda c: _text(c, "rope_theta", "big"), "text_config `rope_theta` is str 'big'; expected a finite number"),
+        (lambda c: _text(c, "hidden_size", float("inf")), "text_config `hidden_size` is float inf; expected an integer"),
         (lambda c: _text(c, "tie_word_embeddings", 1), "text_config `tie_word_embeddings` is int 1; expected true or false"),
         (lambda c: c.__setitem__("text_config", [1]), "config.json `text_config` is list [1]; expected a JSON object"),
         (lambda c: c.__setitem__("image_sizes", 224), "config.json `image_sizes` is int 224; expected a list"),
@@ -75,5 +76,5 @@ def test_a_causal_lm_config_field_of_the_wrong_type_is_named(tmp_path):
     config["num_attention_heads"] = None  # null: the default (32), which the tiny width does not divide into
     config["rms_norm_eps"] = "1e-6"
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=rf"^{path}/config.json `rms_norm_eps` is str '1e-6'; expected a number"):
+    with pytest.raises(ValueError, match=rf"^{path}/config.json `rms_norm_eps` is str '1e-6'; expected a finite number"):
         load_causal_lm(path, tokenizer=False)
