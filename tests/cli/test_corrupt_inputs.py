@@ -66,7 +66,8 @@ def test_empty_instruction_is_an_error(ckpt, png, instruction, capsys):
 @pytest.mark.parametrize("heads, message", [
     (None, "is 32 wide (timm's vit_large_patch14_reg4_dinov2.lvd142m is 1024 wide with 16 heads), so its head count is "
            "unknown; set config.json `vision_num_heads`"),
-    ([2.5, 2], "`vision_num_heads` has 2.5; expected a positive integer per tower"),
+    ([2.5, 2], "config.json `vision_num_heads` is list [2.5, 2]; expected a list of integers"),
+    ([0, 2], "`vision_num_heads` has 0; expected a positive integer per tower"),
     ([3, 2], "embed_dim 32 is not divisible by num_heads 3"),
 ])
 def test_vision_head_counts_are_never_guessed(ckpt, png, tmp_path, heads, message, capsys):
