@@ -121,6 +121,9 @@ class DataConfig:
         _check_positive(self, "stride", "length_bucket")
         if self.window < 0:
             raise ValueError(f"`window` must be >= 0 (0 = whole episodes), got {self.window}")
+        if self.window and self.stride > self.window:
+            raise ValueError(f"`stride` {self.stride} > `window` {self.window} would leave steps between windows untrained; "
+                             "expected a stride of at most the window")
         if self.num_workers < 0:
             raise ValueError(f"`num_workers` must be >= 0, got {self.num_workers}")
         if self.cache_dir is not None:

@@ -37,6 +37,10 @@ def recorded_steps(ds: LeRobotDataset, key: str, *, wanted_by: str) -> list[list
 def _check(steps: list[list[int]], lengths: list[int], what: str = "cue steps") -> None:
     if len(steps) != len(lengths):
         raise ValueError(f"{len(steps)} episodes' {what} for {len(lengths)} episodes")
+    for episode, (recorded, n) in enumerate(zip(steps, lengths)):
+        outside = [s for s in recorded if not (isinstance(s, (int, np.integer)) and 0 <= s < n)]
+        if outside:  # e.g. a trimmed episode: a step past its end crashed, a negative one weighted its last frames
+            raise ValueError(f"episode {episode} records {what} {outside} outside its {n} frames; expected steps in [0, {n})")
 
 
 def cue_counts(cue_steps: list[list[int]], lengths: list[int]) -> np.ndarray:

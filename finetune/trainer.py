@@ -209,7 +209,7 @@ class Trainer:
     def loader(self) -> DataLoader:
         cfg, env = self.cfg, self.env
         batches = MicroBatches(
-            self.data, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, max_steps=cfg.max_steps, seed=cfg.seed,
+            self.data, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, max_steps=self.step_cap, seed=cfg.seed,
             rank=env.rank, world=env.world, start_step=self.start_step,
         )  # fmt: skip
         if env.is_main and self.start_step == 0:

@@ -143,3 +143,27 @@ def test_resume_refuses_another_number_of_processes(tiny_ckpt, tiny_dataset, tmp
     state_file.write_text(json.dumps({**state, "world": 2}))
     with pytest.raises(ValueError, match=r"step 2\) was trained on 2 process\(es\), this run has 1.*--nproc-per-node 2"):
         Trainer(make_config(tiny_ckpt, tiny_dataset, out, **{**run, "max_steps": 4}, resume=True))
+
+
+def test_a_budgeted_run_that_a_refit_lengthens_after_its_resume_runs_to_the_new_length(tiny_ckpt, tmp_path, monkeypatch):
+    """Resumed with its fitted 8 steps, a refit lengthens the run to 12 (within --max-steps 40): the data must last.
+    The loader was sized to the fitted length, and step 9 raised a bare StopIteration."""
+    import vla_finetune.trainer as trainer_module
+
+    data = write_dataset(tmp_path / "data", lengths=(10, 10, 9, 10))
+    run = {"max_steps": 40, "time_budget": 1.0, "save_every": 2, "log_every": 2, "lora": {"rank": 4}}
+    out = tmp_path / "run"
+
+    def first_run(self, done, cap):  # fits 8 steps after step 2; killed after the step-4 checkpoint
+        if done == 5:
+            raise Killed("killed after step 5")
+        return 8 if done == 2 else None
+
+    monkeypatch.setattr(trainer_module.TimeBudget, "after_step", first_run)
+    with pytest.raises(Killed):
+        Trainer(make_config(tiny_ckpt, data, out, **run)).train()
+    monkeypatch.setattr(trainer_module.TimeBudget, "after_step", lambda self, done, cap: 12 if done == 5 else None)
+    resumed = Trainer(make_config(tiny_ckpt, data, out, **run, resume=True))
+    assert (resumed.start_step, resumed.cfg.max_steps) == (4, 8)
+    resumed.train()
+    assert json.loads((out / outputs.LAST / "state.json").read_text())["step"] == 12

@@ -89,3 +89,12 @@ def test_the_flags_reach_the_config(tmp_path):
                               "--separable-weight", "8", "--separable-span", "6"])  # fmt: skip
     cfg = config_from_args(args)
     assert (cfg.separable_weight, cfg.separable_span) == (8.0, 6)
+
+
+@pytest.mark.parametrize("steps", [[7, 12], [-1, 3]])
+def test_recorded_steps_outside_their_episode_are_refused_by_name(steps):
+    """A trimmed episode's step past its end raised an IndexError; a negative one weighted the episode's last frames."""
+    with pytest.raises(ValueError, match=r"episode 1 records separable steps \[.*\] outside its 9 frames"):
+        separable_weights([[0], steps], [5, 9], span=None, weight=3.0)
+    with pytest.raises(ValueError, match=r"episode 1 records cue steps \[.*\] outside its 9 frames"):
+        decision_weights([[0], steps], [5, 9], span=2, weight=3.0)
