@@ -15,6 +15,7 @@ without the dataset's data files.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import tarfile
 import tempfile
@@ -41,28 +42,41 @@ def pack(dataset: Path, out: Path, *, camera: str = "corner", preset: int = 6) -
     return [out / META, out / CACHE]
 
 
-def unpack(packed: Path, work: Path, *, camera: str = "corner") -> tuple[Path, Path]:
+def unpack(packed: Path, work: Path, *, camera: str | None = None) -> tuple[Path, Path]:
     """``pack``'s files -> (``work/data``, ``work/frame-cache``): the dataset's meta and the cache under the name
-    ``vla-runtime finetune --dataset work/data --cache-dir work/frame-cache`` looks for. Idempotent."""
+    ``vla-runtime finetune --dataset work/data --cache-dir work/frame-cache`` looks for. Idempotent; each part is
+    extracted beside its place and renamed into it, so a kill leaves it whole or absent. ``camera``: the camera the
+    training reads, checked against the one the pack was made from (``None``: that one)."""
     data, caches = work / "data", work / "frame-cache"
-    info = data / "meta" / "info.json"
     with tarfile.open(packed / META) as t:
-        if not info.is_file():
-            t.extractall(work, filter="data")
-        elif t.extractfile(str(info.relative_to(work))).read() != info.read_bytes():
-            raise ValueError(f"{work} already holds another dataset ({info} differs from {packed / META}'s); "
+        packed_meta = {m.name: t.extractfile(m).read() for m in t.getmembers() if m.isfile()}
+    if (data / "meta").is_dir():
+        held = {str(p.relative_to(work)): p.read_bytes() for p in (data / "meta").rglob("*") if p.is_file()}
+        if held != packed_meta:  # info.json alone is equal for two datasets of the same shape
+            raise ValueError(f"{work} already holds another dataset ({data / 'meta'} differs from {packed / META}); "
                              "unpack into a new work directory")  # fmt: skip
-    target = caches / f"{data.name}-{camera}-{cache_key(data, camera)}"
+    else:
+        _extract_into_place(packed / META, work / "meta.unpacking", "data/meta", data / "meta")
+    with tarfile.open(packed / CACHE) as t:
+        packed_camera = json.loads(t.extractfile("frames/episodes.json").read())["camera"]
+    if camera is not None and camera != packed_camera:
+        raise ValueError(f"{packed / CACHE} holds camera {packed_camera!r} frames, not {camera!r}; pack that camera "
+                         f"(pack --camera {camera}) or train on {packed_camera!r}")  # fmt: skip
+    target = caches / f"{data.name}-{packed_camera}-{cache_key(data, packed_camera)}"
     if not (target / "episodes.json").is_file():
-        staging = work / "frames.unpacking"
-        shutil.rmtree(staging, ignore_errors=True)
-        with tarfile.open(packed / CACHE) as t:
-            t.extractall(staging, filter="data")
-        caches.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(target, ignore_errors=True)
-        (staging / "frames").rename(target)
-        staging.rmdir()
+        _extract_into_place(packed / CACHE, work / "frames.unpacking", "frames", target)
     return data, caches
+
+
+def _extract_into_place(tar: Path, staging: Path, member: str, target: Path) -> None:
+    """Extract ``tar`` into ``staging`` and rename its ``member`` to ``target``."""
+    shutil.rmtree(staging, ignore_errors=True)
+    with tarfile.open(tar) as t:
+        t.extractall(staging, filter="data")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (staging / member).rename(target)
+    shutil.rmtree(staging)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,8 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     u = sub.add_parser("unpack", help="PACKED (what pack wrote) -> WORK/data + WORK/frame-cache")
     u.add_argument("packed", type=Path)
     u.add_argument("work", type=Path)
-    for s in (p, u):
-        s.add_argument("--camera", default="corner", help="the camera the training reads (default corner)")
+    p.add_argument("--camera", default="corner", help="the camera the training reads (default corner)")
+    u.add_argument("--camera", default=None, help="the camera the training reads, checked against the pack's "
+                   "(default: the pack's)")
     args = parser.parse_args(argv)
     if args.command == "pack":
         for path in pack(args.dataset, args.out, camera=args.camera):

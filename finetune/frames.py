@@ -154,4 +154,7 @@ def cached_dataset(
             raise FileNotFoundError(f"frame cache {directory} is missing (rank 0 builds it before the others read it)")
         log.info("decoding %d episodes of %s once into %s", len(ds), ds.root, directory)
         build_cache(ds, camera, directory, progress=progress)
+    held = json.loads((directory / "episodes.json").read_text()).get("camera", camera)
+    if held != camera:  # a cache filed under another camera's name (by hand, or an old unpack)
+        raise ValueError(f"frame cache {directory} holds camera {held!r} frames, not {camera!r}; delete it to decode again")
     return load_cache(directory)

@@ -4,7 +4,7 @@ absent: the unpacked cache sits under the name the unpacked dataset hashes to an
 import numpy as np
 import pytest
 from vla_finetune.frame_pack import main, pack, unpack
-from vla_finetune.frames import cached_dataset
+from vla_finetune.frames import cache_key, cached_dataset
 from vla_finetune.trainer import Trainer
 
 from vla_runtime.data import LeRobotDataset
@@ -48,3 +48,42 @@ def test_another_pack_is_not_unpacked_over_a_work_directory(tmp_path):
     unpack(tmp_path / "pa", tmp_path / "w", camera="front")
     with pytest.raises(ValueError, match="already holds another dataset .*unpack into a new work directory"):
         unpack(tmp_path / "pb", tmp_path / "w", camera="front")
+
+
+def test_a_pack_of_the_same_shape_is_not_taken_for_the_one_unpacked(tmp_path):
+    """Two datasets of equal episode counts and features have equal info.json: the whole meta is compared."""
+    pack(write_dataset(tmp_path / "a", size=16, lengths=(3, 4)), tmp_path / "pa", camera="front", preset=1)
+    pack(write_dataset(tmp_path / "b", size=16, lengths=(3, 4), gripper_max=0.5), tmp_path / "pb", camera="front", preset=1)
+    unpack(tmp_path / "pa", tmp_path / "w")
+    with pytest.raises(ValueError, match="already holds another dataset"):
+        unpack(tmp_path / "pb", tmp_path / "w")
+
+
+def test_an_unpack_killed_while_extracting_leaves_nothing_a_rerun_trusts(tmp_path, monkeypatch):
+    import tarfile
+
+    pack(write_dataset(tmp_path / "a", size=16, lengths=(3, 4)), tmp_path / "p", camera="front", preset=1)
+    extract = tarfile.TarFile.extractall
+
+    def killed(self, path, *args, **kwargs):  # everything extracted, then the kill, before anything is renamed
+        extract(self, path, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tarfile.TarFile, "extractall", killed)
+    with pytest.raises(KeyboardInterrupt):
+        unpack(tmp_path / "p", tmp_path / "w")
+    assert not (tmp_path / "w" / "data" / "meta").exists()
+    monkeypatch.undo()
+    data, caches = unpack(tmp_path / "p", tmp_path / "w")
+    assert len(LeRobotDataset(data)) == 2 and len(cached_dataset(LeRobotDataset(data), "front", caches, build=False).lengths) == 2
+
+
+def test_the_camera_unpacked_is_the_one_packed(tmp_path):
+    pack(write_dataset(tmp_path / "a", size=16, lengths=(3, 4)), tmp_path / "p", camera="front", preset=1)
+    with pytest.raises(ValueError, match="holds camera 'front' frames, not 'corner'; pack that camera"):
+        unpack(tmp_path / "p", tmp_path / "w", camera="corner")
+    data, caches = unpack(tmp_path / "p", tmp_path / "w")  # the pack's camera
+    (cache,) = caches.iterdir()
+    cache.rename(caches / f"{data.name}-corner-{cache_key(data, 'corner')}")  # filed under another camera's name
+    with pytest.raises(ValueError, match="holds camera 'front' frames, not 'corner'"):
+        cached_dataset(LeRobotDataset(data), "corner", caches, build=False)
