@@ -121,9 +121,6 @@ class DataConfig:
         _check_positive(self, "stride", "length_bucket")
         if self.window < 0:
             raise ValueError(f"`window` must be >= 0 (0 = whole episodes), got {self.window}")
-        if self.window and self.stride > self.window:
-            raise ValueError(f"`stride` {self.stride} > `window` {self.window} would leave steps between windows untrained; "
-                             "expected a stride of at most the window")
         if self.num_workers < 0:
             raise ValueError(f"`num_workers` must be >= 0, got {self.num_workers}")
         if self.cache_dir is not None:
@@ -293,6 +290,11 @@ class FinetuneConfig:
         if self.kv.mode not in TRAINABLE_KV_MODES:
             trainable = ", ".join(m.value for m in TRAINABLE_KV_MODES)
             raise ValueError(f"`kv.mode` is {self.kv.mode.value!r}; training supports {trainable}")
+        data = self.data
+        if self.history.episodic and data.window and data.stride > data.window:  # single mode has no windows
+            log.warning("`data.stride` %d > `data.window` %d would leave the steps between windows untrained; windows "
+                        "start every %d steps", data.stride, data.window, data.window)  # fmt: skip
+            data.stride = data.window
         if self.trainable == "gates" and not self.trains_gate:
             raise ValueError(
                 "`trainable: gates` needs history mode with kv.mode 'chunked' (there is no gate to train otherwise)"

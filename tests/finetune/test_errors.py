@@ -79,9 +79,11 @@ def test_config_validation_names_the_field():
         from_dict(FinetuneConfig, {**base, "batch_size": 0})
     with pytest.raises(ValueError, match="`merge` merges LoRA"):
         from_dict(FinetuneConfig, {**base, "trainable": "all", "merge": True})
-    with pytest.raises(ValueError, match="`stride` 5 > `window` 3 would leave steps between windows untrained"):
-        from_dict(FinetuneConfig, {**base, "data": {"window": 3, "stride": 5}})
+    # a stride past the window (the default 4 with --window 3) would leave steps untrained: windows start every window
+    assert from_dict(FinetuneConfig, {**base, "data": {"window": 3, "stride": 5}}).data.stride == 3
     assert from_dict(FinetuneConfig, {**base, "data": {"window": 0, "stride": 5}}).data.stride == 5  # whole episodes
+    assert from_dict(FinetuneConfig, {**base, "history": "single", "kv": {"mode": "full"},
+                                      "data": {"window": 1, "stride": 5}}).data.stride == 5  # single mode: no windows
     with pytest.raises(ValueError, match=r"unknown GateTraining field\(s\) \['temp'\]"):
         from_dict(FinetuneConfig, {**base, "gate": {"temp": 1}})
     # a nested mapping overrides the default instance: kv stays chunked when only the chunk is set
