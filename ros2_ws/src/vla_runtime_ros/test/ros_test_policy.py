@@ -34,8 +34,8 @@ class RosTestPolicyConfig:
     tokens_per_step: int = 10  # image + action tokens a step appends to the cache in history mode
     prompt_tokens: int = 12
     step_ms: float = 0.0  # simulated compute time per step (sleep)
-    fault: str = ""  # "nan": non-finite actions; "raise": step raises RuntimeError; "start_once": the first
-    # new_session of a loaded policy raises (a transient failure at an episode start) (failure-handling tests)
+    fault: str = ""  # "nan": non-finite actions; "raise": step raises RuntimeError; "start_twice": the first two
+    # new_session calls of a loaded policy raise (a transient failure at an episode start) (failure-handling tests)
 
 
 def expected_actions(image: np.ndarray, state: np.ndarray | None, cfg: RosTestPolicyConfig) -> np.ndarray:
@@ -89,7 +89,7 @@ class RosTestPolicy(Policy):
 
     def __init__(self, config: RosTestPolicyConfig) -> None:
         self.config = config
-        self._start_faults = 1 if config.fault == "start_once" else 0
+        self._start_faults = 2 if config.fault == "start_twice" else 0
 
     @property
     def action_dim(self) -> int:
