@@ -42,20 +42,20 @@ class PlanWorld(KitchenWorld):
     t: int = field(init=False, default=0)
     events: list[tuple[int, int, str]] = field(init=False, default_factory=list)  # (step, index, text)
     picks: dict[int, str] = field(init=False, default_factory=dict)  # step -> the one object picked up then
-    _picked: dict[int, list[str]] = field(init=False, default_factory=dict)  # step -> every object picked up then
+    _pick_counts: dict[int, int] = field(init=False, default_factory=dict)  # step -> objects picked up then
 
     def step(self) -> list[str]:
         self.t += 1
         done = super().step()
         for i, what in enumerate(done):
             self.events.append((self.t, i, f"Step {self.t}: I {_past(what)}."))
-        self._picked[self.t] = [what[len("pick up the ") :] for what in done if what.startswith("pick up the ")]
+        self._pick_counts[self.t] = sum(what.startswith("pick up the ") for what in done)
         self.events = self.events[-self.log_len :]
         # a recall question has one answer, in the log: a step that picked up two things (the second pick puts the
         # first down) is not asked about, nor one whose pick event fell off (the log cut the step in two)
-        logged = {t for t, _, text in self.events if " I picked up the " in text}
-        self._picked = {t: objs for t, objs in self._picked.items() if t in {t for t, _, _ in self.events}}
-        self.picks = {t: objs[0] for t, objs in self._picked.items() if len(objs) == 1 and t in logged}
+        logged = {t: text.split("picked up the ", 1)[1].rstrip(".") for t, _, text in self.events if " I picked up the " in text}
+        self._pick_counts = {t: n for t, n in self._pick_counts.items() if t in logged}
+        self.picks = {t: obj for t, obj in logged.items() if self._pick_counts[t] == 1}
         return done
 
     def segment_texts(self) -> dict[str, str]:
