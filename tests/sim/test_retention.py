@@ -31,7 +31,7 @@ def traced(tmp_path_factory):
     trace, seen = RetentionTrace(), []
     for _ in range(STEPS):
         result = session.step(Observation(images={"primary": rng.integers(0, 256, (96, 128, 3), dtype=np.uint8)}))
-        trace.record(session.retained_chunks(), result.kv.tokens_seen)
+        trace.record(session.retained_chunks(), result.kv.tokens_seen, tick=len(seen))  # one step per tick
         seen.append(result.kv)
     return session, trace, seen
 
@@ -136,5 +136,5 @@ def test_steps_are_counted_in_control_steps_when_a_policy_step_spans_several():
     grid = trace.held_by_step()
     assert grid.shape == (trace.steps, trace.steps) and grid.sum(axis=0).tolist() == [0.0] * source + [1.0] * (trace.steps - source)
     assert grid[source, source:].tolist() == [1.0] * (trace.steps - source)  # held from policy step 3 on, every tick
-    with pytest.raises(ValueError, match="with its `tick`, or none"):
-        trace.record((), 0)
+    with pytest.raises(ValueError, match=f"tick 3 comes before the last step's \\({seen[-1]}\\)"):
+        trace.record((), 0, tick=3)

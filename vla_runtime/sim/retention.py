@@ -1,7 +1,7 @@
 """What the chunked cache's gate kept over an episode, as data and as a picture.
 
     trace = RetentionTrace()
-    trace.record(session.retained_chunks(), result.kv.tokens_seen)   # after every inference step
+    trace.record(session.retained_chunks(), result.kv.tokens_seen, tick=k)   # after every inference step (seeing tick k)
     plot_retention(trace, "retention.png", cue_steps=[3], title="...")  # x: control step, y: source step
 
 Chunks are located by their first token (``EpisodeSession.retained_chunks``); ``tokens_seen`` after each
@@ -36,23 +36,19 @@ class RetentionTrace:
     Args:
         step_ends: [policy steps] tokens seen after each step (``KVStats.tokens_seen``).
         retained: [policy steps] per layer, the first token of each chunk held after the step.
-        ticks: [policy steps] the control step each one saw (recorded with ``record(..., tick=)``; empty: one
-            policy step per control step).
+        ticks: [policy steps] the control step whose frame each one saw.
     """
 
     step_ends: list[int] = field(default_factory=list)
     retained: list[RetainedStarts] = field(default_factory=list)
     ticks: list[int] = field(default_factory=list)
 
-    def record(self, retained: RetainedStarts, tokens_seen: int, *, tick: int | None = None) -> None:
-        if (tick is None) != (not self.ticks) and self.step_ends:
-            raise ValueError("record every step of a trace with its `tick`, or none")
-        if tick is not None and self.ticks and tick < self.ticks[-1]:
+    def record(self, retained: RetainedStarts, tokens_seen: int, *, tick: int) -> None:
+        if self.ticks and tick < self.ticks[-1]:
             raise ValueError(f"tick {tick} comes before the last step's ({self.ticks[-1]}); steps are recorded in order")
         self.retained.append(tuple(tuple(layer) for layer in retained))
         self.step_ends.append(int(tokens_seen))
-        if tick is not None:
-            self.ticks.append(int(tick))
+        self.ticks.append(int(tick))
 
     @property
     def policy_steps(self) -> int:
@@ -61,21 +57,18 @@ class RetentionTrace:
     @property
     def steps(self) -> int:
         """Control steps the trace spans (the last step's tick + 1)."""
-        return self.ticks[-1] + 1 if self.ticks else self.policy_steps
-
-    def _tick(self, index: int) -> int:
-        return self.ticks[index] if self.ticks else index
+        return self.ticks[-1] + 1 if self.ticks else 0
 
     def source_step(self, token: int) -> int:
         """The control step whose policy step appended ``token`` (the prompt counts as the first one's)."""
-        return self._tick(min(bisect.bisect_right(self.step_ends, token), self.policy_steps - 1))
+        return self.ticks[min(bisect.bisect_right(self.step_ends, token), self.policy_steps - 1)]
 
     def held_by_step(self) -> np.ndarray:
         """[steps (source, y), steps (control step, x)] chunks from step y held after step x, mean over layers
         (between two policy steps the cache holds what the earlier one left)."""
         grid = np.zeros((self.steps, self.steps))
         for i, layers in enumerate(self.retained):
-            x, until = self._tick(i), self._tick(i + 1) if i + 1 < self.policy_steps else self.steps
+            x, until = self.ticks[i], self.ticks[i + 1] if i + 1 < self.policy_steps else self.steps
             for starts in layers:
                 for start in starts:
                     grid[self.source_step(start), x:max(until, x + 1)] += 1.0 / len(layers)
