@@ -245,3 +245,65 @@ def test_models_that_differ_in_any_weight_store_their_kv_apart(tiny_lm):
     first = MemoryPrefill(tiny_lm, store, PrefillConfig(method="reuse")).run(prompt)
     second = MemoryPrefill(other, store, PrefillConfig(method="reuse")).run(prompt)
     assert first.stats.units_built > 0 and second.stats.units_built == first.stats.units_built  # none reused
+
+
+def test_attention_by_runs_of_positions_equals_the_masked_attention():
+    """``PrefillRun`` attends the rows it computes run by run (a run of consecutive positions sees keys up to its
+    last one): the same outputs as one attention under the ``[T, S]`` causal-by-position mask, for runs at the
+    start, in the middle, single rows and the end."""
+    from vla_runtime.kv.attention import masked_attention
+    from vla_runtime.memory.prefill_run import PrefillRun
+
+    g = torch.Generator().manual_seed(0)
+    s = 40
+    k, v = torch.randn(1, 2, s, 8, generator=g), torch.randn(1, 2, s, 8, generator=g)
+    for rows in ([0, 1, 2, 7, 8, 20, 33, 34, 35, 36, 37, 38, 39], [5], [39], list(range(s)), [3, 9, 10, 11, 30]):
+        pos = torch.tensor(rows)
+        q = torch.randn(1, 4, len(rows), 8, generator=g)
+        want = masked_attention(q, k, v, torch.arange(s)[None, :] <= pos[:, None])
+        torch.testing.assert_close(PrefillRun._causal_runs(q, k, v, pos), want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("method,cfg", [("keep", {"decay": 0.5}), ("cacheblend", {}), ("epic", {})])
+def test_rows_leaving_after_a_layer_skip_its_output_and_nothing_else(tiny_lm, method, cfg):
+    """A row the next layer no longer computes adds its keys and values at this layer and nothing more: the
+    prefill's logits and every layer's KV equal those of the same plan run through whole decoder layers (each row
+    through the full layer, the hidden rows dropped afterwards)."""
+    from vla_runtime.memory.prefill_run import PrefillRun
+
+    prompt = make_prompt()
+    res = run(tiny_lm, prompt, method=method, **cfg)
+    shrinks = sum(a != b for a, b in zip(res.stats.memory_rows_per_layer, res.stats.memory_rows_per_layer[1:]))
+    assert method == "epic" or shrinks >= 1  # the plan drops rows somewhere, or the test shows nothing
+
+    def whole_layer(self, layer, x):  # every computed row through the whole block, then the next layer's rows
+        out = layer(x, _AllRows(self))
+        if self.next_computed is None:
+            return out if layer.self_attn.layer < self.n_layers - 1 else out[:, -1:]
+        new_rows = torch.nonzero(self.next_computed).flatten()
+        idx = torch.searchsorted(self.rows, new_rows)
+        self.computed, self.rows, self.next_computed = self.next_computed, new_rows, None
+        return out[:, idx]
+
+    class _AllRows:
+        def __init__(self, run_):
+            self.run = run_
+
+        def attend(self, layer, q, k, v):
+            r = self.run
+            out = r.attend(layer, q, k, v)  # the outputs of the rows read later
+            if r.out_index is None:
+                return out
+            full = torch.zeros(q.shape, dtype=out.dtype)  # rows not read get zeros: only their KV may matter
+            full[:, :, r.out_index] = out
+            return full
+
+    mp = pytest.MonkeyPatch()
+    with mp.context() as m:
+        m.setattr(PrefillRun, "layer_step", whole_layer)
+        ref = run(tiny_lm, prompt, method=method, **cfg)
+    torch.testing.assert_close(res.logits, ref.logits, atol=1e-5, rtol=1e-5)
+    n = prompt.n_tokens
+    for got, want in zip(res.cache.buffers(n), ref.cache.buffers(n)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert res.stats.memory_rows_per_layer == ref.stats.memory_rows_per_layer

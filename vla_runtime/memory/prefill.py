@@ -1,8 +1,8 @@
 """Prefill with memory as a per-layer loop over our decoder (KEEP §4-5; CacheBlend/EPIC/Prompt Cache
 baselines through the same loop).
 
-The decoder runs one layer at a time, ``model.model.layers[l](x, cache)``, with ``x`` holding only
-the rows computed at that layer. ``PrefillRun`` (``prefill_run.py``) is the cache object the layer talks to
+The decoder runs one layer at a time (``PrefillRun.layer_step``: our LLaMA block's arithmetic), with ``x``
+holding only the rows computed at that layer; rows the next layer drops leave right after the attention. ``PrefillRun`` (``prefill_run.py``) is the cache object the layer talks to
 (the ``attend`` protocol): it owns a working buffer of the whole prompt's pre-RoPE keys per layer
 (stored KV loaded for rows not computed, fresh k for computed rows), rotates all keys at their
 absolute positions, and attends with a true causal mask by position (a row sees key j iff
@@ -159,10 +159,10 @@ class MemoryPrefill:
 
     def prefill_layer(self, input: torch.Tensor, layer_id: int, kv: PrefillRun) -> tuple[torch.Tensor, PrefillRun]:
         """Run decoder layer ``layer_id`` on the computed rows ``input: [1, T, dim]`` against ``kv``.
-        Returns the next layer's input (rows it still computes) and the updated KV."""
+        Returns the next layer's input (rows it still computes; after the last layer, the prompt's last row) and
+        the updated KV."""
         kv.record()
-        out = self.model.model.layers[layer_id](input, kv)
-        return kv.advance(out), kv
+        return kv.layer_step(self.model.model.layers[layer_id], input), kv
 
     def importance_evaluation(self, layer_id: int, memory_ids: list[str], attention: SegmentAttention) -> list[str]:
         """The memories to recompute at layer ``layer_id + 1`` (KEEP's multi-hop propagation)."""

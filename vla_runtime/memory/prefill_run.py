@@ -5,8 +5,14 @@ drives the loop).
 ``PrefillRun`` owns a working buffer of the whole prompt's pre-RoPE keys per layer (stored KV loaded for rows
 not computed, fresh k for computed rows), rotates all keys at their absolute positions and attends with a true
 causal mask by position (a row sees key j iff ``pos[j] <= pos[row]``). Values and rotated keys land directly in
-the ``FullCache`` that afterwards holds the whole prompt. After each layer the method may shrink the rows the
-next layer computes (``after_attention``); the loader is then told which stored units those layers need.
+the ``FullCache`` that afterwards holds the whole prompt. At each layer, once the computed rows' keys and values
+are in place, the method may shrink the rows the next layer computes (``after_attention``: it reads scores and
+values, never the attention's output); the loader is then told which stored units those layers need.
+
+A row that the next layer no longer computes only contributes its keys and values at this layer: its attention
+output, output projection and MLP would be thrown away. So attention runs for the rows the next layer reads (at
+the last layer, the prompt's last row, whose hidden state gives the logits) and ``layer_step`` drops the other
+rows before the output projection. Every kept row's hidden state is the one a full layer gives it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from ..kv.attention import causal_attention, masked_attention
 from ..kv.full import FullCache
@@ -72,9 +79,11 @@ class PrefillRun:
         self.computed = plan.computed.clone()  # [S] bool, current layer
         self.rows = torch.nonzero(self.computed).flatten().to(dev)  # [T]
         self.next_computed: torch.Tensor | None = None
+        self.out_index: torch.Tensor | None = None  # this layer's rows whose output is read (None: all)
         self.stats_rows: list[int] = []
         self.stats_total: list[int] = []
         self.stats_modules: list[tuple[str, ...]] = []
+        self._recorded: torch.Tensor | None = None  # the computed set the last statistics describe
         self.loader: LayerLoader | None = None
         # stored_bias only: memory positions read from stored KV that is not exact, and each layer's score bias
         self.stale: torch.Tensor | None = None  # [S] bool
@@ -104,18 +113,44 @@ class PrefillRun:
         if self.key_bias is not None:  # the stale keys of this layer: stored, not exact, not computed here
             self.key_bias[layer] = (self.stale & ~self.computed).to(self.key_bias) * -self.engine.config.stored_bias
             bias = self.key_bias[layer][None, :]  # [1, S]
-        if bias is None and len(rows) == s:  # every row computed (full recomputation, layer 0): plain causal
-            out = causal_attention(q_rot, k_rot, v_all, past=0)
-        else:
-            out = masked_attention(q_rot, k_rot, v_all, mask, bias=bias)
         view = AttentionView(self, layer, rows, q_rot, k_rot, mask, v[0], v_stored)
         nxt = self.method.after_attention(layer, view)
         if nxt is not None:
             self._shrink(layer, nxt)
-        return out
+        self.out_index = self._read_rows(layer)
+        if self.out_index is not None:  # only the rows the next layer reads need an output
+            q_rot, mask = q_rot[:, :, self.out_index], mask[self.out_index]
+        if bias is not None:
+            return masked_attention(q_rot, k_rot, v_all, mask, bias=bias)
+        return self._causal_runs(q_rot, k_rot, v_all, rows if self.out_index is None else rows[self.out_index])
+
+    @staticmethod
+    def _causal_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Causal attention by position for query rows at sorted positions ``pos: [T]`` (q: [1, Hq, T, D]) over
+        keys k, v: [1, Hkv, S, D]. Each run of consecutive positions ``a..b`` attends to keys ``0..b`` only (one
+        ``causal_attention`` per run): the same result as a ``[T, S]`` mask without the keys a run cannot see."""
+        t = pos.numel()
+        breaks = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist()
+        starts = [0, *breaks]
+        ends = [*breaks, t]
+        first = pos[starts].tolist()
+        outs = []
+        for a, b, p in zip(starts, ends, first):
+            n = p + (b - a)  # keys the run sees: 0 .. its last position
+            outs.append(causal_attention(q[:, :, a:b], k[:, :, :n], v[:, :, :n], past=p))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def end_forward(self, *, pin: bool = False) -> None:
         pass
+
+    def _read_rows(self, layer: int) -> torch.Tensor | None:
+        """Indices into this layer's rows whose output a later step reads: [T'], or None = every row. At the last
+        layer only the prompt's last position (the logits'); before it, the rows the next layer computes."""
+        if layer == self.n_layers - 1:
+            return None if len(self.rows) == 1 else torch.tensor([len(self.rows) - 1], device=self.rows.device)
+        if self.next_computed is None:
+            return None
+        return torch.searchsorted(self.rows, torch.nonzero(self.next_computed).flatten().to(self.rows.device))
 
     def needed_from_stored(self, computed: torch.Tensor) -> set[str]:
         """Modules that read stored KV when ``computed: [S] bool`` positions are computed."""
@@ -129,19 +164,37 @@ class PrefillRun:
         self.next_computed = nxt
 
     def record(self) -> None:
+        """This layer's statistics (the computed set changes at few layers: the last layer's are reused until it does)."""
+        if self.stats_rows and self._recorded is self.computed:
+            self.stats_rows.append(self.stats_rows[-1])
+            self.stats_total.append(self.stats_total[-1])
+            self.stats_modules.append(self.stats_modules[-1])
+            return
         p, m_end = self.prompt.n_prefix, self.prompt.memory_end
         self.stats_rows.append(int(self.computed[p:m_end].sum()))
         self.stats_total.append(int(self.computed.sum()))
         self.stats_modules.append(tuple(m.id for m in self.plan.modules if bool(self.computed[m.start : m.end].any())))
+        self._recorded = self.computed
 
-    def advance(self, x: torch.Tensor) -> torch.Tensor:
-        """After a layer: keep the hidden rows the next layer computes. x: [1, T, dim] -> [1, T', dim]."""
-        if self.next_computed is None:
-            return x
-        new_rows = torch.nonzero(self.next_computed).flatten().to(self.rows.device)
-        idx = torch.searchsorted(self.rows, new_rows)
-        self.computed, self.rows, self.next_computed = self.next_computed, new_rows, None
-        return x[:, idx]
+    def layer_step(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Decoder layer ``layer`` (our LLaMA block) on this layer's computed rows, ``x: [1, T, dim]`` -> the rows the
+        next layer computes ``[1, T', dim]`` (at the last layer: the prompt's last row). The same arithmetic as
+        ``DecoderLayer.forward``; rows whose output nobody reads leave after the attention."""
+        attn = layer.self_attn
+        t = x.shape[1]
+        q, k, v = attn.project(layer.input_layernorm(x))
+        q = q.view(1, t, attn.n_heads, attn.head_dim).transpose(1, 2)  # [1, Hq, T, D]
+        k = k.view(1, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)  # [1, Hkv, T, D]
+        v = v.view(1, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+        out = self.attend(attn.layer, q, k, v)  # [1, Hq, T', D]
+        if self.out_index is not None:
+            x = x[:, self.out_index]
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if self.next_computed is not None:
+            self.computed, self.next_computed = self.next_computed, None
+            self.rows = torch.nonzero(self.computed).flatten().to(self.rows.device)
+        return x
 
     def importance_evaluation(self, layer_id: int, memory_ids: list[str], attention: SegmentAttention) -> list[str]:
         return self.engine.importance_evaluation(layer_id, memory_ids, attention)
