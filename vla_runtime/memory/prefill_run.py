@@ -119,10 +119,10 @@ class PrefillRun:
             self._shrink(layer, nxt)
         self.out_index = self._read_rows(layer)
         if self.out_index is not None:  # only the rows the next layer reads need an output
-            q_rot, mask = q_rot[:, :, self.out_index], mask[self.out_index]
+            q_rot, rows = q_rot[:, :, self.out_index], rows[self.out_index]
         if bias is not None:
-            return masked_attention(q_rot, k_rot, v_all, mask, bias=bias)
-        return self._causal_runs(q_rot, k_rot, v_all, rows if self.out_index is None else rows[self.out_index])
+            return masked_attention(q_rot, k_rot, v_all, self.pos[None, :] <= rows[:, None], bias=bias)
+        return self._causal_runs(q_rot, k_rot, v_all, rows)
 
     @staticmethod
     def _causal_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -191,9 +191,8 @@ class PrefillRun:
             x = x[:, self.out_index]
         x = x + attn.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if self.next_computed is not None:
-            self.computed, self.next_computed = self.next_computed, None
-            self.rows = torch.nonzero(self.computed).flatten().to(self.rows.device)
+        if self.next_computed is not None:  # the rows read are the next layer's
+            self.computed, self.next_computed, self.rows = self.next_computed, None, self.rows[self.out_index]
         return x
 
     def importance_evaluation(self, layer_id: int, memory_ids: list[str], attention: SegmentAttention) -> list[str]:
