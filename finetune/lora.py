@@ -11,14 +11,16 @@ adapters would never get a gradient.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch.nn as nn
-from peft import LoraConfig, PeftModel, get_peft_model
 
 from vla_runtime.checkpoints.openvla import UNUSED
 
 from .config import LORA_SHORTHANDS, LoraSettings
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def unused_by_forward(model: nn.Module) -> tuple[str, ...]:
@@ -89,6 +91,8 @@ def apply_lora(model: nn.Module, cfg: LoraSettings) -> PeftModel:
     Returns the ``PeftModel`` (``save_pretrained`` writes ``adapter_config.json`` +
     ``adapter_model.safetensors``); ``model`` itself keeps working with the adapters active.
     """
+    from peft import LoraConfig, get_peft_model  # here: peft (and transformers) cost a run without LoRA ~2 s to import
+
     targets = resolve_targets(model, cfg.target_modules)
     config = LoraConfig(
         r=cfg.rank,

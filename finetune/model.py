@@ -10,12 +10,12 @@ cache's parallel form, soft gates) in history mode with ``KVMode.CHUNKED``, else
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from peft.tuners.lora import LoraLayer
 from torch.utils.checkpoint import checkpoint
 
 from vla_runtime.kv import KVConfig
@@ -48,7 +48,8 @@ def head_rows(head: nn.Module, hidden: torch.Tensor, rows: slice) -> torch.Tenso
     """``head(hidden)[..., rows]`` computing only those output rows (the 256 action ids of a 32064-row
     head: 125x less work), for a plain ``nn.Linear`` or a peft LoRA ``Linear`` around one
     (``base(x) + sum_adapters scaling * B(A(dropout(x)))``)."""
-    if not isinstance(head, LoraLayer):
+    lora = sys.modules.get("peft.tuners.lora")  # not imported: no layer can be peft's (a run without LoRA skips it)
+    if lora is None or not isinstance(head, lora.LoraLayer):
         return F.linear(hidden, head.weight[rows], None if head.bias is None else head.bias[rows])
     base = head.get_base_layer()
     out = F.linear(hidden, base.weight[rows], None if base.bias is None else base.bias[rows])
