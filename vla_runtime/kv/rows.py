@@ -11,10 +11,11 @@ its keys out in attention order at positions ``0 .. n-1`` and says where the for
 row's rotated keys to its own rotated view and attends over it (``row_attend``: one small attention call per
 row on keys it holds contiguously, bit for bit what it computes alone), and after the last layer stores the
 forward's pre-RoPE keys and values of every layer at once (``row_commit``). So per row and layer only the
-append and the attention call are left. (A padded ``[B, Hkv, Lmax, D]`` copy of the rows' keys attended in one
-call was measured too: the copy and its upkeep cost on CPU what the single call saved, and a call behind a
-key-padding mask rounds the softmax differently from the per-row call.) A cache without the seam (a
-Triton-backed one) makes every row attend through its own ``attend``.
+append and the attention call are left. (One call for all rows was measured too, ``benchmarks/bench_row_attention.py``:
+on a CPU it saves at most ~0.1 ms of a layer's decode, a padded copy of the rows' keys or views kept in one pooled
+buffer lose that, and SDPA's output depends on the padded key length, so a row would get what it gets alone only
+if alone it padded to the batch's length.) A cache without the seam (a Triton-backed one) makes every row attend
+through its own ``attend``.
 """
 
 from __future__ import annotations
