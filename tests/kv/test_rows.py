@@ -196,3 +196,27 @@ def test_rows_sharing_a_gate_compress_in_one_pass_as_each_alone():
         for (ka, va), (kr, vr) in zip(held_kv(a), held_kv(r)):
             torch.testing.assert_close(kr, ka, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(vr, va, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", REGISTERED, ids=lambda m: m.value)
+@torch.no_grad()
+def test_rows_planned_ahead_attend_at_this_forwards_positions(mode):
+    """A row whose forward was begun by ``plan_forward`` (what a compiled decoder calls before its layer pass) gets
+    this forward's ``row_plan``, never one left from an earlier forward: forwards of 2 and 1 tokens, a rollback to
+    the start, then 3 tokens, each planned ahead, give what the 3 tokens give a fresh cache (the 1-token forward's
+    plan held 3 keys too, with one new token)."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(11)
+    x2, x1, x3 = (torch.randn(2, t, 64, generator=gen) for t in (2, 1, 3))
+    planned = RowsCache([build(mode, "easy", model) for _ in range(2)])
+    start = planned.mark()
+    for x in (x2, x1):
+        for cache in planned.caches:
+            cache.plan_forward(x.shape[1])
+        model(inputs_embeds=x, cache=planned)
+    planned.rollback(start)
+    for cache in planned.caches:
+        cache.plan_forward(3)
+    out = model(inputs_embeds=x3, cache=planned)
+    fresh = RowsCache([build(mode, "easy", model) for _ in range(2)])
+    torch.testing.assert_close(out, model(inputs_embeds=x3, cache=fresh), rtol=0, atol=0)

@@ -148,6 +148,7 @@ class ChunkedGatedCache(SlotCache):
         chunks = self._chunk_slots
         contiguous = s.contiguous_prefix(t)
         self._plan = s.plan(t)
+        self._row_plans.clear()  # made by ``row_plan`` if a RowsCache asks
         if self._pinned_slots.numel() != s.n_pinned:
             self._pinned_slots = torch.arange(s.n_pinned, device=s.device)
         pinned = self._pinned_slots
@@ -222,7 +223,6 @@ class ChunkedGatedCache(SlotCache):
         """The same object for the layers that hold the same number of keys (usually all)."""
         if self._plan is None:
             self._begin_forward(t)
-            self._row_plans.clear()
         n = self._n_keys[layer]
         if n not in self._row_plans:
             self._row_plans[n] = row_plan_of(self.store, n, t, causal=not self.bidirectional)

@@ -89,6 +89,7 @@ class FullCache(SlotCache):
             first, cos, sin = self._ahead
             self._cos, self._sin = cos[start - first : start - first + t], sin[start - first : start - first + t]
         self._pending = t
+        self._row_plan = None  # made by ``row_plan`` if a RowsCache asks
         if self.static_shapes:  # [T, extent] additive: 0 where query i sees slot j, -inf elsewhere
             slots = self._slot_index[:, : static_extent(start + t, self.capacity)]
             last = start + t - 1 if self.bidirectional else self._new_slots[:, None]
@@ -149,6 +150,7 @@ class FullCache(SlotCache):
         layer of a forward."""
         if self._cos is None:
             self._begin_forward(t, self.store.device)
+        if self._row_plan is None:  # this forward's (``_begin_forward`` forgets the last one's)
             self._row_plan = RowPlan(n_keys=self.length + t, cos=self._cos, sin=self._sin, causal=not self.bidirectional)
         return self._row_plan
 

@@ -72,6 +72,7 @@ class SinkWindowCache(SlotCache):
         s = self.store
         contiguous = s.contiguous_prefix(t)
         self._plan = s.plan(t)
+        self._row_plan = None  # made by ``row_plan`` if a RowsCache asks
         self._n_keys = s.n_pinned + s.n_raw + t
         if contiguous:
             self._slots = slice(0, self._n_keys)
@@ -102,6 +103,7 @@ class SinkWindowCache(SlotCache):
         """One object for every layer of a forward."""
         if self._plan is None:
             self._begin_forward(t)
+        if self._row_plan is None:  # this forward's (``_begin_forward`` forgets the last one's)
             self._row_plan = row_plan_of(self.store, self._n_keys, t, causal=not self.bidirectional)
         return self._row_plan
 
