@@ -284,8 +284,8 @@ class ChunkedGatedCache(SlotCache):
     def _due_chunks(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The n oldest raw chunks' pre-RoPE keys and values: [L, B, Hkv, n, C, D] each."""
         s, c = self.store, self.params.chunk
-        idx = s.token_slots(s.raw_head, s.raw_head + n * c).view(n, c)
-        return s.k[:, :, :, idx], s.v[:, :, :, idx]
+        idx = s.token_slots(s.raw_head, s.raw_head + n * c)  # [n * C]: one index_select, not an advanced index
+        return s.k.index_select(3, idx).unflatten(3, (n, c)), s.v.index_select(3, idx).unflatten(3, (n, c))
 
     @torch.no_grad()
     def _compress(self) -> None:
@@ -332,19 +332,20 @@ class ChunkedGatedCache(SlotCache):
         """n chunks at once when no budget can fill (what ``admit`` does then: the j-th kept chunk takes the
         j-th free slot). k_rep, v_rep: [L, B, Hkv, n, D]; scores, keep: [L, n]."""
         s, n = self.store, keep.shape[1]
-        # a chunk takes the lowest free slot, so slots from ``chunks_formed`` on are all free: n of them suffice
-        used = self.chunk_valid[:, : self.chunks_formed + n]
-        free_first = torch.argsort(used.to(torch.int8), dim=1, stable=True)  # [L, chunks_formed + n]
+        # a chunk takes the lowest free slot, so slots from ``chunks_formed`` on are all free: n of them suffice,
+        # and only the first w slots can change (the rest of the budget, up to ``max_chunks``, is not touched)
+        w = self.chunks_formed + n
+        free_first = torch.argsort(self.chunk_valid[:, :w].to(torch.int8), dim=1, stable=True)  # [L, w]
         slot = free_first.gather(1, (keep.long().cumsum(1) - 1).clamp(min=0))  # [L, n]
         target = torch.where(keep, s.raw_end + slot, self._scratch)  # [L, n]
         s.k[self._layers[:, None], :, :, target] = k_rep.permute(0, 3, 1, 2, 4)  # [L, n, B, Hkv, D]
         s.v[self._layers[:, None], :, :, target] = v_rep.permute(0, 3, 1, 2, 4)
-        hit = torch.nn.functional.one_hot(slot, self.params.max_chunks).bool() & keep[..., None]  # [L, n, M]
-        taken = hit.any(1)
-        ages = torch.arange(self.chunks_formed, self.chunks_formed + n, device=keep.device)
-        self.chunk_valid = self.chunk_valid | taken
-        self.chunk_score = torch.where(taken, (hit * scores[..., None]).sum(1), self.chunk_score)
-        self.chunk_age = torch.where(taken, (hit * ages[None, :, None]).sum(1), self.chunk_age)
+        hit = torch.nn.functional.one_hot(slot, w).bool() & keep[..., None]  # [L, n, w]
+        taken = hit.any(1)  # [L, w]
+        ages = torch.arange(self.chunks_formed, w, device=keep.device)
+        self.chunk_valid[:, :w] |= taken
+        self.chunk_score[:, :w] = torch.where(taken, (hit * scores[..., None]).sum(1), self.chunk_score[:, :w])
+        self.chunk_age[:, :w] = torch.where(taken, (hit * ages[None, :, None]).sum(1), self.chunk_age[:, :w])
         self.chunks_formed += n
 
     # ---- stats -------------------------------------------------------------------------------------
