@@ -84,7 +84,8 @@ def variants(args: argparse.Namespace, gen: torch.Generator) -> tuple[dict, torc
                 for i, n in enumerate(args.keys)]  # fmt: skip
         return torch.cat(outs)
 
-    copy_k, copy_v = torch.empty(rows, hkv, longest, d), torch.empty(rows, hkv, longest, d)  # allocated once
+    # allocated once, zeroed: the masked padding must be finite (a masked key's weight is 0, and 0 * NaN is NaN)
+    copy_k, copy_v = torch.zeros(rows, hkv, longest, d), torch.zeros(rows, hkv, longest, d)
 
     def copy() -> torch.Tensor:
         for i, n in enumerate(args.keys):
