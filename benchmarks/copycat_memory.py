@@ -29,6 +29,7 @@ state and the action tokens do not follow it.
 
     python benchmarks/copycat_memory.py --checkpoint assets/mw-memory-openvla --kv chunked --episodes 30 --seed 1000
     python benchmarks/copycat_memory.py --checkpoint FULL --kv full --episodes 30 --seed 1000 --probe-episodes 60
+    python benchmarks/copycat_memory.py --checkpoint FULL --kv full --memory-delays 1:8 --probe-episodes 60   # other delays
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vla_runtime.cli.policy_args import saved_gate_geometry
+from vla_runtime.cli.sim_args import parse_delays
 from vla_runtime.config import HistoryMode, SessionConfig
 from vla_runtime.kv.config import KVConfig, KVMode
 from vla_runtime.policies.registry import load_policy
@@ -167,6 +169,8 @@ def main() -> None:
                    help="also fit a probe for the answer pad on the hidden state of N expert-driven episodes from "
                         "--probe-seed and read it on the evaluated ones (0 = off)")
     p.add_argument("--probe-seed", type=int, default=0)
+    p.add_argument("--memory-delays", type=parse_delays, default=None, metavar="LOW:HIGH",
+                   help="draw each episode's delay over LOW..HIGH steps instead of the trained 20..60 (as `eval`'s flag)")
     p.add_argument("--out", type=Path, default=None, help="write the per-episode rows and the summary as JSON")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -178,7 +182,7 @@ def main() -> None:
     config = SessionConfig(kv=kv, history=HistoryMode.OBSERVATIONS)
     hook = FirstTokenState(policy) if args.probe_episodes else None
     rows, fit = [], []
-    with MetaWorldEnv(MetaWorldConfig(cameras=("corner",), resolution=(84, 84), max_steps=200)) as env:
+    with MetaWorldEnv(MetaWorldConfig(cameras=("corner",), resolution=(84, 84), max_steps=200, memory_delays=args.memory_delays)) as env:
         for seed in tqdm(range(args.seed, args.seed + args.episodes), desc="episodes", unit="ep"):
             for expert_drives in (True, False):
                 rows.append(run(env, policy, config, seed, expert_drives=expert_drives, separation=args.separation, hook=hook))
