@@ -25,7 +25,8 @@ With ``--probe-episodes N``, a softmax probe for the answer pad is fit on the hi
 first action token (``probe_memory.FirstTokenState``) at every step after go of N expert-driven episodes from
 ``--probe-seed``, and read on the evaluated episodes beside the policy's picks: at go, on the shared way, at the
 first separable step and at all of them. A probe that is right where the policy is not says the memory is in the
-state and the action tokens do not follow it.
+state and the action tokens do not follow it. A second probe is fit on the states at go alone (one per episode),
+before any motion can tell the pad: at chance there, the count is not in the state at all.
 
     python benchmarks/copycat_memory.py --checkpoint assets/mw-memory-openvla --kv chunked --episodes 30 --seed 1000
     python benchmarks/copycat_memory.py --checkpoint FULL --kv full --episodes 30 --seed 1000 --probe-episodes 60
@@ -137,6 +138,25 @@ def probe_table(fit: list[dict], test: list[dict]) -> dict:
     return table
 
 
+def probe_at_go(fit: list[dict], test: list[dict]) -> dict:
+    """A softmax probe for the answer pad fit on the ``fit`` episodes' hidden states at go only (one per episode)
+    and read on the ``test`` ones' states at go: is the count in the state before any motion shows it? (The probe
+    of ``probe_table`` is fit on every step after go, where the hand's heading also tells the pad.) -> per flash
+    count ``"right/episodes"`` and ``"all"``, the share right."""
+    x = torch.stack([row["steps"][0][0] for row in fit if row["steps"]]).float()
+    y = torch.tensor([row["count"] - 1 for row in fit if row["steps"]])
+    mean, std = x.mean(0), x.std(0) + 1e-6
+    predict = fit_softmax((x - mean) / std, y, N_PADS)
+    test = [row for row in test if row["steps"]]
+    picks = predict((torch.stack([row["steps"][0][0] for row in test]).float() - mean) / std).tolist()
+    out = {}
+    for count in (1, 2, 3):
+        right = [pick == count - 1 for pick, row in zip(picks, test) if row["count"] == count]
+        out[count] = f"{sum(right)}/{len(right)}"
+    out["all"] = f"{np.mean([pick == row['count'] - 1 for pick, row in zip(picks, test)]):.0%}"
+    return out
+
+
 def summarise(rows: list[dict]) -> dict:
     """Per flash count: episodes, first separable step right, mean share right, closed-loop successes, overshoot."""
     table = {}
@@ -199,6 +219,10 @@ def main() -> None:
         print(f"probe for the answer pad (fit on seeds {probe_seeds.start}-{probe_seeds.stop - 1}, expert-driven):")
         for count, row in result["probe"].items():
             print(f"  {count} flash{'es' if count > 1 else ''}: " + "; ".join(f"{k}: {v}" for k, v in row.items()))
+        result["probe_at_go"] = probe_at_go(fit, [r for r in rows if "steps" in r])
+        print("probe fit on the states at go only (one per episode), read at go: "
+              + "; ".join(f"{k} flash{'es' if k != 1 else ''} {v}" if k != "all" else f"all {v}"
+                          for k, v in result["probe_at_go"].items()))
     for row in rows:
         row.pop("steps", None)
     if args.out is not None:

@@ -37,3 +37,19 @@ def test_the_probe_reads_the_answer_where_it_is_written_and_the_policy_is_scored
     probe_all = float(two["separable steps"].split("%")[0].removeprefix("probe "))
     assert probe_all < 60 and two["separable steps"].endswith("policy 75% (n=40)")  # noise after step 4: chance-ish
     assert table[1]["shared way"] == "-" and table[3]["first separable step"] == "probe 100%, policy 100% (n=10)"
+
+
+def test_the_probe_at_go_reads_the_count_only_where_it_is_in_the_state_at_go(copycat):
+    g = torch.Generator().manual_seed(1)
+    # the answer in the state at go: the probe fit and read there finds it
+    fit = [episode(c, g, written=1, separable_from=4, picks=[c - 1] * 4) for c in (1, 2, 3) * 20]
+    test = [episode(c, g, written=1, separable_from=4, picks=[c - 1] * 4) for c in (1, 2, 3) * 5]
+    assert copycat.probe_at_go(fit, test) == {1: "5/5", 2: "5/5", 3: "5/5", "all": "100%"}
+    # the answer only from the second step on (motion, not memory): at go the probe has nothing to read
+    late = [episode(c, g, written=0, separable_from=4, picks=[c - 1] * 4) for c in (1, 2, 3) * 20]
+    for row in late:
+        for i in range(1, 8):
+            row["steps"][i][0][row["count"] - 1] += 4.0
+    held = [episode(c, g, written=0, separable_from=4, picks=[c - 1] * 4) for c in (1, 2, 3) * 10]
+    share = float(copycat.probe_at_go(late, held)["all"].removesuffix("%"))
+    assert share < 60  # chance is 33 %
