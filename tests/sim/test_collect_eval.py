@@ -143,7 +143,9 @@ def test_eval_parallel_workers_with_action_chunks(demos, capfd):
 
 def test_a_worker_episode_that_raises_keeps_the_results_of_the_others_and_is_raised():
     """Episodes that finished are handed on (made durable) before the failure is raised; what had not started is
-    not run (``--resume`` runs it)."""
+    not run (``--resume`` runs it). The error raised is the first failed episode's in job order (seed 0), whichever
+    worker failed first: bad seed 0 is handed to a worker before bad seed 1, so it runs even when seed 1's failure
+    cancels the rest (a loaded machine once raised seed 1's error here)."""
     from eval_fakes import make_policy, make_world
 
     recorded = []

@@ -293,7 +293,7 @@ def evaluate(
         initargs=(policy_factory, env_factory, threads),
     ) as pool:
         futures = {pool.submit(_worker_episode, *jobs[i][:2], config, jobs[i][2]): i for i in todo}
-        failed: BaseException | None = None
+        failed: dict[int, BaseException] = {}  # job index -> its error
         try:
             for future in as_completed(futures):
                 if future.cancelled():
@@ -301,16 +301,16 @@ def evaluate(
                 try:
                     result = future.result()
                 except Exception as e:  # noqa: BLE001 - raised below, once the episodes that finished are recorded
-                    if failed is None:
-                        failed = e
+                    if not failed:
                         for other in futures:  # what has not started is not run (a resume runs it)
                             other.cancel()
+                    failed[futures[future]] = e
                     continue
                 done(futures[future], result)
         finally:
             bar.close()
-    if failed is not None:
-        raise failed
+    if failed:  # the first failed episode in job order, whichever worker failed first
+        raise failed[min(failed)]
     return results
 
 
