@@ -30,7 +30,7 @@ before any motion can tell the pad: at chance there, the count is not in the sta
 
     python benchmarks/copycat_memory.py --checkpoint assets/mw-memory-openvla --kv chunked --episodes 30 --seed 1000
     python benchmarks/copycat_memory.py --checkpoint FULL --kv full --episodes 30 --seed 1000 --probe-episodes 60
-    python benchmarks/copycat_memory.py --checkpoint FULL --kv full --memory-delays 1:8 --probe-episodes 60   # other delays
+    python benchmarks/copycat_memory.py --checkpoint FULL --kv full --memory-delays 1:8 --probe-episodes 60
 """
 
 from __future__ import annotations
@@ -107,15 +107,24 @@ def run(
     return out
 
 
+def fit_pad_probe(states: torch.Tensor, pads: torch.Tensor):
+    """A softmax probe for the answer pad fit on hidden ``states`` [N, dim] (standardised by their own mean and
+    std) with ``pads`` [N] in 0..N_PADS-1 -> ``predict(states [M, dim]) -> pads [M]``."""
+    states = states.float()
+    mean, std = states.mean(0), states.std(0) + 1e-6
+    predict = fit_softmax((states - mean) / std, pads, N_PADS)
+    return lambda test: predict((test.float() - mean) / std)
+
+
 def probe_table(fit: list[dict], test: list[dict]) -> dict:
     """A softmax probe for the answer pad, fit on the hidden states after go of the ``fit`` episodes (``run`` rows
     with ``steps``) and read on the ``test`` ones, beside the policy's picks. Per flash count: the probe at go, on the
     shared way (from go to the first separable step), at the first separable step and at all of them; the policy
     at the last two."""
-    x = torch.stack([state for row in fit for state, _, _ in row["steps"]])
-    y = torch.tensor([row["count"] - 1 for row in fit for _ in row["steps"]])
-    mean, std = x.mean(0), x.std(0) + 1e-6
-    predict = fit_softmax((x - mean) / std, y, N_PADS)
+    predict = fit_pad_probe(
+        torch.stack([state for row in fit for state, _, _ in row["steps"]]),
+        torch.tensor([row["count"] - 1 for row in fit for _ in row["steps"]]),
+    )
     table = {}
     for count in (1, 2, 3):
         groups = {"at go": [], "shared way": [], "first separable step": [], "separable steps": []}
@@ -131,7 +140,7 @@ def probe_table(fit: list[dict], test: list[dict]) -> dict:
             if not rows:
                 line[name] = "-"
                 continue
-            probe = predict((torch.stack([state for state, _, _ in rows]) - mean) / std) == count - 1
+            probe = predict(torch.stack([state for state, _, _ in rows])) == count - 1
             policy = [pick == count - 1 for _, sep, pick in rows if sep]
             line[name] = f"probe {probe.float().mean():.0%}" + (f", policy {np.mean(policy):.0%}" if policy else "") + f" (n={len(rows)})"
         table[count] = line
@@ -143,12 +152,10 @@ def probe_at_go(fit: list[dict], test: list[dict]) -> dict:
     and read on the ``test`` ones' states at go: is the count in the state before any motion shows it? (The probe
     of ``probe_table`` is fit on every step after go, where the hand's heading also tells the pad.) -> per flash
     count ``"right/episodes"`` and ``"all"``, the share right."""
-    x = torch.stack([row["steps"][0][0] for row in fit if row["steps"]]).float()
-    y = torch.tensor([row["count"] - 1 for row in fit if row["steps"]])
-    mean, std = x.mean(0), x.std(0) + 1e-6
-    predict = fit_softmax((x - mean) / std, y, N_PADS)
-    test = [row for row in test if row["steps"]]
-    picks = predict((torch.stack([row["steps"][0][0] for row in test]).float() - mean) / std).tolist()
+    fit, test = [row for row in fit if row["steps"]], [row for row in test if row["steps"]]
+    at_go = [row["steps"][0][0] for row in fit]
+    predict = fit_pad_probe(torch.stack(at_go), torch.tensor([row["count"] - 1 for row in fit]))
+    picks = predict(torch.stack([row["steps"][0][0] for row in test])).tolist()
     out = {}
     for count in (1, 2, 3):
         right = [pick == count - 1 for pick, row in zip(picks, test) if row["count"] == count]
@@ -190,7 +197,7 @@ def main() -> None:
                         "--probe-seed and read it on the evaluated ones (0 = off)")
     p.add_argument("--probe-seed", type=int, default=0)
     p.add_argument("--memory-delays", type=parse_delays, default=None, metavar="LOW:HIGH",
-                   help="draw each episode's delay over LOW..HIGH steps instead of the trained 20..60 (as `eval`'s flag)")
+                   help="draw each episode's delay over LOW..HIGH steps instead of the trained 20..60 (as eval's)")
     p.add_argument("--out", type=Path, default=None, help="write the per-episode rows and the summary as JSON")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -202,7 +209,8 @@ def main() -> None:
     config = SessionConfig(kv=kv, history=HistoryMode.OBSERVATIONS)
     hook = FirstTokenState(policy) if args.probe_episodes else None
     rows, fit = [], []
-    with MetaWorldEnv(MetaWorldConfig(cameras=("corner",), resolution=(84, 84), max_steps=200, memory_delays=args.memory_delays)) as env:
+    world = MetaWorldConfig(cameras=("corner",), resolution=(84, 84), max_steps=200, memory_delays=args.memory_delays)
+    with MetaWorldEnv(world) as env:
         for seed in tqdm(range(args.seed, args.seed + args.episodes), desc="episodes", unit="ep"):
             for expert_drives in (True, False):
                 rows.append(run(env, policy, config, seed, expert_drives=expert_drives, separation=args.separation, hook=hook))
@@ -220,9 +228,8 @@ def main() -> None:
         for count, row in result["probe"].items():
             print(f"  {count} flash{'es' if count > 1 else ''}: " + "; ".join(f"{k}: {v}" for k, v in row.items()))
         result["probe_at_go"] = probe_at_go(fit, [r for r in rows if "steps" in r])
-        print("probe fit on the states at go only (one per episode), read at go: "
-              + "; ".join(f"{k} flash{'es' if k != 1 else ''} {v}" if k != "all" else f"all {v}"
-                          for k, v in result["probe_at_go"].items()))
+        print("probe fit on the states at go only (one per episode), read at go, by flash count: "
+              + "; ".join(f"{k}: {v}" for k, v in result["probe_at_go"].items()))
     for row in rows:
         row.pop("steps", None)
     if args.out is not None:
