@@ -124,7 +124,8 @@ def test_sessions_build_caches_through_make_cache_with_the_gate_only_when_it_ask
     (params_chunked, extra_chunked), (params_sink, extra_sink) = made
     one_step = 16 + len(chunked.prompt.out) + 1 + 1 + 6  # prev token + image + "\nOut:" + 29871 + 6 fed tokens
     assert params_chunked.window == one_step and params_chunked.capacity is None
-    assert extra_chunked == {"gate": policy.kv_gate} and extra_sink == {}
+    # an eager session's store grows with its episode (``tests/kv/test_growth.py``)
+    assert extra_chunked == {"gate": policy.kv_gate, "grow": True} and extra_sink == {"grow": True}
     assert params_sink.window == 40 and isinstance(sink.cache, FullCache)
 
 

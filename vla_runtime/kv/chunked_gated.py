@@ -42,7 +42,7 @@ from .budget import NEVER, admit, apply_admission
 from .chunked_params import ChunkedGatedParams, chunk_schedule
 from .gate import ChunkGate, check_gate
 from .geometry import CacheGeometry
-from .slot_cache import SlotCache
+from .slot_cache import SlotCache, check_growth
 from .static_view import StaticPlan, attend_static, check_static_rope, static_plan
 from .store import RotatedView, SlotStore, attend_slots, row_plan_of
 
@@ -62,13 +62,16 @@ class ChunkedGatedCache(SlotCache):
         dtype: torch.dtype = torch.float32,
         gate: ChunkGate | None = None,
         static_shapes: bool = False,
+        grow: bool = False,
     ) -> None:
         """``gate``: the policy's ``ChunkGate``; ``None`` builds the untrained default (mean-pooling
         aggregator, keeps every chunk). ``static_shapes``: every forward attends over the rotated view's first
         ``static_extent`` slots behind a mask (``static_view``; the torch path), so a forward of T tokens has one
-        shape at every length and layout within an extent (``CompileMode.REDUCE_OVERHEAD`` sessions use it)."""
+        shape at every length and layout within an extent (``CompileMode.REDUCE_OVERHEAD`` sessions use it).
+        ``grow``: the raw area is allocated as the episode needs it (``SlotStore``; eager forwards only)."""
         super().__init__(geometry, params)
         p = self.params
+        check_growth(grow, static_shapes)
         if gate is None:
             gate = ChunkGate(p.gate_config(geometry)).to(device)
         check_gate(gate, geometry, chunk=p.chunk)
@@ -76,9 +79,10 @@ class ChunkedGatedCache(SlotCache):
         self.batch = batch
         # one scratch slot past the chunk slots takes the writes of layers that do not keep a chunk
         self.store = SlotStore(
-            geometry, slots=p.capacity + 1, chunk_slots=p.max_chunks + 1, batch=batch, device=device, dtype=dtype
+            geometry, slots=p.capacity + 1, chunk_slots=p.max_chunks + 1, batch=batch, device=device, dtype=dtype,
+            grow=grow,
         )
-        self._scratch = torch.tensor(p.capacity, device=device)
+        self._scratch = torch.tensor(self.store.slots - 1, device=device)
         self._layers = torch.arange(geometry.n_layers, device=device)
         self.static_shapes = static_shapes
         self.backend = select_backend(self._backend_name(p, static_shapes), geometry, device=device, dtype=dtype)
@@ -145,6 +149,9 @@ class ChunkedGatedCache(SlotCache):
 
     def _begin_forward(self, t: int) -> None:
         s = self.store
+        if s.room_for(t):  # the store grew: the chunk slots (and the scratch slot after them) moved
+            self._scratch = torch.tensor(s.slots - 1, device=s.device)
+            self._chunk_slots = self._retained_slots()
         chunks = self._chunk_slots
         contiguous = s.contiguous_prefix(t)
         self._plan = s.plan(t)
@@ -300,6 +307,8 @@ class ChunkedGatedCache(SlotCache):
         """The n oldest raw chunks leave the raw area, each layer keeping those its gate and budget admit.
         k_rep, v_rep: [L, B, Hkv, n, D]; scores: [L, B, n]; state: the LSTM state after them."""
         s, c, n = self.store, self.params.chunk, scores.shape[-1]
+        if s.room_for(0, chunks=min(self.params.max_chunks, self.chunks_formed + n)):  # a chunk takes the lowest free slot
+            self._scratch = torch.tensor(s.slots - 1, device=s.device)
         self.lstm_state = state
         scores = scores.mean(1).to(self.chunk_score.dtype)  # [L, n]: batch rows share one layout
         keep = scores > self.gate.threshold().detach().to(scores.dtype)[:, None]

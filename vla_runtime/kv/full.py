@@ -22,7 +22,7 @@ from .attention import block_attention, causal_attention, grouped
 from .base import CacheParams, KVStats, RowPlan
 from .geometry import CacheGeometry
 from .rope import apply_rope
-from .slot_cache import SlotCache
+from .slot_cache import SlotCache, check_growth
 from .static_view import static_extent
 from .store import SlotStore
 
@@ -51,12 +51,16 @@ class FullCache(SlotCache):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         static_shapes: bool = False,
+        grow: bool = False,
     ) -> None:
+        """``grow``: the store is allocated as the episode needs it (``SlotStore``; dynamic shapes only)."""
         super().__init__(geometry, params)
+        check_growth(grow, static_shapes)
         self.static_shapes = static_shapes
         self.capacity = self.params.capacity
         self.store = SlotStore(
-            geometry, slots=self.capacity, chunk_slots=0, batch=batch, device=device, dtype=dtype, rotate_on_read=False
+            geometry, slots=self.capacity, chunk_slots=0, batch=batch, device=device, dtype=dtype, rotate_on_read=False,
+            grow=grow,
         )
         # static shapes: every slot's index [1, capacity], once (the plan compares the new tokens' positions with it)
         self._slot_index = torch.arange(self.capacity, device=device)[None, :] if static_shapes else None
@@ -82,6 +86,7 @@ class FullCache(SlotCache):
         """First layer of a forward of ``t`` tokens: positions once for all layers."""
         start = self.length
         self.check_room(t)
+        self.store.room_for(t)
         self._new_slots = torch.arange(start, start + t, device=device)  # [T]: the new tokens' slots and positions
         if self._ahead is None:
             self._cos, self._sin = self.store.rope.span(start, start + t)  # [T, D] each: the new tokens' positions
@@ -182,6 +187,7 @@ class FullCache(SlotCache):
         """
         if n > self.capacity:
             raise ValueError(f"FullCache holds {self.capacity} tokens, asked for {n}")
+        self.store.room_for(max(0, n - self.length))
         return self.store.k[:, :, :, :n], self.store.v[:, :, :, :n]
 
     def hold(self, n: int) -> None:

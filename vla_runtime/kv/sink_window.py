@@ -51,10 +51,12 @@ class SinkWindowCache(SlotCache):
         batch: int = 1,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        grow: bool = False,
     ) -> None:
+        """``grow``: the store is allocated as the episode needs it (``SlotStore``)."""
         super().__init__(geometry, params)
         p = self.params
-        self.store = SlotStore(geometry, slots=p.capacity, chunk_slots=0, batch=batch, device=device, dtype=dtype)
+        self.store = SlotStore(geometry, slots=p.capacity, chunk_slots=0, batch=batch, device=device, dtype=dtype, grow=grow)
         self.backend = select_backend(p.backend, geometry, device=device, dtype=dtype)
         self.view = RotatedView(self.store) if self.backend.kernel is None else None
         self.reset()

@@ -18,6 +18,13 @@ from .geometry import CacheGeometry
 from .store import SlotStore
 
 
+def check_growth(grow: bool, static_shapes: bool) -> None:
+    """A cache whose store grows (``grow``) hands its forwards new buffers now and then, which a forward with static
+    shapes (a CUDA graph replaying fixed addresses) cannot take."""
+    if grow and static_shapes:
+        raise ValueError("`grow` needs dynamic shapes: a cache with `static_shapes` allocates every slot at once")
+
+
 class SlotCache:
     """Base of every registered cache. A subclass sets ``params_class`` (its hyper-parameter dataclass) and
     builds ``self.store`` in ``__init__`` before calling ``reset()``.

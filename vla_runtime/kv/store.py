@@ -15,6 +15,7 @@ everything in ``[n_pinned, raw_head)`` compressed or dropped. New tokens are wri
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,17 @@ from .backend import CacheBackend
 from .base import RowPlan
 from .geometry import CacheGeometry
 from .rope import RopeConfig, apply_rope, inv_freq, rope_cos_sin
+
+
+INITIAL_RAW_SLOTS = 256  # a growable store's first raw area (pinned prompt + raw ring)
+INITIAL_CHUNK_SLOTS = 17  # and its first chunk area: 16 chunks and the scratch slot
+GROWTH, GROWTH_STEP = 1.25, 64  # an area that is short grows by at least this factor, in multiples of this many slots
+
+
+def grown(have: int, need: int) -> int:
+    """The size an area of ``have`` slots grows to when ``need`` are asked for (see ``SlotStore.room_for``)."""
+    want = max(need, math.ceil(have * GROWTH))
+    return -(-want // GROWTH_STEP) * GROWTH_STEP
 
 
 class RopeTable:
@@ -104,24 +116,68 @@ class SlotStore:
         device: torch.device | str,
         dtype: torch.dtype,
         rotate_on_read: bool = True,
+        grow: bool = False,
     ) -> None:
         """``rotate_on_read``: keys are stored pre-RoPE and rotated at compacted positions when read; ``False``: the
         owner stores keys rotated at their absolute positions (``FullCache``). Either way ``rope`` has the cos/sin
-        rows."""
-        self.slots = slots
+        rows. ``grow``: allocate ``INITIAL_RAW_SLOTS`` raw and ``INITIAL_CHUNK_SLOTS`` chunk slots and grow each area
+        when a forward or a compression needs more (``room_for``), up to ``slots`` and ``chunk_slots``; otherwise every
+        slot at once (what a compiled forward, whose graphs take the buffers as inputs, needs)."""
+        self.max_slots, self.max_chunk_slots = slots, chunk_slots
+        self.rotate_on_read = rotate_on_read
+        self.shape = (geometry.n_layers, batch, geometry.n_kv_heads, geometry.head_dim)  # [L, B, Hkv, D]: all but S
+        self.device = torch.device(device)
+        self.dtype = dtype
+        if grow:
+            chunks = min(chunk_slots, INITIAL_CHUNK_SLOTS)
+            self._allocate(min(slots - chunk_slots, INITIAL_RAW_SLOTS) + chunks, chunks)
+        else:
+            self._allocate(slots, chunk_slots)
+        self.rope = RopeTable(geometry.rope, slots, device, grow=not rotate_on_read)
+        self.reset()
+
+    def _allocate(self, slots: int, chunk_slots: int) -> None:
+        """New K/V buffers of ``slots`` slots (``k, v``; ``k_layers, v_layers``), the last ``chunk_slots`` of them for
+        chunks."""
+        self.slots, self.chunk_slots = slots, chunk_slots
         self.raw_end = slots - chunk_slots
-        shape = (geometry.n_layers, batch, geometry.n_kv_heads, slots, geometry.head_dim)
-        alloc = torch.empty if rotate_on_read else torch.zeros  # decoupled caches write every slot they read
-        self.k = alloc(shape, device=device, dtype=dtype)
-        self.v = alloc(shape, device=device, dtype=dtype)
+        n, b, h, d = self.shape
+        alloc = torch.empty if self.rotate_on_read else torch.zeros  # decoupled caches write every slot they read
+        self.k = alloc((n, b, h, slots, d), device=self.device, dtype=self.dtype)
+        self.v = alloc((n, b, h, slots, d), device=self.device, dtype=self.dtype)
         # [B, Hkv, S, D] views, one per layer: a forward writes its new tokens into these. Each is a tensor of its
         # own to torch.compile, which then updates it in place (writing into ``k[layer]``, a view it makes of the
         # whole buffer, makes inductor copy the whole buffer back every forward)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
         static_addresses(self.k, self.v, *self.k_layers, *self.v_layers)
-        self.rope = RopeTable(geometry.rope, slots, device, grow=not rotate_on_read)
-        self.device = torch.device(device)
-        self.reset()
+
+    def room_for(self, new: int, *, chunks: int = 0) -> bool:
+        """A growable store makes room for ``new`` more raw tokens and ``chunks`` chunk slots (besides the scratch
+        slot a cache keeps last), up to ``max_slots`` in all. Each area that is short grows to what is asked, and at
+        least by ``GROWTH`` (rounded up to ``GROWTH_STEP`` slots); every held token and chunk is copied over (the raw
+        ring re-laid for its new size, the chunk slots in their order after it; attention order and positions
+        unchanged). Call it before planning a forward or admitting chunks, then refresh what was derived from the
+        old buffers or ``raw_end`` (a ``RotatedView`` does so itself). Returns whether the buffers changed."""
+        need_raw = self.n_pinned + self.n_raw + new
+        need_chunks = min(self.max_chunk_slots, chunks + 1) if chunks else 0
+        if (need_raw <= self.raw_end and need_chunks <= self.chunk_slots) or self.slots == self.max_slots:
+            return False
+        raw = self.raw_end if need_raw <= self.raw_end else min(self.max_slots - self.max_chunk_slots, grown(self.raw_end, need_raw))
+        chunk_slots = self.chunk_slots if need_chunks <= self.chunk_slots else min(self.max_chunk_slots, grown(self.chunk_slots, need_chunks))
+        old_k, old_v, old_cap, old_raw_end, kept = self.k, self.v, self.ring_cap, self.raw_end, self.chunk_slots - 1
+        self._allocate(raw + chunk_slots, chunk_slots)
+        held_old = self._ring_slots(self.raw_head, self.length, old_cap)
+        held_new = self._ring_slots(self.raw_head, self.length, self.ring_cap)
+        for buf, old in ((self.k, old_k), (self.v, old_v)):
+            buf[..., : self.n_pinned, :] = old[..., : self.n_pinned, :]
+            buf.index_copy_(3, held_new, old.index_select(3, held_old))
+            if kept > 0:  # the chunk slots, not the scratch slot after them
+                buf[..., self.raw_end : self.raw_end + kept, :] = old[..., old_raw_end : old_raw_end + kept, :]
+        return True
+
+    def reserved_bytes(self) -> int:
+        """Bytes of the K/V buffers as allocated now (every slot, held or not)."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     def reset(self) -> None:
         self.n_pinned = 0
@@ -141,20 +197,26 @@ class SlotStore:
 
     def token_slots(self, start: int, end: int) -> torch.Tensor:
         """Slots of raw tokens ``[start, end)`` (all >= n_pinned): [end - start] long."""
+        return self._ring_slots(start, end, self.ring_cap)
+
+    def _ring_slots(self, start: int, end: int, ring_cap: int) -> torch.Tensor:
         t = torch.arange(start, end, device=self.device)
-        return self.n_pinned + (t - self.n_pinned) % self.ring_cap
+        return self.n_pinned + (t - self.n_pinned) % ring_cap
 
     def check_room(self, new: int) -> None:
-        """``ValueError`` if the raw ring cannot hold ``new`` more tokens."""
-        if self.n_raw + new > self.ring_cap:
+        """``ValueError`` if the raw ring cannot hold ``new`` more tokens, grown as far as it can grow."""
+        ring_cap = self.max_slots - self.max_chunk_slots - self.n_pinned
+        if self.n_raw + new > ring_cap:
             raise ValueError(
-                f"the raw ring holds {self.ring_cap} tokens ({self.n_raw} held + {new} new do not fit): raise "
+                f"the raw ring holds {ring_cap} tokens ({self.n_raw} held + {new} new do not fit): raise "
                 "KVConfig.capacity, lower `window`/`max_chunks`, or split the forward (an open mark defers compression)"
             )
 
     def plan(self, new: int) -> ForwardPlan:
-        """Reserve ring slots for ``new`` tokens; raise ``ValueError`` if the ring cannot hold them."""
+        """Reserve ring slots for ``new`` tokens; raise ``ValueError`` if the ring cannot hold them (a growable store
+        grows first: its owner calls ``room_for`` before, to refresh what it derived from the buffers)."""
         self.check_room(new)
+        self.room_for(new)
         raw = self.token_slots(self.raw_head, self.length + new)
         return ForwardPlan(new=new, write=raw[raw.shape[0] - new :], raw=raw)
 
@@ -227,16 +289,30 @@ class RotatedView:
     """
 
     def __init__(self, store: SlotStore) -> None:
+        self._allocate(store)
+        self.n = [0] * store.k.shape[0]
+        self.version = [-1] * store.k.shape[0]
+
+    def _allocate(self, store: SlotStore) -> None:
         self.k = torch.empty_like(store.k)  # untouched until used
         self.v = torch.empty_like(store.v)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # see ``SlotStore.k_layers``
         static_addresses(self.k, self.v, *self.k_layers, *self.v_layers)
-        self.n = [0] * store.k.shape[0]
-        self.version = [-1] * store.k.shape[0]
+
+    def fit(self, store: SlotStore) -> None:
+        """As many slots as the store, after it grew (``SlotStore.room_for``): the rotated keys and the values held
+        are copied over as they are (attention order and positions do not change when a store grows)."""
+        if self.k.shape[3] == store.slots:
+            return
+        old_k, old_v = self.k, self.v
+        self._allocate(store)
+        self.k[..., : old_k.shape[3], :] = old_k
+        self.v[..., : old_v.shape[3], :] = old_v
 
     def sync(self, store: SlotStore, layer: int, slots: torch.Tensor | slice, n_keys: int, held: int) -> None:
         """Make the first ``held`` keys of ``layer`` current: rebuild them from the store (gather + rotate at the
         forward's table of ``n_keys`` positions) if the layout changed since or the view is shorter."""
+        self.fit(store)
         if self.version[layer] == store.layout_version and self.n[layer] >= held:
             return
         cos, sin = store.rope.get(n_keys)  # the forward's table (``dynamic`` scaling depends on n_keys)

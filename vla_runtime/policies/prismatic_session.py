@@ -124,10 +124,14 @@ class PrismaticPolicy:
         """One episode's cache (batch 1) of ``kv`` for the VLM's decoder, with the policy's ``ChunkGate`` when
         ``kv`` needs one. Sessions that replay CUDA graphs (``compile_mode`` ``REDUCE_OVERHEAD``) get a full or
         chunked cache with static shapes (``static_shapes=True``: one graph per forward length, not per held length
-        and layout); the sink window and the other modes keep dynamic shapes."""
+        and layout); the sink window and the other modes keep dynamic shapes. Eager sessions get a store that grows
+        with the episode (``grow=True``: memory for what the robot holds, not for every position the model has);
+        a compiled session's graphs take the buffers as inputs, so its store is allocated whole."""
         gate = self.chunk_gate(kv)
         extra = {} if gate is None else {"gate": gate}
-        if compile_mode is CompileMode.REDUCE_OVERHEAD and kv.mode in STATIC_SHAPE_CACHES:
+        if compile_mode is CompileMode.OFF:
+            extra["grow"] = True
+        elif compile_mode is CompileMode.REDUCE_OVERHEAD and kv.mode in STATIC_SHAPE_CACHES:
             extra["static_shapes"] = True
         return make_cache(kv, self.gate_geometry, batch=1, device=self.device, dtype=self.dtype, **extra)
 
