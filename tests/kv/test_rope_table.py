@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vla_runtime.kv.rope import RopeConfig, rope_cos_sin
-from vla_runtime.kv.store import RopeTable
+from vla_runtime.kv.rope import RopeTable
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128])

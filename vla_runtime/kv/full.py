@@ -37,7 +37,8 @@ class CacheFullError(ValueError):
 
 
 class FullCache(SlotCache):
-    """Every token kept, absolute positions. Buffers ``store.k, store.v: [L, B, Hkv, capacity, D]`` (k rotated).
+    """Every token kept, absolute positions. Buffers ``store.k, store.v: [L, B, Hkv, S, D]`` (k rotated; S = capacity,
+    or fewer while a growing store has not needed them).
     ``static_shapes``: attend over a power-of-two extent behind a mask (see the module doc)."""
 
     params_class = FullParams
@@ -129,7 +130,7 @@ class FullCache(SlotCache):
         """q: [B, Hq, T, D]; k_raw, v: [B, Hkv, T, D] (k pre-RoPE) -> [B, Hq, T, D]."""
         if self._cos is None:
             self._begin_forward(q.shape[2], q.device)
-        k, v_all = self.store.layer(layer)  # [B, Hkv, capacity, D]
+        k, v_all = self.store.layer(layer)  # [B, Hkv, S, D]
         # the per-layer buffers (``store.layer_buffers``), written through an index: in place when compiled
         k.index_copy_(2, self._new_slots, apply_rope(k_raw, self._cos, self._sin))
         v_all.index_copy_(2, self._new_slots, v)
@@ -163,7 +164,7 @@ class FullCache(SlotCache):
         """Rotated keys are what this cache stores: they go to the store at once."""
         start = self.length
         end = start + q_rot.shape[2]
-        k_all, v_all = self.store.k[layer], self.store.v[layer]  # [1, Hkv, capacity, D]
+        k_all, v_all = self.store.k[layer], self.store.v[layer]  # [1, Hkv, S, D]
         k_all[:, :, start:end], v_all[:, :, start:end] = k_rot, v
         bias = self._bias_of(layer, end)
         if self.bidirectional:

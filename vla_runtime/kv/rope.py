@@ -115,3 +115,52 @@ def rerotate(k: torch.Tensor, delta: torch.Tensor, cfg: RopeConfig) -> torch.Ten
     """
     cos, sin = rope_cos_sin(delta, cfg)
     return apply_rope(k, cos, sin)
+
+
+class RopeTable:
+    """cos/sin for positions ``0 .. size-1`` (float32). Rows equal ``rope_cos_sin`` of the positions asked for, bit for
+    bit (``tests/kv/test_rope_table.py``).
+
+    ``grow=False`` computes every row at once: a compiled forward that reads slices of the table then always sees the
+    same base tensor (a table replaced by a larger one is a new graph input, and a compiled session past its warm-up
+    must not recompile). ``grow=True`` computes rows when first asked for, doubling, for a cache of many positions that
+    hands out fresh copies (``span``): it holds at most twice what was asked for, not every position a 32k-token model
+    could reach. ``dynamic`` (NTK) scaling depends on the sequence length, so it is recomputed per request.
+    """
+
+    MIN_ROWS = 256
+
+    def __init__(self, cfg: RopeConfig, size: int, device: torch.device | str, *, grow: bool = False) -> None:
+        self.cfg = cfg
+        self.size = size
+        self.device = device
+        self._cos = self._sin = None
+        if not grow and cfg.rope_type != "dynamic":
+            self._rows(size)
+
+    def _rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table with at least ``n`` rows (``n <= size``): cos, sin [rows, D]."""
+        held = 0 if self._cos is None else self._cos.shape[0]
+        if n > held:
+            rows = min(self.size, max(n, 2 * held, self.MIN_ROWS))
+            self._cos, self._sin = rope_cos_sin(torch.arange(rows, device=self.device), self.cfg)
+        return self._cos, self._sin
+
+    def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [n, D] for positions 0..n-1."""
+        if self.cfg.rope_type == "dynamic":
+            return rope_cos_sin(torch.arange(n, device=self.device), self.cfg)
+        cos, sin = self._rows(n)
+        return cos[:n], sin[:n]
+
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [end - start, D] for positions ``start .. end-1``, as fresh tensors (not views into the table:
+        a compiled forward that takes them as inputs sees no storage offset that moves with ``start``)."""
+        if self.cfg.rope_type == "dynamic":
+            return rope_cos_sin(torch.arange(start, end, device=self.device), self.cfg)
+        cos, sin = self._rows(end)
+        return cos[start:end].clone(), sin[start:end].clone()
+
+    def inv_freq(self, n: int) -> torch.Tensor:
+        """[D/2] float32 inverse frequencies for a sequence of n positions (for the Triton kernel)."""
+        return inv_freq(self.cfg, seq_len=n, device=self.device)

@@ -1,11 +1,11 @@
-"""kv_memory.py: the KV bytes a session's cache allocates when its store grows with the episode, against the same
+"""bench_kv_memory.py: the KV bytes a session's cache allocates when its store grows with the episode, against the same
 cache allocated whole, through the same episode."""
 
 import json
 
 
 def test_a_growing_store_allocates_less_than_the_whole_and_holds_the_same(load_benchmark, tmp_path, capsys):
-    kv_memory = load_benchmark("kv_memory")
+    kv_memory = load_benchmark("bench_kv_memory")
     out = tmp_path / "kv_memory"
     assert kv_memory.main(["--model", "tiny", "--image-tokens", "40", "--steps", "12", "--max-chunks", "8",
                            "--out", str(out)]) == 0  # fmt: skip

@@ -8,8 +8,8 @@ the frame's image tokens and the prompt's tail, and 6 single-token decodes). How
 not depend on the layer count or the dtype, so the bytes printed are slots x ``--layers`` x KV heads x head size x
 2 (K and V) x the dtype's size, for the store and for the view beside it (the torch attention path keeps one).
 
-    python benchmarks/kv_memory.py                      # OpenVLA-7B in bf16, 2,048 positions, ~1 min
-    python benchmarks/kv_memory.py --steps 40 --max-chunks 64
+    vla-runtime bench kv_memory                      # OpenVLA-7B in bf16, 2,048 positions, ~1 min
+    python benchmarks/bench_kv_memory.py --steps 40 --max-chunks 64
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="control steps (the full cache stops when it is full)")
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--max-chunks", type=int, default=128, help="the chunked cache's budget (the serve example's)")
-    p.add_argument("--out", type=Path, default=Path("results/kv_memory"), help="writes <out>.json")
+    p.add_argument("--out", type=Path, default=Path("results/bench_kv_memory"), help="writes <out>.json")
     return p.parse_args(argv)
 
 
