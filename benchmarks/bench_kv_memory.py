@@ -8,19 +8,29 @@ the frame's image tokens and the prompt's tail, and 6 single-token decodes). How
 not depend on the layer count or the dtype, so the bytes printed are slots x ``--layers`` x KV heads x head size x
 2 (K and V) x the dtype's size, for the store and for the view beside it (the torch attention path keeps one).
 
+``--policy-steps N`` adds what a growing store costs a robot's control step: two sessions of ``bench_serve.py``'s
+policy (LLaMA 512 x 8, 56-px towers, float32, history mode, chunked cache without a budget, 8,193 positions), one
+with a growing store and one with its store allocated whole, stepped alternately on the same frames for N steps
+(threads pinned): step time p50 / p95 / max of each after 3 steps, the steps at which the store grew, and whether
+the two sessions' last action tokens are equal.
+
     vla-runtime bench kv_memory                      # OpenVLA-7B in bf16, 2,048 positions, ~1 min
     python benchmarks/bench_kv_memory.py --steps 40 --max-chunks 64
+    vla-runtime bench kv_memory --policy-steps 60 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
+from bench_serve import make_policy  # a sibling script: the serve bench's policy (--policy-steps)
 
-from vla_runtime.bench.harness import environment, write_json
+from vla_runtime.bench.harness import environment, percentile, pinned_threads, write_json
 from vla_runtime.kv import KVConfig, KVMode, make_cache
 from vla_runtime.kv.geometry import CacheGeometry
 from vla_runtime.models.llama import LLAMA_CONFIGS
@@ -40,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="control steps (the full cache stops when it is full)")
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--max-chunks", type=int, default=128, help="the chunked cache's budget (the serve example's)")
+    p.add_argument("--policy-steps", type=int, default=0, help="also time this many steps of the serve bench's policy (above)")
+    p.add_argument("--threads", type=int, default=1, help="--policy-steps: torch CPU threads (pinned)")
     p.add_argument("--out", type=Path, default=Path("results/bench_kv_memory"), help="writes <out>.json")
     return p.parse_args(argv)
 
@@ -104,8 +116,46 @@ def main(argv: list[str] | None = None) -> int:
         changes = [s for i, s in enumerate(slots) if i == 0 or s != slots[i - 1]]
         print(f"| {name} | {len(slots) - 1} | {held} | {whole_mib:,.1f} | {grown_mib:,.1f} | {grown_mib / whole_mib:.2f} | "
               f"{' -> '.join(map(str, changes))} |")  # fmt: skip
-    write_json(args.out.with_suffix(".json"), env=environment(), args=args, rows=rows)
+    steps = None
+    if args.policy_steps:
+        with pinned_threads(args.threads), tempfile.TemporaryDirectory() as tmp:
+            steps = policy_steps(args.policy_steps, Path(tmp))
+    write_json(args.out.with_suffix(".json"), env=environment(), args=args, rows=rows, policy_steps=steps)
     return 0
+
+
+def policy_steps(n: int, root: Path) -> dict:
+    """Step times (ms) of a growing and a whole store's session of the serve bench's policy, stepped alternately."""
+    import numpy as np
+
+    from vla_runtime.api import Observation
+    from vla_runtime.config import SessionConfig
+
+    policy = make_policy(argparse.Namespace(llm="small", seed=0, device="cpu", prepack=False), root)
+    config = SessionConfig(history="history", kv=KVConfig(KVMode.CHUNKED))
+    grown, whole = (policy.new_session("pick up the red block", config) for _ in range(2))
+    whole.cache = make_cache(whole.kv_config, policy.gate_geometry, gate=policy.kv_gate)  # what a session got before
+    frames = [np.random.default_rng(i).integers(0, 256, (96, 128, 3), dtype=np.uint8) for i in range(8)]
+    times, grew = {"grown": [], "whole": []}, []
+    for k in range(n):
+        obs, before = Observation(images={"primary": frames[k % 8]}), grown.cache.store.slots
+        for name, session in (("grown", grown), ("whole", whole)):
+            start = time.perf_counter()
+            session.step(obs)
+            times[name].append(1e3 * (time.perf_counter() - start))
+        if grown.cache.store.slots != before:
+            grew.append({"step": k, "slots": [before, grown.cache.store.slots]})
+    out = {"grew": grew, "tokens_equal": bool(np.array_equal(grown.last_tokens, whole.last_tokens))}
+    print(f"\nthe serve bench's policy, {n} steps alternating (the first 3 not counted):")
+    for name, session in (("grown", grown), ("whole", whole)):
+        t = times[name][3:]
+        out[name] = {"p50_ms": percentile(t, 50), "p95_ms": percentile(t, 95), "max_ms": max(t),
+                     "reserved_mib": session.cache.store.reserved_bytes() / MIB}  # fmt: skip
+        print(f"  {name:5s} store: step p50 {out[name]['p50_ms']:.1f} / p95 {out[name]['p95_ms']:.1f} / max "
+              f"{out[name]['max_ms']:.1f} ms; K/V buffers {out[name]['reserved_mib']:.1f} MiB (store alone)")  # fmt: skip
+    print(f"  grown / whole step p50: {out['grown']['p50_ms'] / out['whole']['p50_ms']:.3f}; the store grew at steps "
+          f"{[g['step'] for g in grew]}; last action tokens equal: {out['tokens_equal']}")  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":
