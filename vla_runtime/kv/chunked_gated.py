@@ -147,11 +147,15 @@ class ChunkedGatedCache(SlotCache):
                 torch._dynamo.maybe_mark_dynamic(layer_slots, 0)
         return slots
 
+    def _store_grew(self) -> None:
+        """After ``SlotStore.room_for`` grew the buffers: the chunk slots, and the scratch slot after them, moved."""
+        self._scratch = torch.tensor(self.store.slots - 1, device=self.store.device)
+        self._chunk_slots = self._retained_slots()
+
     def _begin_forward(self, t: int) -> None:
         s = self.store
-        if s.room_for(t):  # the store grew: the chunk slots (and the scratch slot after them) moved
-            self._scratch = torch.tensor(s.slots - 1, device=s.device)
-            self._chunk_slots = self._retained_slots()
+        if s.room_for(t):
+            self._store_grew()
         chunks = self._chunk_slots
         contiguous = s.contiguous_prefix(t)
         self._plan = s.plan(t)
@@ -308,7 +312,7 @@ class ChunkedGatedCache(SlotCache):
         k_rep, v_rep: [L, B, Hkv, n, D]; scores: [L, B, n]; state: the LSTM state after them."""
         s, c, n = self.store, self.params.chunk, scores.shape[-1]
         if s.room_for(0, chunks=min(self.params.max_chunks, self.chunks_formed + n)):  # a chunk takes the lowest free slot
-            self._scratch = torch.tensor(s.slots - 1, device=s.device)
+            self._store_grew()
         self.lstm_state = state
         scores = scores.mean(1).to(self.chunk_score.dtype)  # [L, n]: batch rows share one layout
         keep = scores > self.gate.threshold().detach().to(scores.dtype)[:, None]

@@ -72,6 +72,7 @@ class SinkWindowCache(SlotCache):
     def _begin_forward(self, t: int) -> None:
         """First layer of a forward of ``t`` tokens: slots and positions once for all layers."""
         s = self.store
+        s.room_for(t)
         contiguous = s.contiguous_prefix(t)
         self._plan = s.plan(t)
         self._row_plan = None  # made by ``row_plan`` if a RowsCache asks

@@ -129,7 +129,7 @@ class SlotStore:
 
     def reserved_bytes(self) -> int:
         """Bytes of the K/V buffers as allocated now (every slot, held or not)."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return self.slot_bytes() * self.slots * self.k.shape[0]
 
     def reset(self) -> None:
         self.n_pinned = 0
@@ -165,10 +165,9 @@ class SlotStore:
             )
 
     def plan(self, new: int) -> ForwardPlan:
-        """Reserve ring slots for ``new`` tokens; raise ``ValueError`` if the ring cannot hold them (a growable store
-        grows first: its owner calls ``room_for`` before, to refresh what it derived from the buffers)."""
+        """Reserve ring slots for ``new`` tokens; raise ``ValueError`` if the ring cannot hold them (the owner of a
+        growable store calls ``room_for`` first)."""
         self.check_room(new)
-        self.room_for(new)
         raw = self.token_slots(self.raw_head, self.length + new)
         return ForwardPlan(new=new, write=raw[raw.shape[0] - new :], raw=raw)
 
