@@ -86,6 +86,9 @@ FLAGS: list[tuple[str, str, dict, str]] = [
     ("--cue-weight", "cue_weight", _FLOAT,
      "weight of the auxiliary loss regressing how many of the episode's recorded cue steps (counting: presses) "
      "came so far, at every step (default 0 = off)"),
+    ("--cue-seen-weight", "cue_seen_weight", _FLOAT,
+     "weight of the auxiliary loss classifying, from each frame's image tokens, whether a cue is drawn into it "
+     "(default 0 = off)"),
     ("--decision-weight", "decision_weight", _FLOAT,
      "weight of the action tokens of the --decision-span steps after each recorded cue step (default 1 = off)"),
     ("--decision-span", "decision_span", _OPT_INT, "steps after each cue step that --decision-weight covers (default 12)"),

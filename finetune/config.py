@@ -217,6 +217,11 @@ class FinetuneConfig:
             (standardised over the dataset's frames)
             (``memory-counting``: the presses made so far; the cue tasks: the frames the cue was drawn into). A
             dense target for a memory the final state does not show (how many presses), not saved either.
+        cue_seen_weight: weight of the auxiliary cue-seen loss (0 = off; needs ``episode_cue_steps`` too): for
+            every frame, a linear probe on each of its image tokens (the vision tower's output, before the LLM),
+            max-pooled over the tokens, classifies whether a cue is drawn into the frame (class-balanced binary
+            cross-entropy). A dense target for *seeing* the cue, which the action loss teaches only through the
+            answer many steps later; not saved.
         decision_weight / decision_span: weight of every action token of the ``decision_span`` steps after each
             recorded cue step (1 = off; needs ``episode_cue_steps`` too). ``memory-counting``: the steps after
             each press, where the expert presses again or backs off, the only ones whose action reads the count.
@@ -259,6 +264,7 @@ class FinetuneConfig:
     change_weight: float = 1.0
     goal_weight: float = 0.0
     cue_weight: float = 0.0
+    cue_seen_weight: float = 0.0
     decision_weight: float = 1.0
     decision_span: int = 12
     separable_weight: float = 1.0
@@ -310,6 +316,8 @@ class FinetuneConfig:
             raise ValueError(f"`goal_weight` must be >= 0 (0 = no goal loss), got {self.goal_weight}")
         if not self.cue_weight >= 0:
             raise ValueError(f"`cue_weight` must be >= 0 (0 = no cue-count loss), got {self.cue_weight}")
+        if not self.cue_seen_weight >= 0:
+            raise ValueError(f"`cue_seen_weight` must be >= 0 (0 = no cue-seen loss), got {self.cue_seen_weight}")
         if self.decision_weight < 1:
             raise ValueError(f"`decision_weight` must be >= 1 (1 = off), got {self.decision_weight}")
         if self.separable_weight < 1:

@@ -4,6 +4,7 @@ weight of the decision steps that follow each cue step, and that of the first se
 
     cue_steps = recorded_steps(ds, CUE_STEPS, wanted_by="the cue-count loss")   # per episode: its cue steps
     cue_counts(cue_steps, lengths)                 # [F]: cue steps at or before each frame
+    cue_seen(cue_steps, lengths)                   # [F]: 1 on the frames a cue is drawn into, else 0
     decision_weights(cue_steps, lengths, span=12, weight=5.0)   # [F]: 5 on the 12 frames after each, else 1
     separable_weights(separable_steps, lengths, span=8, weight=5.0)   # [F]: 5 on each episode's first 8, else 1
 """
@@ -50,6 +51,14 @@ def cue_counts(cue_steps: list[list[int]], lengths: list[int]) -> np.ndarray:
     return np.concatenate(
         [np.searchsorted(np.sort(steps), np.arange(n), side="right") for steps, n in zip(cue_steps, lengths)]
     ).astype(np.float32)
+
+
+def cue_seen(cue_steps: list[list[int]], lengths: list[int]) -> np.ndarray:
+    """Per episode, the frame indices of its cue steps -> float32 [F]: 1 on those frames, 0 elsewhere (the cue-seen
+    loss's labels)."""
+    _check(cue_steps, lengths)
+    out = [np.isin(np.arange(n), np.asarray(steps, dtype=np.int64)) for steps, n in zip(cue_steps, lengths)]
+    return np.concatenate(out).astype(np.float32) if out else np.zeros(0, dtype=np.float32)
 
 
 def decision_weights(cue_steps: list[list[int]], lengths: list[int], *, span: int, weight: float) -> np.ndarray:

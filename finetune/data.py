@@ -37,7 +37,7 @@ from vla_runtime.models.prismatic.processing_prismatic import ActionStats, crop_
 from vla_runtime.models.prismatic.prompt_prismatic import PromptIds
 
 from .config import FinetuneConfig
-from .cue_targets import CUE_STEPS, SEPARABLE_STEPS, cue_counts, decision_weights, recorded_steps, separable_weights
+from .cue_targets import CUE_STEPS, SEPARABLE_STEPS, cue_counts, cue_seen, decision_weights, recorded_steps, separable_weights
 from .frames import DecodedDataset, cached_dataset
 from .layout import FlatLayout, flatten, same_positions, window_forwards
 from .statistics import dataset_statistics, default_action_mask
@@ -133,6 +133,7 @@ class TrainingData:
         image_aug: bool,
         goal_targets: bool = False,
         cue_steps: list[list[int]] | None = None,
+        seen_steps: list[list[int]] | None = None,
         step_weight: np.ndarray | None = None,
     ) -> None:
         cfg = policy.config
@@ -151,6 +152,7 @@ class TrainingData:
         if cue_steps is not None:
             counts = cue_counts(cue_steps, decoded.lengths)
             self.cue_count = (counts - counts.mean()) / max(float(counts.std()), 1e-6)
+        self.cue_seen = None if seen_steps is None else cue_seen(seen_steps, decoded.lengths)  # [F] 1 = a cue drawn
         if step_weight is not None and step_weight.shape != (len(decoded.actions),):
             raise ValueError(f"`step_weight` must be one weight per frame ({len(decoded.actions)}), got {step_weight.shape}")
         self.step_weight = step_weight  # [F] action-loss weight of each frame (decision and separable weights)
@@ -217,6 +219,7 @@ class TrainingData:
         decoded = cached_dataset(ds, camera, cache_dir, build=build_cache, progress=progress)
         cue_options = " and ".join(
             name for name, on in (("the cue-count loss (`cue_weight` > 0)", cfg.cue_weight > 0),
+                                  ("the cue-seen loss (`cue_seen_weight` > 0)", cfg.cue_seen_weight > 0),
                                   ("the decision weights (`decision_weight` != 1)", cfg.decision_weight != 1)) if on
         )  # fmt: skip
         cue_steps = recorded_steps(ds, CUE_STEPS, wanted_by=cue_options) if cue_options else None
@@ -243,6 +246,7 @@ class TrainingData:
             image_aug=cfg.data.image_aug,
             goal_targets=cfg.goal_weight > 0,
             cue_steps=cue_steps if cfg.cue_weight > 0 else None,
+            seen_steps=cue_steps if cfg.cue_seen_weight > 0 else None,
             step_weight=step_weight,
         )
 
@@ -301,12 +305,13 @@ class TrainingData:
         ``text_ids`` [B, Nt], ``labels`` [B, S * A] (``IGNORE`` on padded steps), ``tokens`` (the
         windows' real tokens, padding excluded), the bucket ``key``, with ``goal_targets`` ``goal`` [B, P]
         (the normalised state of each window's segment at its last frame) and with ``cue_steps`` ``cue_count``
-        [B, S] (the episode's cue steps at or before each step, standardised over the dataset's frames); with
+        [B, S] (the episode's cue steps at or before each step, standardised over the dataset's frames), with ``seen_steps``
+        ``cue_seen`` [B, S] (1 where a cue is drawn into the step's frame); with
         ``step_weight`` ``step_weight`` [B, S] (each step's action-loss weight)."""
         windows = [self.windows[i] for i in indices]
         key = self.bucket_key(windows[0])
         layout = self.layouts[key]
-        pixels, text, labels, proprio, goal, cues, weights, tokens = [], [], [], [], [], [], [], 0
+        pixels, text, labels, proprio, goal, cues, seen, weights, tokens = [], [], [], [], [], [], [], [], 0
         for w in windows:
             own, ids = self._layout(w)
             if not same_positions(own, layout):
@@ -326,6 +331,8 @@ class TrainingData:
                 goal.append(torch.from_numpy(self.proprio[first + length - 1]))
             if self.cue_count is not None:
                 cues.append(torch.from_numpy(self.cue_count[rows]))
+            if self.cue_seen is not None:
+                seen.append(torch.from_numpy(self.cue_seen[rows]))
             if self.step_weight is not None:
                 weights.append(torch.from_numpy(self.step_weight[rows]))
         out = {
@@ -341,6 +348,8 @@ class TrainingData:
             out["goal"] = torch.stack(goal)
         if cues:
             out["cue_count"] = torch.stack(cues)
+        if seen:
+            out["cue_seen"] = torch.stack(seen)
         if weights:
             out["step_weight"] = torch.stack(weights)
         return out

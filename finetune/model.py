@@ -72,7 +72,8 @@ class LossSettings:
     form treats chunks the budget evicts; change_weight: the weight of action tokens that differ from the
     step before's; goal_weight: the weight of the goal probe's squared error (0 = no probe); cue_weight: the
     weight of the cue-count probe's squared error (0 = no probe); step_weights: weight each step's action tokens
-    by the batch's ``step_weight`` (the decision and separable weights)."""
+    by the batch's ``step_weight`` (the decision and separable weights); cue_seen_weight: the weight of the cue-seen
+    probe's binary cross-entropy (0 = no probe)."""
 
     action_range: tuple[int, int]
     action_vocab_loss: bool
@@ -84,13 +85,15 @@ class LossSettings:
     goal_weight: float = 0.0
     cue_weight: float = 0.0
     step_weights: bool = False
+    cue_seen_weight: float = 0.0
 
 
 class PolicyTrainModule(nn.Module):
     """``vla`` (an ``OpenVLA``) + optional ``gate``; ``forward(batch, layout)`` returns the loss terms. With
     ``loss.goal_weight`` > 0, ``goal_head`` (a linear probe from the hidden state to a ``goal_dim`` state,
     trained here and never saved with the policy) adds the goal loss; with ``loss.cue_weight`` > 0,
-    ``cue_head`` (a linear probe to one number, likewise not saved) adds the cue-count loss."""
+    ``cue_head`` (a linear probe to one number, likewise not saved) adds the cue-count loss; with
+    ``loss.cue_seen_weight`` > 0, ``seen_head`` (a linear probe on each image token, not saved) adds the cue-seen loss."""
 
     def __init__(
         self,
@@ -116,6 +119,7 @@ class PolicyTrainModule(nn.Module):
                 raise ValueError("the goal loss needs `goal_dim`, the size of the state it regresses")
             self.goal_head = nn.Linear(vla.language_model.cfg.dim, goal_dim)
         self.cue_head = nn.Linear(vla.language_model.cfg.dim, 1) if loss.cue_weight > 0 else None
+        self.seen_head = nn.Linear(vla.language_model.cfg.dim, 1) if loss.cue_seen_weight > 0 else None
         self.chunked = None
         if gate is not None:
             geometry = vla.language_model.cfg.geometry
@@ -131,8 +135,9 @@ class PolicyTrainModule(nn.Module):
         pixels = self.image_processor.normalize(frames.flatten(0, 1))  # [B * S, C, H, W]
         return pixels.view(*frames.shape[:2], *pixels.shape[1:])
 
-    def embed(self, batch: dict, layout: FlatLayout) -> torch.Tensor:
-        """Input embeddings [B, N, dim]: text ids embedded, image and proprio tokens scattered in."""
+    def embed(self, batch: dict, layout: FlatLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input embeddings [B, N, dim] (text ids embedded, image and proprio tokens scattered in) and the image
+        tokens [B, S, n_image, dim]."""
         vla = self.vla
         pixels = self.pixels(batch)  # [B, S, C, H, W]
         b, steps = pixels.shape[:2]
@@ -146,7 +151,7 @@ class PolicyTrainModule(nn.Module):
         if "proprio" in batch:
             proprio = vla.embed_proprio(batch["proprio"].flatten(0, 1)).reshape(b, steps, dim)  # [B, S, dim]
             x = x.index_copy(1, layout.proprio_pos.to(device), proprio.to(x.dtype))
-        return x
+        return x, image.view(b, steps, -1, dim)
 
     def decode(self, x: torch.Tensor, attn) -> torch.Tensor:
         """The LLM decoder over [B, N, dim] with ``attn`` as its cache -> final-normed hidden [B, N, dim]."""
@@ -171,7 +176,7 @@ class PolicyTrainModule(nn.Module):
         the target), ``targets`` (padded steps' targets excluded), ``kept_ratio`` / ``hard_kept`` (mean
         soft / hard gate; 1 without a gate) and ``goal_mse`` (the goal probe's mean squared error over real
         steps; 0 without one)."""
-        x = self.embed(batch, layout)
+        x, image = self.embed(batch, layout)
         b, n = x.shape[:2]
         rope = self.vla.language_model.cfg.rope
         if not layout.keeps_all:  # HistoryMode.OBSERVATIONS: each step's decodes are rolled back
@@ -212,13 +217,17 @@ class PolicyTrainModule(nn.Module):
             if self.loss.step_weights:  # [B, S] -> every action token of the step
                 weight = weight * batch["step_weight"].repeat_interleave(labels.shape[1] // steps, dim=1)
             loss = rows * (ce * weight).sum() / weight.sum().clamp(min=1)
-        goal_mse = cue_mse = torch.zeros((), device=x.device)
+        goal_mse = cue_mse = seen_bce = torch.zeros((), device=x.device)
         if self.loss.goal_weight:
             goal_mse = probe_error(self.goal_head, hidden, batch["goal"][:, None], valid, steps=steps)
             loss = loss + rows * self.loss.goal_weight * goal_mse
         if self.loss.cue_weight:
             cue_mse = probe_error(self.cue_head, hidden, batch["cue_count"][..., None], valid, steps=steps)
             loss = loss + rows * self.loss.cue_weight * cue_mse
+        if self.loss.cue_seen_weight:
+            real = valid.view(b, steps, -1)[:, :, 0]  # [B, S]
+            seen_bce = seen_error(self.seen_head, image, batch["cue_seen"], real)
+            loss = loss + rows * self.loss.cue_seen_weight * seen_bce
         one = torch.ones((), device=x.device)
         kept, hard = one, one
         if self.gate is not None:
@@ -236,6 +245,7 @@ class PolicyTrainModule(nn.Module):
             "hard_kept": hard.detach().float(),
             "goal_mse": goal_mse.detach().float(),
             "cue_mse": cue_mse.detach().float(),
+            "seen_bce": seen_bce.detach().float(),
         }
 
 
@@ -251,6 +261,18 @@ def probe_error(
     real = valid.view(b, steps, -1)[:, :, 0].float()  # [B, S]
     err = (head(first).float() - target.float()).pow(2).mean(-1)  # [B, S]
     return (err * real).sum() / real.sum().clamp(min=1)
+
+
+def seen_error(head: nn.Module, image: torch.Tensor, seen: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """head: a probe from one image token to a logit; image: [B, S, n_image, dim] image tokens; seen: [B, S] 1 where
+    a cue is drawn into the frame; real: [B, S] bool, the steps that are not padding -> the class-balanced binary
+    cross-entropy of "a cue is in this frame", the frame's logit the max over its tokens' (the cue fills a few
+    patches; which ones the probe must find). Each class present weighs half."""
+    logit = head(image).squeeze(-1).float().amax(-1)  # [B, S]
+    bce = F.binary_cross_entropy_with_logits(logit, seen.float(), reduction="none")
+    pos, neg = (seen > 0.5) & real, (seen <= 0.5) & real
+    parts = [bce[m].mean() for m in (pos, neg) if m.any()]
+    return torch.stack(parts).mean() if parts else bce.sum() * 0.0
 
 
 def change_weights(labels: torch.Tensor, *, steps: int, weight: float) -> torch.Tensor:

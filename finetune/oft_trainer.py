@@ -174,6 +174,8 @@ def check_oft_config(cfg: FinetuneConfig, world: int) -> None:
         problems.append("goal_weight (the goal loss is the token trainer's)")
     if cfg.cue_weight:
         problems.append("cue_weight (the cue-count loss is the token trainer's)")
+    if cfg.cue_seen_weight:
+        problems.append("cue_seen_weight (the cue-seen loss is the token trainer's)")
     if cfg.decision_weight != 1:
         problems.append("decision_weight (the decision weights are the token trainer's)")
     if cfg.separable_weight != 1:

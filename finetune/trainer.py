@@ -39,7 +39,7 @@ from .schedule import TimeBudget, lr_factor
 
 log = logging.getLogger(__name__)
 
-METRICS = ("loss", "ce_sum", "correct", "targets", "kept_ratio", "hard_kept", "goal_mse", "cue_mse", "micro", "windows", "tokens")
+METRICS = ("loss", "ce_sum", "correct", "targets", "kept_ratio", "hard_kept", "goal_mse", "cue_mse", "seen_bce", "micro", "windows", "tokens")
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,7 @@ class Trainer:
         loss = LossSettings(
             (first, last), cfg.action_vocab_loss, cfg.batch_size, cfg.gate.retention_target, cfg.gate.retention_weight,
             cfg.gate.budget, cfg.change_weight, cfg.goal_weight, cfg.cue_weight, self.data.step_weight is not None,
+            cue_seen_weight=cfg.cue_seen_weight,
         )  # fmt: skip
         module = PolicyTrainModule(
             self.policy.model,
@@ -235,7 +236,7 @@ class Trainer:
         return {
             "loss": out["loss"].detach(), "ce_sum": out["ce_sum"], "correct": out["correct"], "targets": out["targets"],
             "kept_ratio": out["kept_ratio"] * b, "hard_kept": out["hard_kept"] * b, "goal_mse": out["goal_mse"] * b,
-            "cue_mse": out["cue_mse"] * b, "micro": 1.0, "windows": float(b),
+            "cue_mse": out["cue_mse"] * b, "seen_bce": out["seen_bce"] * b, "micro": 1.0, "windows": float(b),
             "tokens": tokens,
         }  # fmt: skip
 
@@ -258,6 +259,7 @@ class Trainer:
             "hard_kept": m["hard_kept"] / m["windows"],
             "goal_mse": m["goal_mse"] / m["windows"],
             "cue_mse": m["cue_mse"] / m["windows"],
+            "seen_bce": m["seen_bce"] / m["windows"],
             "lr": lrs.get("policy", 0.0),
             "gate_lr": lrs.get("gate", 0.0),
             "temperature": temperature,
@@ -356,7 +358,7 @@ class Trainer:
             f"  kept {r['kept_ratio']:.3f} (hard {r['hard_kept']:.3f})  T {r['temperature']:.3g}" if gate else ""
         ) + (f"  goal {r['goal_mse']:.4f}" if self.module.goal_head is not None else "") + (
             f"  cue {r['cue_mse']:.4f}" if self.module.cue_head is not None else ""
-        )
+        ) + (f"  seen {r['seen_bce']:.4f}" if self.module.seen_head is not None else "")
         log.info(
             "step %d/%d  loss %.4f  ce %.4f  acc %.3f%s  lr %.2e  %.2f steps/s  %.1f windows/s",
             r["step"], self.cfg.max_steps, r["loss"], r["ce"], r["accuracy"], kept_text, r["lr"], r["steps_per_s"], r["windows_per_s"],

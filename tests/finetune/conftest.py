@@ -133,7 +133,7 @@ def training_and_streaming_hidden(trainer, index: int):
     attn = ParallelChunkedAttention(schedule, trainer.gate, chunked, vla.language_model.cfg.rope, soft=True, temperature=1e-4)
     w = data.windows[index]
     real = layout.target_pos[: w.steps * data.action_dim]
-    parallel = module.decode(module.embed(batch, layout), attn)[:, real]
+    parallel = module.decode(module.embed(batch, layout)[0], attn)[:, real]
     rows = data._rows(w)[: w.steps]
     prev = int(data.action_ids[rows[0] - 1, -1]) if w.start else None
     forwards = window_forwards(

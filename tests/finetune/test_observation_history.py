@@ -43,7 +43,7 @@ def streamed_and_parallel(trainer, index: int):
         form = chunked_form(layout, module.gate, module.chunked, rope, temperature=1e-4, budget=module.loss.budget)
     w = data.windows[index]
     real = layout.target_pos[: w.steps * data.action_dim]
-    parallel = module.decode(module.embed(batch, layout), form)[:, real]
+    parallel = module.decode(module.embed(batch, layout)[0], form)[:, real]
     rows = data._rows(w)[: w.steps]
     forwards = window_forwards(data.prompts[w.episode], data.action_ids[rows].tolist(), history=True,
                                has_proprio=True, prev_token=None, keep_actions=False)  # fmt: skip
