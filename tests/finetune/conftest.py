@@ -18,6 +18,10 @@ from vla_runtime.kv.chunked_parallel import ForwardSchedule, ParallelChunkedAtte
 
 TASKS = ("reach the red block", "press the button on the wall")
 ACTION_NAMES = ["dx", "dy", "dz", "droll", "dpitch", "dyaw", "gripper"]
+# whole-episode training through a 2-chunk budget: the auxiliary-loss tests' run settings
+WHOLE = {"data": {"window": 0, "length_bucket": 4}, "kv": {"chunk": 4, "max_chunks": 2}}
+CUE_STEPS = [[2, 5], [], [8, 0, 1], [9]]  # per episode of the written dataset (unsorted on purpose)
+LENGTHS = (10, 10, 9, 10)  # write_dataset's default episode lengths
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -52,7 +56,7 @@ def episode(
 def write_dataset(
     root: Path,
     *,
-    lengths=(10, 10, 9, 10),
+    lengths=LENGTHS,
     action_dim: int = 7,
     state_dim: int | None = 4,
     gripper_max: float = 1.0,
@@ -92,6 +96,12 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
     return write_dataset(tmp_path_factory.mktemp("data") / "tiny-reach")
+
+
+@pytest.fixture(scope="session")
+def cue_dataset(tmp_path_factory) -> Path:
+    """The tiny dataset with ``CUE_STEPS`` recorded per episode."""
+    return write_dataset(tmp_path_factory.mktemp("data") / "cues", cue_steps=CUE_STEPS)
 
 
 def training_batch(trainer, windows: list[int]) -> tuple[dict, object]:

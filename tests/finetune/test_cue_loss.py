@@ -14,15 +14,7 @@ from vla_finetune.cue_targets import cue_counts
 from vla_finetune.data import IGNORE
 from vla_finetune.trainer import Trainer
 
-from .conftest import make_config, training_batch, write_dataset
-
-WHOLE = {"data": {"window": 0, "length_bucket": 4}, "kv": {"chunk": 4, "max_chunks": 2}}
-CUE_STEPS = [[2, 5], [], [8, 0, 1], [9]]  # per episode of lengths 10, 10, 9, 10 (unsorted on purpose)
-
-
-@pytest.fixture(scope="module")
-def cue_dataset(tmp_path_factory):
-    return write_dataset(tmp_path_factory.mktemp("data") / "cues", cue_steps=CUE_STEPS)
+from .conftest import CUE_STEPS, WHOLE, make_config, training_batch
 
 
 @pytest.fixture(scope="module")

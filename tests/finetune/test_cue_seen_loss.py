@@ -16,22 +16,13 @@ from vla_finetune.data import IGNORE
 from vla_finetune.model import seen_error
 from vla_finetune.trainer import Trainer
 
-from .conftest import make_config, training_batch, write_dataset
-
-WHOLE = {"data": {"window": 0, "length_bucket": 4}, "kv": {"chunk": 4, "max_chunks": 2}}
-CUE_STEPS = [[2, 5], [], [8, 0, 1], [9]]  # per episode of lengths 10, 10, 9, 10 (unsorted on purpose)
-LENGTHS = [10, 10, 9, 10]
+from .conftest import CUE_STEPS, LENGTHS, WHOLE, make_config, training_batch
 
 
 @pytest.fixture(scope="module")
-def seen_dataset(tmp_path_factory):
-    return write_dataset(tmp_path_factory.mktemp("data") / "cues", cue_steps=CUE_STEPS)
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_ckpt, seen_dataset, tmp_path_factory):
+def trained(tiny_ckpt, cue_dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "seen"
-    cfg = make_config(tiny_ckpt, seen_dataset, out, trainable="all", max_steps=2, lr=1e-3, cue_seen_weight=0.5, **WHOLE)
+    cfg = make_config(tiny_ckpt, cue_dataset, out, trainable="all", max_steps=2, lr=1e-3, cue_seen_weight=0.5, **WHOLE)
     trainer = Trainer(cfg)
     trainer.train()
     return trainer, out

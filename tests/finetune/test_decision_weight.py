@@ -14,11 +14,7 @@ from vla_finetune.data import IGNORE
 from vla_finetune.model import change_weights
 from vla_finetune.trainer import Trainer
 
-from .conftest import make_config, training_batch, write_dataset
-
-WHOLE = {"data": {"window": 0, "length_bucket": 4}, "kv": {"chunk": 4, "max_chunks": 2}}
-CUE_STEPS = [[2, 5], [], [8, 0, 1], [9]]  # per episode of lengths 10, 10, 9, 10 (unsorted on purpose)
-LENGTHS = [10, 10, 9, 10]
+from .conftest import CUE_STEPS, LENGTHS, WHOLE, make_config, training_batch
 
 
 def test_the_span_after_each_cue_step_gets_the_weight():
@@ -36,11 +32,10 @@ def test_the_span_after_each_cue_step_gets_the_weight():
 
 
 @pytest.fixture(scope="module")
-def trainer(tiny_ckpt, tmp_path_factory):
-    data = write_dataset(tmp_path_factory.mktemp("data") / "cues", cue_steps=CUE_STEPS)
+def trainer(tiny_ckpt, cue_dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "decision"
     cfg = make_config(
-        tiny_ckpt, data, out, trainable="all", decision_weight=4.0, decision_span=3, change_weight=2.0,
+        tiny_ckpt, cue_dataset, out, trainable="all", decision_weight=4.0, decision_span=3, change_weight=2.0,
         gate={"retention_weight": 0.0}, **WHOLE,
     )  # fmt: skip  (no retention term: the loss is the action loss alone)
     return Trainer(cfg)

@@ -14,9 +14,7 @@ from vla_finetune.config import FinetuneConfig
 from vla_finetune.data import IGNORE
 from vla_finetune.trainer import Trainer
 
-from .conftest import make_config, training_batch
-
-WHOLE = {"data": {"window": 0, "length_bucket": 4}, "kv": {"chunk": 4, "max_chunks": 2}}
+from .conftest import WHOLE, make_config, training_batch
 
 
 @pytest.fixture(scope="module")

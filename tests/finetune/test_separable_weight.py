@@ -13,12 +13,10 @@ from vla_finetune.config import FinetuneConfig
 from vla_finetune.cue_targets import decision_weights, separable_weights
 from vla_finetune.trainer import Trainer
 
-from .conftest import make_config, training_batch, write_dataset
+from .conftest import LENGTHS, WHOLE, make_config, training_batch, write_dataset
 
-WHOLE = {"data": {"window": 0, "length_bucket": 4}, "kv": {"chunk": 4, "max_chunks": 2}}
 CUE_STEPS = [[2], [], [2], [9]]
 SEPARABLE = [[7, 4, 5, 6], [], [3, 8], [9]]  # per episode of lengths 10, 10, 9, 10 (unsorted on purpose)
-LENGTHS = [10, 10, 9, 10]
 
 
 def test_the_first_span_separable_steps_of_each_episode_get_the_weight():
