@@ -2,6 +2,7 @@
 project's own writer, made once per session; ``finetune_config`` builds fast run configs."""
 
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +111,14 @@ def training_batch(trainer, windows: list[int]) -> tuple[dict, object]:
     layout = trainer.data.layouts[batch.pop("key")]
     batch.pop("tokens")
     return batch, layout
+
+
+def outputs_with(module, batch, layout, monkeypatch, *, grad: bool = False, **loss_fields) -> dict:
+    """``module``'s outputs on a ``training_batch`` at temperature 0.5 with fields of its loss settings changed
+    (``cue_weight=0.0``: the loss without that term); the change lasts for the rest of the test."""
+    monkeypatch.setattr(module, "loss", replace(module.loss, **loss_fields))
+    with torch.set_grad_enabled(grad):
+        return module(batch, layout, temperature=0.5)
 
 
 def make_config(ckpt: Path, dataset: Path, out: Path, **overrides) -> FinetuneConfig:

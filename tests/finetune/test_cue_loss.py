@@ -2,7 +2,6 @@
 of its episode's recorded cue steps (``episode_cue_steps``; counting's presses) are at or before the step."""
 
 import json
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from vla_finetune.cue_targets import cue_counts
 from vla_finetune.data import IGNORE
 from vla_finetune.trainer import Trainer
 
-from .conftest import CUE_STEPS, WHOLE, make_config, training_batch
+from .conftest import CUE_STEPS, WHOLE, make_config, outputs_with, training_batch
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +65,7 @@ def test_batches_carry_each_steps_cue_count_and_the_probe_adds_its_error(trained
     err = (seen["probe_out"][..., 0] - batch["cue_count"]).pow(2)
     expected_mse = (err * real).sum() / real.sum()
     torch.testing.assert_close(with_cue["cue_mse"], expected_mse)
-    monkeypatch.setattr(module, "loss", replace(module.loss, cue_weight=0.0))
-    with torch.no_grad():
-        without = module(batch, layout, temperature=0.5)
+    without = outputs_with(module, batch, layout, monkeypatch, cue_weight=0.0)
     torch.testing.assert_close(with_cue["loss"] - without["loss"], 2 / trainer.cfg.batch_size * 0.5 * expected_mse)
     assert float(without["cue_mse"]) == 0.0
 
@@ -78,8 +75,7 @@ def test_the_cue_loss_trains_the_decoder_and_the_probe(trained, monkeypatch):
     module = trainer.module
     batch, layout = training_batch(trainer, [1])
     with_cue = module(batch, layout, temperature=0.5)["loss"]
-    monkeypatch.setattr(module, "loss", replace(module.loss, cue_weight=0.0))
-    cue_only = with_cue - module(batch, layout, temperature=0.5)["loss"]
+    cue_only = with_cue - outputs_with(module, batch, layout, monkeypatch, grad=True, cue_weight=0.0)["loss"]
     params = [module.cue_head.weight, *(p for p in module.vla.language_model.parameters() if p.requires_grad)]
     grads = torch.autograd.grad(cue_only, params, allow_unused=True)
     assert float(grads[0].abs().sum()) > 0

@@ -2,7 +2,6 @@
 tokens, classifies whether a cue is drawn into the frame (the recorded ``episode_cue_steps``), class-balanced."""
 
 import json
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from vla_finetune.data import IGNORE
 from vla_finetune.model import seen_error
 from vla_finetune.trainer import Trainer
 
-from .conftest import CUE_STEPS, LENGTHS, WHOLE, make_config, training_batch
+from .conftest import CUE_STEPS, LENGTHS, WHOLE, make_config, outputs_with, training_batch
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +84,7 @@ def test_batches_carry_each_frames_label_and_the_probe_reads_the_image_tokens(tr
     assert 0 < real.sum() < real.numel()  # the 9-step episode is padded
     expected = seen_error(module.seen_head, seen["probe_in"], batch["cue_seen"], real)
     torch.testing.assert_close(with_seen["seen_bce"], expected)
-    monkeypatch.setattr(module, "loss", replace(module.loss, cue_seen_weight=0.0))
-    with torch.no_grad():
-        without = module(batch, layout, temperature=0.5)
+    without = outputs_with(module, batch, layout, monkeypatch, cue_seen_weight=0.0)
     torch.testing.assert_close(with_seen["loss"] - without["loss"], 2 / trainer.cfg.batch_size * 0.5 * expected)
     assert float(without["seen_bce"]) == 0.0
 
@@ -97,8 +94,7 @@ def test_the_cue_seen_loss_trains_the_vision_side_and_not_the_decoder(trained, m
     module = trainer.module
     batch, layout = training_batch(trainer, [0])
     with_seen = module(batch, layout, temperature=0.5)["loss"]
-    monkeypatch.setattr(module, "loss", replace(module.loss, cue_seen_weight=0.0))
-    seen_only = with_seen - module(batch, layout, temperature=0.5)["loss"]
+    seen_only = with_seen - outputs_with(module, batch, layout, monkeypatch, grad=True, cue_seen_weight=0.0)["loss"]
     vision = [p for p in module.vla.vision_backbone.parameters() if p.requires_grad]
     decoder = [p for p in module.vla.language_model.model.layers.parameters() if p.requires_grad]
     grads = torch.autograd.grad(seen_only, [module.seen_head.weight, *vision, *decoder], allow_unused=True)

@@ -1,7 +1,6 @@
 """Decision weights (``--decision-weight W --decision-span K``): every action token of the K steps after each
 recorded cue step (counting's presses) weighs W in the action loss."""
 
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from vla_finetune.data import IGNORE
 from vla_finetune.model import change_weights
 from vla_finetune.trainer import Trainer
 
-from .conftest import CUE_STEPS, LENGTHS, WHOLE, make_config, training_batch
+from .conftest import CUE_STEPS, LENGTHS, WHOLE, make_config, outputs_with, training_batch
 
 
 def test_the_span_after_each_cue_step_gets_the_weight():
@@ -64,10 +63,8 @@ def test_the_loss_is_the_mean_of_the_cross_entropy_weighted_by_decision_and_chan
     assert {4.0, 8.0} <= set(weight.unique().tolist())  # decision alone, and decision times change
     rows = 2 / trainer.cfg.batch_size
     torch.testing.assert_close(out["loss"], rows * (ce.view_as(labels) * weight).sum() / weight.sum())
-    monkeypatch.setattr(module, "loss", replace(module.loss, step_weights=False))
     seen.clear()
-    with torch.no_grad():
-        plain = module(batch, layout, temperature=0.5)["loss"]
+    plain = outputs_with(module, batch, layout, monkeypatch, step_weights=False)["loss"]
     unweighted = change_weights(labels, steps=steps, weight=2.0) * valid
     torch.testing.assert_close(plain, rows * (ce.view_as(labels) * unweighted).sum() / unweighted.sum())
     assert not torch.isclose(plain, out["loss"])

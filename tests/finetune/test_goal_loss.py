@@ -3,7 +3,6 @@ normalised robot state of the episode's last frame; it adds to the action loss, 
 decoder through the same forward, and is not saved with the policy."""
 
 import json
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from vla_finetune.config import FinetuneConfig
 from vla_finetune.data import IGNORE
 from vla_finetune.trainer import Trainer
 
-from .conftest import WHOLE, make_config, training_batch
+from .conftest import WHOLE, make_config, outputs_with, training_batch
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +56,7 @@ def test_the_probe_reads_each_steps_first_action_position_and_adds_its_error(tra
     err = (seen["probe_out"] - batch["goal"][:, None]).pow(2).mean(-1)
     expected = (err * real).sum() / real.sum()
     torch.testing.assert_close(with_goal["goal_mse"], expected)
-    monkeypatch.setattr(module, "loss", replace(module.loss, goal_weight=0.0))
-    with torch.no_grad():
-        without = module(batch, layout, temperature=0.5)
+    without = outputs_with(module, batch, layout, monkeypatch, goal_weight=0.0)
     rows = 2 / trainer.cfg.batch_size
     torch.testing.assert_close(with_goal["loss"] - without["loss"], rows * 2.0 * expected)
     assert float(without["goal_mse"]) == 0.0
@@ -71,8 +68,7 @@ def test_the_goal_loss_trains_the_vision_towers_and_the_probe(trained, monkeypat
     batch, layout = training_batch(trainer, [1])
     goal_only = module(batch, layout, temperature=0.5)["loss"]
     head = module.goal_head
-    monkeypatch.setattr(module, "loss", replace(module.loss, goal_weight=0.0))
-    goal_only = goal_only - module(batch, layout, temperature=0.5)["loss"]
+    goal_only = goal_only - outputs_with(module, batch, layout, monkeypatch, grad=True, goal_weight=0.0)["loss"]
     params = [head.weight, *(p for p in module.vla.vision_backbone.parameters() if p.requires_grad)]
     assert len(params) > 1
     grads = torch.autograd.grad(goal_only, params, allow_unused=True)
