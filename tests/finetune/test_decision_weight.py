@@ -1,7 +1,6 @@
 """Decision weights (``--decision-weight W --decision-span K``): every action token of the K steps after each
 recorded cue step (counting's presses) weighs W in the action loss."""
 
-
 import numpy as np
 import pytest
 import torch
