@@ -33,8 +33,8 @@ export PYTHONUNBUFFERED=1
 
 "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_checks: torch sees no CUDA device')" || exit 2
 if ! "$python" -c "import vla_runtime, vla_kernels, vla_finetune" 2>/dev/null; then  # not installed: the tree itself
-    site=$(mktemp -d)  # pyproject maps vla_kernels to kernels/ and vla_finetune to finetune/
-    ln -s "$PWD/kernels" "$site/vla_kernels" && ln -s "$PWD/finetune" "$site/vla_finetune"
+    site=$(mktemp -d)  # pyproject maps vla_kernels to kernels/vla_kernels/ and vla_finetune to finetune/
+    ln -s "$PWD/kernels/vla_kernels" "$site/vla_kernels" && ln -s "$PWD/finetune" "$site/vla_finetune"
     export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$python" -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"

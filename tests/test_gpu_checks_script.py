@@ -33,7 +33,7 @@ exit 0
 def test_each_part_gets_its_arguments_and_an_uninstalled_tree_is_put_on_the_path(tmp_path, installed):
     """What the next GPU lease runs, checked here with a stand-in interpreter: ``GPU_TESTS``, ``BENCH_ARGS`` and
     ``SERVE_ARGS`` reach their parts' commands, and where the project is not installed every later call sees the
-    tree and links named as pyproject's package-dir maps them (``vla_kernels`` -> kernels/, ``vla_finetune`` ->
+    tree and links named as pyproject's package-dir maps them (``vla_kernels`` -> kernels/vla_kernels/, ``vla_finetune`` ->
     finetune/)."""
     fake, log = tmp_path / "python", tmp_path / "calls.log"
     fake.write_text(FAKE_PYTHON)
@@ -55,5 +55,5 @@ def test_each_part_gets_its_arguments_and_an_uninstalled_tree_is_put_on_the_path
     else:
         root, site = path.split(":")[:2]
         assert Path(root) == SCRIPT.parents[1]
-        assert Path(site, "vla_kernels").resolve() == SCRIPT.parents[1] / "kernels"
+        assert Path(site, "vla_kernels").resolve() == SCRIPT.parents[1] / "kernels" / "vla_kernels"
         assert Path(site, "vla_finetune").resolve() == SCRIPT.parents[1] / "finetune"

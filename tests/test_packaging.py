@@ -1,10 +1,10 @@
-"""Every package directory is shipped by pyproject.toml (explicit list because of the kernels/ -> vla_kernels map)."""
+"""Every package directory is shipped by pyproject.toml (explicit list because of the kernels/vla_kernels/ -> vla_kernels map)."""
 
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DIRS = {"vla_runtime": "vla_runtime", "kernels": "vla_kernels", "finetune": "vla_finetune"}
+DIRS = {"vla_runtime": "vla_runtime", "kernels/vla_kernels": "vla_kernels", "finetune": "vla_finetune"}
 
 
 def test_every_package_directory_is_listed():
