@@ -29,3 +29,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def hf_cache():
+    """``hf_cache(model, past)``: the keyword arguments that hand a transformers model's forward its cache. The
+    keyword is ``cache`` since transformers 5.24 (``past_key_values`` warns from 5.25 and goes in 5.40), and
+    ``past_key_values`` before; the reference tests run against whichever version is installed."""
+    import inspect
+
+    def kwargs(model, past) -> dict:
+        return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": past}
+
+    return kwargs

@@ -46,7 +46,7 @@ def test_converted_directory_is_a_standard_hf_checkpoint(smollm2_dir):
     assert tok_cfg["eos_token"] == "<|im_end|>" and "chat_template" in tok_cfg
 
 
-def test_our_decoder_matches_transformers_on_converted_smollm2(smollm2_dir):
+def test_our_decoder_matches_transformers_on_converted_smollm2(smollm2_dir, hf_cache):
     """Prefill + 4 greedy decode steps in fp32; the greedy answer also shows the dequantised,
     un-permuted weights are right (a wrong q/k permutation does not answer "Paris")."""
     import transformers
@@ -67,7 +67,7 @@ def test_our_decoder_matches_transformers_on_converted_smollm2(smollm2_dir):
         tok = ids
         for step in range(8):
             ours = lm.model(tok, cache=cache)
-            ref = hf(tok, past_key_values=past, use_cache=True).logits
+            ref = hf(tok, **hf_cache(hf, past), use_cache=True).logits
             if step < 5:
                 torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
             tok = ref[:, -1:].argmax(-1)

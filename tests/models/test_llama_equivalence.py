@@ -60,7 +60,7 @@ def ours_from_hf(hf_model) -> LlamaForCausalLM:
 
 
 @pytest.mark.parametrize("case", sorted(HF_CASES))
-def test_prefill_and_20_decode_steps_match_transformers(case):
+def test_prefill_and_20_decode_steps_match_transformers(case, hf_cache):
     kind, overrides = HF_CASES[case]
     hf = make_hf(kind, overrides)
     ours = ours_from_hf(hf)
@@ -70,12 +70,12 @@ def test_prefill_and_20_decode_steps_match_transformers(case):
         cache = FullCache(ours.cfg.geometry, FullParams(capacity=64))
         ours_logits = [ours(prompt, cache=cache)]
         past = transformers.DynamicCache(config=hf.config)
-        hf_out = hf(prompt, past_key_values=past, use_cache=True)
+        hf_out = hf(prompt, **hf_cache(hf, past), use_cache=True)
         hf_logits = [hf_out.logits]
         tok = hf_out.logits[:, -1:].argmax(-1)
         for _ in range(20):
             ours_logits.append(ours(tok, cache=cache))
-            hf_out = hf(tok, past_key_values=past, use_cache=True)
+            hf_out = hf(tok, **hf_cache(hf, past), use_cache=True)
             hf_logits.append(hf_out.logits)
             tok = hf_out.logits[:, -1:].argmax(-1)
     for step, (a, b) in enumerate(zip(ours_logits, hf_logits)):

@@ -87,7 +87,7 @@ def test_featurizer_equals_timm_get_intermediate_layers(backbone_id, tiny_openvl
         assert not torch.allclose(ref.towers[0].forward_features(torch.split(pixels, 3, dim=1)[0])[:, -n:], ours[..., : vits[0].embed_dim])
 
 
-def test_prefill_and_decode_logits_match_transformers(tiny_openvla, frame):
+def test_prefill_and_decode_logits_match_transformers(tiny_openvla, frame, hf_cache):
     policy = load_policy(tiny_openvla, device="cpu", dtype="float32")
     ref = Reference(tiny_openvla, policy)
     model = policy.model
@@ -100,13 +100,13 @@ def test_prefill_and_decode_logits_match_transformers(tiny_openvla, frame):
         text = ref.llm.get_input_embeddings()(input_ids)
         embeds = torch.cat([text[:, :1], ref.image_tokens(pixels), text[:, 1:]], dim=1)  # image right after BOS
         past = transformers.DynamicCache(config=ref.llm.config)
-        out = ref.llm(inputs_embeds=embeds, past_key_values=past, use_cache=True)
+        out = ref.llm(inputs_embeds=embeds, **hf_cache(ref.llm, past), use_cache=True)
         assert ours.shape == out.logits.shape == (1, len(prompt.input_ids) + 16, 32064)
         torch.testing.assert_close(ours, out.logits, rtol=0, atol=ATOL)
         tok = out.logits[:, -1:].argmax(-1)
         for _ in range(6):
             ours = model.language_model(tok, cache=cache)
-            out = ref.llm(tok, past_key_values=past, use_cache=True)
+            out = ref.llm(tok, **hf_cache(ref.llm, past), use_cache=True)
             torch.testing.assert_close(ours, out.logits, rtol=0, atol=ATOL)
             tok = out.logits[:, -1:].argmax(-1)
 
