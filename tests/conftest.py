@@ -33,9 +33,9 @@ def one_torch_thread():
 
 @pytest.fixture
 def hf_cache():
-    """``hf_cache(model, past)``: the keyword arguments that hand a transformers model's forward its cache. The
-    keyword is ``cache`` since transformers 5.24 (``past_key_values`` warns from 5.25 and goes in 5.40), and
-    ``past_key_values`` before; the reference tests run against whichever version is installed."""
+    """``hf_cache(model, past)``: the keyword arguments that hand a transformers model's forward its cache: ``cache``
+    where its ``forward`` takes it (5.24 and 5.25 do; 5.25 warns on ``past_key_values``, which goes in 5.40), else
+    ``past_key_values``. The reference tests run against whichever version is installed."""
     import inspect
 
     def kwargs(model, past) -> dict:
