@@ -22,9 +22,9 @@ How it reproduces streaming exactly (hard gates):
 * Per segment the keys are ``pinned | visible chunks | raw tokens since the segment's raw head``
   with compacted positions ``0..P-1 | P..P+K-1 | P+K..`` exactly as the cache assigns them, and the
   segment's queries sit at ``P+K+(t-head)``. A query's distance to a chunk key and to a raw key thus
-  follow different offsets, which is why the scores are computed per segment (a handful per control
-  step) rather than with one global mask; ``segment_attention`` pads the segments and runs them as one
-  batched attention call per layer.
+  follow different offsets: ``segment_attention`` attends the pinned and chunk keys per segment (grouped
+  and padded) and the raw keys, whose distance to the query is plain token distance, as one band over the
+  sequence, and merges the two softmax pieces exactly (``partial_attention``).
 
 Soft gates (training): every formed chunk is a key, with the score bias ``log g``,
 ``g = sigmoid((s - tau) / temperature)``, plus, under a binding budget, the relaxed top-M bias ``log m``
@@ -60,6 +60,7 @@ from .budget import BudgetMode, beaten_counts, log_membership, visible_chunks
 from .chunked_params import ChunkedGatedParams, chunk_schedule
 from .config import KVConfig
 from .gate import ChunkGate, check_gate
+from .partial_attention import take
 from .rope import RopeConfig
 from .segment_attention import SegmentPlan, attend_segments
 
@@ -212,7 +213,7 @@ class ParallelChunkedAttention:
         b, hkv = k.shape[:2]
         starts = torch.tensor(sched.chunk_starts, device=k.device, dtype=torch.long)
         idx = starts[:, None] + torch.arange(sched.chunk, device=k.device)  # [n, C]
-        k_rep, v_rep = gate.aggregate(k[:, :, idx], v[:, :, idx], layers=layer)  # [B, Hkv, n, D]
+        k_rep, v_rep = gate.aggregate(take(k, idx), take(v, idx), layers=layer)  # [B, Hkv, n, D]
         state = gate.init_state(b, hkv, layers=layer, device=k.device)
         scores, _ = gate.score(k_rep, v_rep, state, layers=layer)  # [B, n]
         log_g = gate.log_keep_prob(scores, layer, temperature=self.temperature)

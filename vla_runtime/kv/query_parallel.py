@@ -21,7 +21,10 @@ Training: one forward over the kept forwards with each query block inserted afte
   ``formed`` count), the raw keys ``[head, end_f)`` and the block's own Q keys, without a causal mask.
   Positions follow the cache: pinned ``0..P-1``, visible chunks ``P + rank`` (other shown ones half-way
   between their visible neighbours, as in ``segment_attention``), raw token ``t`` at ``P + K + (t - head)``
-  and query ``j`` at ``P + K + (end_f - head) + j``. All blocks run as one batched attention call per layer.
+  and query ``j`` at ``P + K + (end_f - head) + j``. As for segments, the attention is three pieces merged
+  (``partial_attention``): the fixed keys per block state (``segment_attention.fixed_attention``), the raw
+  keys as a band over the kept tokens (``band_attention``: the offset cancels, so block token ``j`` sits at
+  ``end_f + j`` on the kept tokens' axis), and the block's own keys.
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ from typing import Sequence
 
 import torch
 
-from .attention import masked_attention
 from .budget import BudgetMode
 from .chunked_parallel import ForwardSchedule, ParallelChunkedAttention
 from .chunked_params import ChunkedGatedParams
 from .gate import ChunkGate
+from .partial_attention import BandPlan, band_attention, merge_partials, partial_attention, take
 from .rope import RopeConfig, apply_rope, rope_cos_sin
-from .segment_attention import SegmentPlan, attend_segments
+from .segment_attention import CacheState, FixedPlan, SegmentPlan, attend_segments, fixed_attention
 
 
 @dataclass(frozen=True)
@@ -79,44 +82,40 @@ class QueryBlocks:
 
 @dataclass(frozen=True)
 class BlockTables:
-    """Per-block index tables (built once per schedule).
+    """Per-block tables (built once per schedule).
 
     Args:
         kept: [N_kept] long, training-sequence index of each kept token. query: [S, Q] long, of each block token.
         restore: [N] long, where each training-sequence token sits in ``cat(kept outputs, block outputs)``.
         formed: chunks formed before each block's state ([S] ints).
-        r_idx: [S, Rm] long kept-token index of each raw key (padding repeats the last); r_valid: [S, Rm] bool.
-        p_valid: [S, Pm] bool pinned slots in use. pinned, head, end: [S] float (pinned count, raw head, the
-            end of the block's forward, in kept tokens).
+        fixed: the blocks as cache states (``FixedPlan``; queries are the block tokens, flattened ``[S * Q]``).
+        band: each block token's raw keys, the kept tokens ``head .. end - 1`` (``BandPlan``).
     """
 
     kept: torch.Tensor
     query: torch.Tensor
     restore: torch.Tensor
     formed: list[int]
-    r_idx: torch.Tensor
-    r_valid: torch.Tensor
-    p_valid: torch.Tensor
-    pinned: torch.Tensor
-    head: torch.Tensor
-    end: torch.Tensor
+    fixed: FixedPlan
+    band: BandPlan
 
     @classmethod
     def build(cls, schedule: ForwardSchedule, blocks: QueryBlocks, device: torch.device) -> "BlockTables":
         kept, query = blocks.token_order(schedule.lengths)
         ends = list(itertools.accumulate(schedule.lengths))
-        formed, pinned, head, end = [], [], [], []
-        for f in blocks.after:
+        formed, states, pos, lo, hi = [], [], [], [], []
+        n_q = blocks.length
+        for i, f in enumerate(blocks.after):
             e = ends[f]
             c = bisect.bisect_right(schedule.chunk_forward, f)  # chunks formed up to forward f inclusive
             p = e if e <= schedule.pinned else schedule.pinned
+            head = schedule.chunk_starts[c - 1] + schedule.chunk if c else p
+            own = tuple(float(e + j) for j in range(n_q))  # the block's tokens follow its forward's
             formed.append(c)
-            pinned.append(p)
-            head.append(schedule.chunk_starts[c - 1] + schedule.chunk if c else p)
-            end.append(e)
-        s = len(blocks.after)
-        r_max = max([e - h for e, h in zip(end, head)] + [1])
-        p_max = max(pinned + [0])
+            states.append(CacheState(tuple(range(i * n_q, (i + 1) * n_q)), own, p, head, c))
+            pos += own
+            lo += [head] * n_q
+            hi += [e] * n_q
 
         def tensor(rows, dtype=torch.long) -> torch.Tensor:
             return torch.tensor(rows, dtype=dtype, device=device)
@@ -124,15 +123,11 @@ class BlockTables:
         order = tensor(kept + [t for block in query for t in block])
         return cls(
             kept=tensor(kept),
-            query=tensor(query).reshape(s, blocks.length),
+            query=tensor(query).reshape(len(blocks.after), n_q),
             restore=torch.argsort(order),
             formed=formed,
-            r_idx=tensor([[min(h + i, e - 1) for i in range(r_max)] for h, e in zip(head, end)]).reshape(s, r_max),
-            r_valid=tensor([[i < e - h for i in range(r_max)] for h, e in zip(head, end)], torch.bool).reshape(s, r_max),
-            p_valid=tensor([[i < p for i in range(p_max)] for p in pinned], torch.bool).reshape(s, p_max),
-            pinned=tensor(pinned, torch.float32),
-            head=tensor(head, torch.float32),
-            end=tensor(end, torch.float32),
+            fixed=FixedPlan.build(states, max(formed + [0]), device),
+            band=BandPlan.build(pos, lo, hi, len(kept), device),
         )
 
 
@@ -170,7 +165,7 @@ class ParallelQueryAttention(ParallelChunkedAttention):
         if self._plan is None:
             self._plan = SegmentPlan.build(self.schedule, self.formed, q.device)
         t = self._tables
-        qk, kk, vk = q[:, :, t.kept], k_raw[:, :, t.kept], v[:, :, t.kept]  # [B, H, N_kept, D]
+        qk, kk, vk = take(q, t.kept), take(k_raw, t.kept), take(v, t.kept)  # [B, H, N_kept, D]
         k_rep, v_rep, visible, shown, bias = self.chunk_keys(layer, kk, vk, self.formed + t.formed)
         n_seg = len(self.formed)
         kept_out = attend_segments(
@@ -178,11 +173,11 @@ class ParallelQueryAttention(ParallelChunkedAttention):
             bias=None if bias is None else bias[:, :n_seg],
         )  # fmt: skip
         block_out = attend_blocks(
-            t, self.rope, q[:, :, t.query], k_raw[:, :, t.query], v[:, :, t.query], kk, vk, k_rep, v_rep,
+            t, self.rope, take(q, t.query), take(k_raw, t.query), take(v, t.query), kk, vk, k_rep, v_rep,
             visible=visible[:, n_seg:], shown=shown[:, n_seg:], bias=None if bias is None else bias[:, n_seg:],
             causal=self.blocks.causal,
         )  # fmt: skip
-        return torch.cat((kept_out, block_out.flatten(2, 3)), dim=2)[:, :, t.restore]
+        return take(torch.cat((kept_out, block_out.flatten(2, 3)), dim=2), t.restore)
 
 
 def attend_blocks(
@@ -201,48 +196,27 @@ def attend_blocks(
     bias: torch.Tensor | None,
     causal: bool = False,
 ) -> torch.Tensor:
-    """Every query block in one masked attention call (``causal``: a block sees itself causally).
+    """Every query block: its state's fixed keys, its raw keys and its own block (``causal``: up to itself),
+    three ``partial_attention`` pieces merged.
 
     q: [B, Hq, S, Q, D]; k_own, v_own: [B, Hkv, S, Q, D] (the blocks' own, k pre-RoPE); k, v: [B, Hkv, N_kept, D]
     the kept tokens (pre-RoPE); k_rep, v_rep: [B, Hkv, n, D]; visible, shown: [B, S, n] bool; bias: [B, S, n]
     or ``None``. Returns [B, Hq, S, Q, D].
     """
-    b, _, s, n_q, d = q.shape
-    pm = t.p_valid.shape[1]
-    vis = visible.float()
-    before = vis.cumsum(-1) - vis  # [B, S, n] visible chunks before each chunk
-    c_pos = t.pinned[None, :, None] + before - 0.5 * (1.0 - vis)  # [B, S, n]
-    offset = vis.sum(-1) + t.pinned[None] - t.head[None]  # [B, S]: P + K - head
-    pin_pos = torch.arange(pm, device=k.device, dtype=torch.float32).expand(b, s, pm)  # [B, S, Pm]
-    raw_pos = t.r_idx[None].float() + offset[..., None]  # [B, S, Rm]
-    own_pos = (t.end[None] + offset)[..., None] + torch.arange(n_q, device=k.device)  # [B, S, Q]
-    pos = torch.cat((pin_pos, c_pos, raw_pos, own_pos), dim=-1)  # [B, S, K]
-    ok = torch.cat(
-        (t.p_valid.expand(b, s, pm), shown, t.r_valid.expand(b, -1, -1), shown.new_ones(b, s, n_q)), dim=-1
-    )  # [B, S, K]
+    b, hq, s, n_q, d = q.shape
+    flat_q = q.flatten(2, 3)  # [B, Hq, S * Q, D]
+    fixed = fixed_attention(t.fixed, rope, flat_q, k, v, k_rep, v_rep, visible=visible, shown=shown, bias=bias)
+    raw = band_attention(t.band, rope, flat_q, k, v)
+    cos, sin = rope_cos_sin(torch.arange(n_q, device=q.device), rope)  # [Q, D]: the block's own, relative
 
-    def gather(x: torch.Tensor, rep: torch.Tensor, own: torch.Tensor) -> torch.Tensor:  # -> [B, Hkv, S, K, D]
-        fixed = torch.cat((x[:, :, :pm], rep), dim=2)[:, :, None].expand(-1, -1, s, -1, -1)  # [B, Hkv, S, Pm + n, D]
-        return torch.cat((fixed, x[:, :, t.r_idx], own), dim=3)
+    def flat(x: torch.Tensor) -> torch.Tensor:  # [B, H, S, Q, D] -> [B * S, H, Q, D]
+        return x.transpose(1, 2).reshape(b * s, x.shape[1], n_q, d)
 
-    cos, sin = rope_cos_sin(pos, rope)  # [B, S, K, D]
-    keys = apply_rope(gather(k, k_rep, k_own), cos[:, None], sin[:, None])
-    values = gather(v, v_rep, v_own)
-    q_cos, q_sin = rope_cos_sin(own_pos, rope)  # [B, S, Q, D]
-    queries = apply_rope(q, q_cos[:, None], q_sin[:, None])  # [B, Hq, S, Q, D]
-    mask = ok[:, :, None, :].expand(-1, -1, n_q, -1)  # [B, S, Q, K]: every query sees every shown key
-    if causal:  # ... of the cache, and its own block's keys up to itself
-        own = torch.ones(n_q, n_q, dtype=torch.bool, device=k.device).tril()
-        mask = torch.cat((mask[..., : mask.shape[-1] - n_q], own.expand(b, s, n_q, n_q)), dim=-1)
-    key_bias = None
-    if bias is not None:
-        zeros = bias.new_zeros
-        tail = t.r_idx.shape[1] + n_q
-        key_bias = torch.cat((zeros(b, s, pm), bias.masked_fill(~shown, 0.0), zeros(b, s, tail)), dim=-1)
-        key_bias = key_bias.reshape(b * s, 1, 1, -1)  # [B * S, 1, 1, K]
-
-    def flat(x: torch.Tensor) -> torch.Tensor:  # [B, H, S, T, D] -> [B * S, H, T, D]
-        return x.transpose(1, 2).reshape(b * s, x.shape[1], x.shape[3], d)
-
-    out = masked_attention(flat(queries), flat(keys), flat(values), mask.reshape(b * s, 1, n_q, -1), bias=key_bias)
-    return out.view(b, s, -1, n_q, d).transpose(1, 2)  # [B, Hq, S, Q, D]
+    own_mask = torch.ones(n_q, n_q, dtype=torch.bool, device=q.device)
+    if causal:
+        own_mask = own_mask.tril()
+    out, lse = partial_attention(
+        flat(apply_rope(q, cos, sin)), flat(apply_rope(k_own, cos, sin)), flat(v_own), own_mask.expand(b * s, 1, n_q, n_q)
+    )  # fmt: skip
+    own = (out.view(b, s, hq, n_q, d).transpose(1, 2).flatten(2, 3), lse.view(b, s, hq, n_q).transpose(1, 2).flatten(2, 3))
+    return merge_partials([fixed, raw, own]).to(q.dtype).view(b, hq, s, n_q, d)
